@@ -1,0 +1,208 @@
+"""stable_attn.dot_product_attention: argument checking, canonical operands, dispatch."""
+from __future__ import annotations
+
+import importlib
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stable_attn import numerics as numerics_lib
+from stable_attn.numerics import Numerics
+from stable_attn.spec import AttentionSpec, Operands
+from stable_attn.tile import MAX_ADJUST_MODES
+
+IMPLEMENTATIONS = ("reference", "xla", "pallas_gpu", "pallas_tpu")
+_SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# Where each Pallas implementation lives; each module exposes `attention(spec, ops)` and
+# `is_available() -> bool`.
+_KERNEL_MODULES = {"pallas_gpu": "pallas_kernels.gpu", "pallas_tpu": "pallas_kernels.tpu"}
+
+
+def dot_product_attention(
+    query, key, value, bias=None, mask=None, *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size: Union[int, tuple[int, int], None] = None,
+    implementation: Optional[str] = None,
+    max_adjust: str = "safe",
+    beta: float = 2.0,
+    numerics: Union[str, Numerics] = "fast",
+    interpret: bool = False,
+) -> jax.Array:
+  """Scaled dot-product attention with the max adjustment; a drop-in for jax.nn's.
+
+  B batch, T query length, S key length, N query heads, K key/value heads (K divides N), H head dim.
+
+  Args:
+    query: [B, T, N, H] (or [T, N, H]); bf16, fp16 or fp32.
+    key, value: [B, S, K, H] (or [S, K, H]), same dtype as query.
+    bias: added to the scaled scores; 4-D (or fewer dims, left-padded) broadcastable to [B,N,T,S].
+    mask: bool, broadcastable to [B, N, T, S]; True = attend.
+    scale: multiplies Q K^T; default 1/sqrt(H).
+    is_causal: key s is visible to query t only if s <= t (top-left aligned when T != S).
+    query_seq_lengths, key_value_seq_lengths: int32 [B]; positions at or past the length are
+      padding. Padded query rows return zeros.
+    local_window_size: int w or (left, right): query t sees keys t - left .. t + right.
+    implementation: None (best available: "pallas_gpu" on NVIDIA GPUs, "pallas_tpu" on TPUs,
+      otherwise "reference"), "reference" (blockwise FA2 emulation in jnp), "xla" (materialised
+      scores), "pallas_gpu" or "pallas_tpu".
+    max_adjust: "off", "paper" (Qiu & Yao's rule) or "safe" (ours; see stable_attn.tile).
+    beta: the paper's beta, used by max_adjust="paper".
+    numerics: "fast", "paper", "fast+fp32o", "paper+fp32o" or a `Numerics`.
+    interpret: run Pallas implementations in interpret mode (CPU).
+
+  Returns:
+    [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
+    gradients. Differentiable in query, key, value and bias (flash backward).
+  """
+  spec, ops, unbatched = _canonicalize(query, key, value, bias, mask, scale, is_causal,
+                                       query_seq_lengths, key_value_seq_lengths,
+                                       local_window_size, max_adjust, beta, numerics, interpret)
+  out = _dispatch(implementation, spec, ops)
+  return out[0] if unbatched else out
+
+
+def _dispatch(implementation, spec: AttentionSpec, ops: Operands) -> jax.Array:
+  if implementation is None:
+    implementation = default_implementation()
+  if implementation == "reference":
+    from stable_attn.reference import blockwise_attention
+    return blockwise_attention(spec, ops)
+  if implementation == "xla":
+    from stable_attn.xla import xla_attention
+    return xla_attention(spec, ops)
+  if implementation in _KERNEL_MODULES:
+    return _kernel_module(implementation).attention(spec, ops)
+  raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
+                   f"got {implementation!r}")
+
+
+def _kernel_module(implementation: str):
+  try:
+    return importlib.import_module(_KERNEL_MODULES[implementation])
+  except ImportError as e:
+    raise ValueError(f"implementation={implementation!r} is not available: {e}") from e
+
+
+def default_implementation() -> str:
+  """What implementation=None picks on the default backend."""
+  backend = jax.default_backend()
+  for name, platform in (("pallas_gpu", "gpu"), ("pallas_tpu", "tpu")):
+    if backend == platform:
+      try:
+        module = importlib.import_module(_KERNEL_MODULES[name])
+      except ImportError:
+        continue
+      if module.is_available():
+        return name
+  return "reference"
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checking
+# ---------------------------------------------------------------------------------------------
+
+def _as_4d(x, name, allow_3d):
+  x = jnp.asarray(x)
+  if x.ndim == 3 and allow_3d:
+    return x[None]
+  if x.ndim != 4:
+    raise ValueError(f"{name} must have rank 4 [B, T|S, heads, H]{' or 3' if allow_3d else ''}, "
+                     f"got shape {x.shape}")
+  return x
+
+
+def _broadcastable(x, name, target, dtype_check):
+  x = jnp.asarray(x)
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have rank <= 4 (broadcastable to [B,N,T,S]={target}), "
+                     f"got shape {x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  for dim, (have, want) in enumerate(zip(x.shape, target)):
+    if have not in (1, want):
+      raise ValueError(f"{name} of shape {x.shape} is not broadcastable to [B,N,T,S]={target} "
+                       f"(dimension {dim})")
+  dtype_check(x)
+  return x
+
+
+def _lengths(x, name, batch, default):
+  if x is None:
+    return jnp.full((batch,), default, jnp.int32)
+  x = jnp.asarray(x)
+  if x.shape != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape [B]=({batch},), "
+                     f"got {x.dtype}{list(x.shape)}")
+  return x.astype(jnp.int32)
+
+
+def _window(local_window_size):
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, (int, np.integer)):
+    local_window_size = (local_window_size, local_window_size)
+  try:
+    left, right = (int(w) for w in local_window_size)
+  except (TypeError, ValueError):
+    raise ValueError(f"local_window_size must be an int or (left, right), "
+                     f"got {local_window_size!r}") from None
+  if left < 0 or right < 0:
+    raise ValueError(f"local_window_size must be non-negative, got {(left, right)}")
+  return left, right
+
+
+def _canonicalize(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+                  key_value_seq_lengths, local_window_size, max_adjust, beta, numerics, interpret):
+  unbatched = jnp.ndim(query) == 3
+  q = _as_4d(query, "query", True)
+  k = _as_4d(key, "key", unbatched)
+  v = _as_4d(value, "value", unbatched)
+  B, T, N, H = q.shape
+  if k.shape[0] != B or k.shape[3] != H:
+    raise ValueError(f"key must be [B={B}, S, K, H={H}] to match query {q.shape}, got {k.shape}")
+  if v.shape != k.shape:
+    raise ValueError(f"value must have the shape of key {k.shape}, got {v.shape}")
+  S, K = k.shape[1], k.shape[2]
+  if N % K:
+    raise ValueError(f"the number of key/value heads K={K} (key {k.shape}) must divide the number "
+                     f"of query heads N={N} (query {q.shape})")
+  if q.dtype not in _SUPPORTED_DTYPES:
+    raise ValueError(f"query dtype must be bfloat16, float16 or float32, got {q.dtype}")
+  if k.dtype != q.dtype or v.dtype != q.dtype:
+    raise ValueError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, "
+                     f"{v.dtype}")
+  if min(T, S, H) == 0:
+    raise ValueError(f"empty attention: query {q.shape}, key {k.shape}")
+
+  target = (B, N, T, S)
+
+  def check_bias(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"bias must be floating point, got {x.dtype}")
+
+  def check_mask(x):
+    if x.dtype != jnp.bool_:
+      raise ValueError(f"mask must be boolean (True = attend), got {x.dtype}; pass additive masks "
+                       f"as bias")
+
+  bias = None if bias is None else _broadcastable(bias, "bias", target, check_bias)
+  mask = None if mask is None else _broadcastable(mask, "mask", target, check_mask)
+  q_lens = _lengths(query_seq_lengths, "query_seq_lengths", B, T)
+  kv_lens = _lengths(key_value_seq_lengths, "key_value_seq_lengths", B, S)
+
+  if max_adjust not in MAX_ADJUST_MODES:
+    raise ValueError(f"max_adjust must be one of {MAX_ADJUST_MODES}, got {max_adjust!r}")
+  if not np.isfinite(beta) or beta < 1.0:
+    raise ValueError(f"beta must be a finite number >= 1, got {beta!r}")
+  if scale is None:
+    scale = 1.0 / float(np.sqrt(H))
+  elif not np.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale!r}")
+  spec = AttentionSpec(scale=float(scale), is_causal=bool(is_causal),
+                       window=_window(local_window_size), max_adjust=max_adjust, beta=float(beta),
+                       numerics=numerics_lib.resolve(numerics), interpret=bool(interpret))
+  return spec, Operands(q, k, v, bias, mask, q_lens, kv_lens), unbatched

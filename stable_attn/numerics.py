@@ -1,0 +1,100 @@
+"""Where the forward rounds: the `Numerics` type and its presets.
+
+A `Numerics` names each rounding point of the attention forward pass and the dtype of the output
+residual that the backward uses for delta = rowsum(dO * O). Each field is either "float32" or
+"input" (the dtype of query/key/value), so one preset serves bf16, fp16 and fp32 inputs alike: with
+fp32 inputs every preset computes in fp32.
+
+The backward always recomputes scores in the forward's score dtype and works in fp32 with matmul
+operands in the input dtype (what production kernels do); the presets differ in the forward and in
+the residual O, which is where the paper locates the failure.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+_CHOICES = ("float32", "input")
+
+
+class Dtypes(NamedTuple):
+  """Concrete numpy dtypes of a `Numerics` for one input dtype (hashable, static)."""
+  input: np.dtype
+  score: np.dtype       # S = scale * Q K^T + bias, the running max and S - m
+  p: np.dtype           # P_bar as fed to the PV product
+  pv: np.dtype          # each key block's P_bar V product, before it is accumulated
+  acc: np.dtype         # the O accumulator
+  sum: np.dtype         # the running row sum l
+  out: np.dtype         # the division O / l
+  residual_o: np.dtype  # O as saved for delta in the backward
+  sum_of_rounded_p: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+  """Rounding points of the forward pass; see the module docstring.
+
+  Attributes:
+    score: dtype of the scores, the running max and S - m (exp is always evaluated in fp32).
+    p: dtype P_bar is rounded to before the PV product.
+    pv: dtype each key block's P_bar V product is rounded to before accumulation.
+    acc: dtype of the O accumulator (and of its rescaling).
+    sum: dtype of the running row sum l.
+    sum_of_rounded_p: l sums the rounded P_bar (as the paper's code does) instead of fp32 P_bar.
+    out: dtype of the final division O / l (the result is then cast to the input dtype).
+    residual_o: dtype of the O saved for the backward's delta; "float32" is the paper's
+      diagnostic fix (keep O in fp32 for delta).
+  """
+  name: str = "custom"
+  score: str = "float32"
+  p: str = "input"
+  pv: str = "float32"
+  acc: str = "float32"
+  sum: str = "float32"
+  sum_of_rounded_p: bool = False
+  out: str = "float32"
+  residual_o: str = "input"
+
+  def __post_init__(self):
+    for field in ("score", "p", "pv", "acc", "sum", "out", "residual_o"):
+      value = getattr(self, field)
+      if value not in _CHOICES:
+        raise ValueError(f"Numerics.{field} must be one of {_CHOICES}, got {value!r}")
+
+  def replace(self, **changes) -> "Numerics":
+    return dataclasses.replace(self, **changes)
+
+  def with_fp32_residual(self) -> "Numerics":
+    """The same rounding, but O is kept in fp32 for the backward's delta."""
+    return self.replace(name=f"{self.name}+fp32o", residual_o="float32")
+
+  def dtypes(self, input_dtype) -> Dtypes:
+    input_dtype = np.dtype(input_dtype)
+
+    def pick(choice):
+      return np.dtype(np.float32) if choice == "float32" else input_dtype
+
+    return Dtypes(input_dtype, pick(self.score), pick(self.p), pick(self.pv), pick(self.acc),
+                  pick(self.sum), pick(self.out), pick(self.residual_o), self.sum_of_rounded_p)
+
+
+# fp32 scores and statistics, P cast to the input dtype for PV, one final rounding of O.
+FAST = Numerics(name="fast")
+# The paper's pure-PyTorch FA2 under bf16 autocast: everything but exp in the input dtype.
+PAPER = Numerics(name="paper", score="input", p="input", pv="input", acc="input", sum="input",
+                 sum_of_rounded_p=True, out="input")
+
+PRESETS = {"fast": FAST, "paper": PAPER,
+           "fast+fp32o": FAST.with_fp32_residual(), "paper+fp32o": PAPER.with_fp32_residual()}
+
+
+def resolve(numerics) -> Numerics:
+  """A preset name or a `Numerics` -> `Numerics`; anything else raises ValueError."""
+  if isinstance(numerics, Numerics):
+    return numerics
+  if isinstance(numerics, str) and numerics in PRESETS:
+    return PRESETS[numerics]
+  raise ValueError(f"numerics must be one of {sorted(PRESETS)} or a stable_attn.Numerics, "
+                   f"got {numerics!r}")

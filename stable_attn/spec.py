@@ -1,0 +1,33 @@
+"""The static description of one attention call, shared by every implementation."""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+
+from stable_attn.numerics import Numerics
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """Everything about a call that is not an array (hashable; a jit/custom_vjp static argument)."""
+  scale: float
+  is_causal: bool
+  window: Optional[tuple[int, int]]  # (left, right) or None
+  max_adjust: str                    # "off" | "paper" | "safe"
+  beta: float
+  numerics: Numerics
+  interpret: bool = False
+
+
+class Operands(NamedTuple):
+  """Canonical arrays: q [B,T,N,H], k/v [B,S,K,H], bias/mask 4-D broadcastable to [B,N,T,S] (size-1
+  dims kept, never materialised) or None, q_lens/kv_lens int32 [B] (always present)."""
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  bias: Optional[jax.Array]
+  mask: Optional[jax.Array]
+  q_lens: jax.Array
+  kv_lens: jax.Array

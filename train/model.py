@@ -1,0 +1,130 @@
+"""GPT-2 in Flax NNX: pre-LayerNorm blocks, learned positions, GELU, tied token embedding / LM head.
+
+Parameters are float32 (the master weights the optimizer updates); matmuls and attention run in
+`config.dtype` (bf16 by default), like PyTorch autocast in the paper's run: the residual stream and
+LayerNorms stay float32, each Linear casts its input and kernel to the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from train.attention import causal_attention
+from train.config import ModelConfig
+
+
+def _normal(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt = jnp.dtype(cfg.dtype)
+        # One fused projection; columns [0:C] are W_Q, [C:2C] W_K, [2C:3C] W_V (monitors slice it).
+        self.c_attn = nnx.Linear(cfg.n_embd, 3 * cfg.n_embd, use_bias=cfg.bias, dtype=dt,
+                                 kernel_init=_normal(0.02), rngs=rngs)
+        # GPT-2's scaled init of the projections that write into the residual stream.
+        self.c_proj = nnx.Linear(cfg.n_embd, cfg.n_embd, use_bias=cfg.bias, dtype=dt,
+                                 kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), rngs=rngs)
+
+    def __call__(self, x):
+        """x: [B, T, C] float32 -> ([B, T, C] compute dtype, (q, k) each [B, T, N, H] compute dtype)."""
+        cfg = self.cfg
+        B, T, C = x.shape
+        qkv = self.c_attn(x)
+        q, k, v = (a.reshape(B, T, cfg.n_head, cfg.head_dim) for a in jnp.split(qkv, 3, axis=-1))
+        y = causal_attention(q, k, v, implementation=cfg.attention, max_adjust=cfg.max_adjust,
+                             numerics=cfg.numerics, beta=cfg.beta)
+        return self.c_proj(y.reshape(B, T, C)), (q, k)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.c_fc = nnx.Linear(cfg.n_embd, 4 * cfg.n_embd, use_bias=cfg.bias, dtype=dt,
+                               kernel_init=_normal(0.02), rngs=rngs)
+        self.c_proj = nnx.Linear(4 * cfg.n_embd, cfg.n_embd, use_bias=cfg.bias, dtype=dt,
+                                 kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), rngs=rngs)
+
+    def __call__(self, x):
+        # GPT-2 uses the tanh approximation of GELU.
+        return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True))
+
+
+def _layer_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    # float32 statistics whatever the compute dtype (autocast keeps LayerNorm in fp32 too).
+    return nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_bias=cfg.bias, dtype=jnp.float32, rngs=rngs)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.ln_1 = _layer_norm(cfg, rngs)
+        self.attn = CausalSelfAttention(cfg, rngs=rngs)
+        self.ln_2 = _layer_norm(cfg, rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x):
+        """x: [B, T, C] float32 residual stream -> (same, (q, k))."""
+        a, qk = self.attn(self.ln_1(x))
+        x = x + a.astype(jnp.float32)
+        x = x + self.mlp(self.ln_2(x)).astype(jnp.float32)
+        return x, qk
+
+
+def _block_forward(block: Block, x):
+    return block(x)
+
+
+# Recomputes the block in the backward pass instead of storing its activations (--remat).
+_block_forward_remat = nnx.remat(_block_forward)
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = nnx.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=_normal(0.02), rngs=rngs)
+        self.wpe = nnx.Embed(cfg.block_size, cfg.n_embd, embedding_init=_normal(0.02), rngs=rngs)
+        self.h = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
+        self.ln_f = _layer_norm(cfg, rngs)
+
+    def __call__(self, idx, *, capture: bool = False):
+        """idx: [B, T] int32 token ids, T <= block_size.
+
+        Returns logits [B, T, vocab_size] in the compute dtype; with capture=True also the list of
+        per-layer (q, k), each [B, T, N, H], for the attention monitors.
+        """
+        cfg = self.cfg
+        B, T = idx.shape
+        if T > cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {cfg.block_size}")
+        x = self.wte(idx) + self.wpe(jnp.arange(T))[None]
+        qks = []
+        forward = _block_forward_remat if cfg.remat and not capture else _block_forward
+        for block in self.h:
+            x, qk = forward(block, x)
+            if capture:
+                qks.append(qk)
+        x = self.ln_f(x)
+        dt = jnp.dtype(cfg.dtype)
+        # Tied LM head: the token embedding, transposed, in the compute dtype.
+        logits = jnp.dot(x.astype(dt), self.wte.embedding[...].astype(dt).T)
+        return (logits, qks) if capture else logits
+
+
+def count_params(model_or_state, *, exclude_positions: bool = False) -> int:
+    """Number of parameters (optionally without the position table, as the MFU formula wants)."""
+    params = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
+    total = sum(x.size for x in jax.tree.leaves(params))
+    if exclude_positions:
+        total -= sum(x.size for x in jax.tree.leaves(params["wpe"]))
+    return int(total)
+
+
+def flops_per_token(cfg: ModelConfig, n_params_no_pos: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12*L*T*d for attention."""
+    return 6.0 * n_params_no_pos + 12.0 * cfg.n_layer * cfg.block_size * cfg.n_embd
