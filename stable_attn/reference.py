@@ -140,7 +140,7 @@ def _forward(spec: AttentionSpec, config, ops: Operands):
 
   def one_block(q_blk, k_all, v_all, bias_rows, mask_rows, q_len, kv_len, head, q_start):
     q_pos = q_start + jnp.arange(block_q, dtype=jnp.int32)
-    offset = tile.safe_offset(q_pos, head) if spec.max_adjust == "safe" else None
+    offset = tile.safe_offset(q_pos, head, dt.p) if spec.max_adjust == "safe" else None
     lo, hi = blocks.kv_block_range(q_start, block_q, block_k, num_kv, causal=spec.is_causal,
                                    window=spec.window, kv_len=kv_len)
 

@@ -11,15 +11,16 @@ Max adjustment (`max_adjust`):
            within 1e-3 of the block-row max r, use beta * r when r > 0 and 0 when r < 0; the running
            max is max(adjusted, old) and the log-sum-exp uses it. Holes: r == 0 or |r| tiny, beta * r
            large (exp underflows, l = 0), masked entries counted as ties, ties split over blocks.
-  "safe"   ours. Every row's exponent is shifted by a per-row offset c in [0.05, 0.6], fixed by a
-           hash of the query position and head: P_bar = exp(S - m - c), so the largest P_bar of a row
-           is exp(-c) in [0.549, 0.951] -- never 1, never a power of two, never underflowing, whatever
-           the max (zero, tiny, huge), the masking or the tie placement, and without detecting ties.
-           The offset varies from row to row, so the rounding of that weight (in P as fed to PV, or
-           of the block product) differs from row to row and the tie's half-way cases round both
-           ways instead of always outward (a fixed offset would round the same way everywhere, the
-           paper's appendix C). In exact arithmetic nothing changes: softmax is shift invariant and
-           the log-sum-exp is m + c + log l.
+  "safe"   ours. Every row's exponent is shifted by a per-row offset c: P_bar = exp(S - m - c), so
+           the largest P_bar of a row is w = exp(-c) in [0.55, 0.95] -- never 1, never a power of
+           two, never underflowing, whatever the max (zero, tiny, huge), the masking or the tie
+           placement, and without detecting ties. w is chosen per row (from the query position
+           and head) as a pseudo-random cell of the P dtype's rounding grid plus a stratified
+           position u inside the cell, so rounding w (in P as fed to PV, or in the block product)
+           errs up in some rows and down in others, and over consecutive rows those errors cancel:
+           the tie's half-way cases round both ways instead of always outward. (A fixed offset
+           rounds the same way in every row: the paper's appendix C.) In exact arithmetic nothing
+           changes: softmax is shift invariant and the log-sum-exp is m + c + log l.
 """
 from __future__ import annotations
 
@@ -33,14 +34,14 @@ from stable_attn.numerics import Dtypes
 
 MAX_ADJUST_MODES = ("off", "paper", "safe")
 PAPER_TIE_TOLERANCE = 1e-3
-SAFE_OFFSET_MIN, SAFE_OFFSET_MAX = 0.05, 0.6
+SAFE_WEIGHT_MIN, SAFE_WEIGHT_MAX = 0.55, 0.95   # range of the largest P_bar under "safe"
 # Log-sum-exp of a row with no visible key: exp(S - LSE) is then 0 for every score.
 EMPTY_ROW_LSE = 1e30
 
-# Fibonacci hashing: consecutive query positions get offsets spread evenly over the range.
-_ROW_HASH = 10368889    # round(0.6180339887 * 2**24), odd
-_HEAD_HASH = 12664881   # round(0.7548776662 * 2**24), odd
-_HASH_MASK = (1 << 24) - 1
+# Weyl sequences in 24-bit fixed point: consecutive query positions spread evenly over [0, 1).
+_ROW_STEP = (10368889, 12664881)    # round(0.6180339887 * 2**24), round(0.7548776662 * 2**24)
+_HEAD_STEP = (5698259, 9256969)     # round(0.3396 * 2**24), round(0.5517 * 2**24), odd
+_FIXED_MASK = (1 << 24) - 1
 
 f32 = jnp.float32
 
@@ -107,11 +108,21 @@ def visible(q_pos, k_pos, q_len, kv_len, *, causal: bool, window, mask=None):
   return ok
 
 
-def safe_offset(q_pos, head) -> jax.Array:
-  """The per-row exponent offset c of max_adjust="safe": fp32 [bq] in [0.05, 0.6]."""
-  h = (q_pos * _ROW_HASH + head * _HEAD_HASH) & _HASH_MASK
-  u = h.astype(f32) * (1.0 / (1 << 24))
-  return SAFE_OFFSET_MIN + (SAFE_OFFSET_MAX - SAFE_OFFSET_MIN) * u
+def _weyl(q_pos, head, which: int):
+  x = (q_pos * _ROW_STEP[which] + head * _HEAD_STEP[which]) & _FIXED_MASK
+  return x.astype(f32) * (1.0 / (1 << 24))
+
+
+def safe_offset(q_pos, head, p_dtype) -> jax.Array:
+  """The per-row exponent offset c of max_adjust="safe": fp32 [bq], exp(-c) in [0.55, 0.95].
+
+  q_pos: int32 [bq] query positions; head: int32 query head; p_dtype: the dtype P is rounded to.
+  """
+  cell = 2.0 ** -(jnp.finfo(p_dtype).nmant + 1)   # spacing of p_dtype in [0.5, 1)
+  cells = jnp.floor(SAFE_WEIGHT_MIN / cell + _weyl(q_pos, head, 1) *
+                    ((SAFE_WEIGHT_MAX - SAFE_WEIGHT_MIN) / cell))
+  weight = (cells + _weyl(q_pos, head, 0)) * cell
+  return -jnp.log(weight)
 
 
 def paper_adjusted_max(s, block_max, beta: float, dt: Dtypes, round_fn: RoundFn = round_convert):

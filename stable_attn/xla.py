@@ -30,7 +30,7 @@ def xla_attention(spec: AttentionSpec, ops: Operands) -> jax.Array:
     s = tile.scores(q_h, k_h, spec.scale, bias_h, dt, tile.round_exact)
     ok = tile.visible(q_pos, k_pos, q_len, kv_len, causal=spec.is_causal, window=spec.window,
                       mask=mask_h)
-    offset = tile.safe_offset(q_pos, head) if spec.max_adjust == "safe" else None
+    offset = tile.safe_offset(q_pos, head, dt.p) if spec.max_adjust == "safe" else None
     # The max only shifts the exponent: no gradient flows through it (softmax is shift invariant).
     state = tile.online_softmax_step(tile.init_state(T, H, dt), s, ok, v_h, dt=dt,
                                      max_adjust=spec.max_adjust, beta=spec.beta, offset=offset,

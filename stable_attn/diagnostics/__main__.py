@@ -1,0 +1,111 @@
+"""python -m stable_attn.diagnostics: print (and optionally save) the bias-probe tables."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from stable_attn.diagnostics.probe import PLACEMENTS, REGIMES, measure_gradients, sweep
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _adjusts(text: str):
+  """"off,paper:2,paper:7,safe" -> [("off", 2.0), ("paper", 2.0), ("paper", 7.0), ("safe", 2.0)]"""
+  out = []
+  for item in text.split(","):
+    mode, _, beta = item.partition(":")
+    out.append((mode, float(beta) if beta else 2.0))
+  return out
+
+
+def bias_table(results) -> str:
+  """Markdown: one row per implementation x numerics x max_adjust x regime, one column per tie
+  placement (mean signed error in output ulps, outward > 0), plus NaN counts."""
+  head = ("| implementation | numerics | max_adjust | regime | "
+          + " | ".join(f"ties {p}" if p != "none" else "no ties" for p in PLACEMENTS)
+          + " | NaN |\n|" + "---|" * (5 + len(PLACEMENTS)) + "\n")
+  rows = {}
+  for r in results:
+    adjust = r.max_adjust if r.max_adjust != "paper" else f"paper (beta {r.beta:g})"
+    key = (r.implementation, r.numerics, adjust, r.regime)
+    rows.setdefault(key, {})[r.placement] = r
+  lines = []
+  for key, cells in rows.items():
+    values = [f"{cells[p].bias_ulp:+.3f}" if p in cells else "" for p in PLACEMENTS]
+    nans = sum(c.nan_count for c in cells.values())
+    lines.append("| " + " | ".join(list(key) + values + [str(nans)]) + " |")
+  return head + "\n".join(lines) + "\n"
+
+
+def gradient_table(results) -> str:
+  head = ("| implementation | numerics | max_adjust | regime | delta bias (rel.) | "
+          "batches with delta error > 0 | dQ RMS error | dQ error cosine across batches | NaN |\n"
+          "|---|---|---|---|---|---|---|---|---|\n")
+  lines = [f"| {r.implementation} | {r.numerics} | {r.max_adjust} | {r.regime} | "
+           f"{r.delta_rel_bias:+.2e} | {r.delta_sign:.2f} | {r.dq_rms_err:.2e} | "
+           f"{r.dq_cosine:+.2f} | {r.nan_count} |" for r in results]
+  return head + "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m stable_attn.diagnostics",
+                                   description=__doc__)
+  parser.add_argument("--implementations", default="reference,xla,jax.nn",
+                      help="comma list of stable_attn implementations, plus 'jax.nn' "
+                           "(jax.nn.dot_product_attention, XLA) for comparison")
+  parser.add_argument("--numerics", default="fast,paper")
+  parser.add_argument("--max-adjust", default="off,paper:2,paper:7,safe",
+                      help="comma list of modes, 'paper:BETA' for the paper's rule with BETA")
+  parser.add_argument("--regimes", default=",".join(REGIMES))
+  parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--rows", type=int, default=256, help="query rows per batch element")
+  parser.add_argument("--keys", type=int, default=1024)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--gradients", action="store_true",
+                      help="also print the delta / dQ error table (positive maxima, adjacent ties)")
+  parser.add_argument("--interpret", action="store_true", help="Pallas kernels in interpret mode")
+  parser.add_argument("--out", help="also write the tables (Markdown) to this file")
+  args = parser.parse_args(argv)
+
+  impls = [s for s in args.implementations.split(",") if s]
+  numerics = [s for s in args.numerics.split(",") if s]
+  adjusts = _adjusts(args.max_adjust)
+  regimes = [s for s in args.regimes.split(",") if s]
+  for regime in regimes:
+    if regime not in REGIMES:
+      parser.error(f"--regimes: unknown regime {regime!r}; choose from {REGIMES}")
+  n_ours = sum(i != "jax.nn" for i in impls)
+  total = (n_ours * len(numerics) * len(adjusts) + (len(impls) - n_ours)) * len(regimes) * len(
+      PLACEMENTS)
+  start = time.time()
+  with tqdm(total=total, desc="bias probe", file=sys.stderr) as bar:
+    results = sweep(impls, numerics, adjusts, regimes=regimes, progress=bar,
+                    dtype=_DTYPES[args.dtype], batch=args.batch, rows=args.rows, keys=args.keys,
+                    seed=args.seed, interpret=args.interpret)
+  device = jax.devices()[0].device_kind
+  title = (f"Tie-stress bias probe: mean signed error of O in {args.dtype} ulps (outward > 0), "
+           f"{args.batch}x{args.rows} rows, {args.keys} keys, head dim 64, device: {device}, "
+           f"jax {jax.__version__}, {time.time() - start:.0f} s\n\n")
+  text = title + bias_table(results)
+  if args.gradients:
+    grads = [measure_gradients(impl, nx, mode, beta=beta, dtype=_DTYPES[args.dtype],
+                               seed=args.seed, interpret=args.interpret)
+             for impl in impls if impl != "jax.nn" for nx in numerics for mode, beta in adjusts
+             if not (mode == "paper" and beta != 2.0)]
+    text += ("\nGradient probe (positive maxima, adjacent ties, dO < 0 on the negative V columns): "
+             "delta = rowsum(dO * O) from the output O vs float64\n\n" + gradient_table(grads))
+  print(text)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,59 @@
+"""Flax adapters: an `attention_fn` for nnx.MultiHeadAttention and linen.MultiHeadDotProductAttention.
+
+    attention_fn = stable_attn.flax.make_attention_fn(max_adjust="safe", implementation=None)
+    layer = nnx.MultiHeadAttention(num_heads=8, in_features=512, attention_fn=attention_fn,
+                                   decode=False, rngs=nnx.Rngs(0))
+"""
+from __future__ import annotations
+
+import inspect
+
+import jax.numpy as jnp
+
+from stable_attn.api import dot_product_attention
+
+_OPTIONS = ("scale", "is_causal", "local_window_size", "implementation", "max_adjust", "beta",
+            "numerics", "interpret")
+
+
+def make_attention_fn(**options):
+  """Returns attention_fn(query, key, value, bias=None, mask=None, ...) with Flax's signature.
+
+  `options` are keyword arguments of stable_attn.dot_product_attention (scale, is_causal,
+  local_window_size, implementation, max_adjust, beta, numerics, interpret). Flax's masks may be
+  float (1 = attend) or bool; extra leading batch dims are flattened. Dropout on attention weights
+  is not supported: a non-zero dropout_rate outside deterministic mode raises ValueError.
+  """
+  unknown = sorted(set(options) - set(_OPTIONS))
+  if unknown:
+    raise ValueError(f"make_attention_fn got unknown options {unknown}; expected a subset of "
+                     f"{list(_OPTIONS)}")
+
+  def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                   dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                   precision=None, module=None, is_causal=False, **unused):
+    del broadcast_dropout, dropout_rng, precision, unused
+    if dropout_rate > 0.0 and not deterministic:
+      raise ValueError(f"stable_attn does not apply attention dropout (dropout_rate="
+                       f"{dropout_rate}); set dropout_rate=0 or deterministic=True")
+    if module is not None:
+      raise ValueError("stable_attn never materialises attention weights, so sow_weights=True "
+                       "cannot record them; use implementation='xla' of jax.nn for that")
+    if dtype is not None:
+      query, key, value = (x.astype(dtype) for x in (query, key, value))
+    if mask is not None and mask.dtype != jnp.bool_:
+      mask = mask != 0
+    batch_shape = query.shape[:-3]
+    flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[-3:])
+    flat_mask = lambda x: None if x is None or x.ndim <= 4 else x.reshape(
+        (-1,) + x.shape[-3:])
+    kwargs = dict(options)
+    kwargs["is_causal"] = bool(options.get("is_causal", False) or is_causal)
+    out = dot_product_attention(
+        flat(query), flat(key), flat(value),
+        bias if bias is None or bias.ndim <= 4 else flat_mask(bias),
+        mask if mask is None or mask.ndim <= 4 else flat_mask(mask), **kwargs)
+    return out.reshape(batch_shape + out.shape[-3:])
+
+  attention_fn.__signature__ = inspect.signature(attention_fn)
+  return attention_fn

@@ -1,0 +1,110 @@
+"""Shared equivalence cases: every implementation against the exact float64 reference.
+
+Each case is a small dict of shapes and options. `check_case` draws fresh random inputs in the
+requested dtype, runs the implementation (values and gradients through jax.vjp) and compares with
+`stable_attn.reference.exact_attention_vjp` evaluated in float64 on the same low-precision inputs,
+by relative Frobenius error with dtype-appropriate tolerances.
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import stable_attn
+from stable_attn.reference import exact_attention_vjp
+
+CASES = [
+    dict(name="mha", B=2, T=33, S=33, N=2, K=2, H=32),
+    dict(name="gqa_causal", B=1, T=40, S=40, N=4, K=2, H=64, is_causal=True),
+    dict(name="mqa_cross", B=2, T=17, S=45, N=2, K=1, H=32),
+    dict(name="causal_T_gt_S", B=1, T=50, S=21, N=2, K=2, H=32, is_causal=True),
+    dict(name="window_lengths", B=2, T=48, S=48, N=2, K=2, H=32, is_causal=True, window=(7, 0),
+         q_lens=(48, 30), kv_lens=(48, 25)),
+    dict(name="window_symmetric", B=1, T=40, S=40, N=2, K=1, H=32, window=5),
+    dict(name="bias_mask", B=2, T=24, S=40, N=2, K=2, H=32, bias=(1, 2, 24, 40),
+         mask=(2, 1, 24, 40)),
+    dict(name="fully_masked_rows", B=2, T=20, S=36, N=2, K=2, H=32, mask=(2, 1, 20, 36),
+         masked_rows=(0, 7, 19), q_lens=(20, 13)),
+    dict(name="head128", B=1, T=20, S=28, N=1, K=1, H=128, is_causal=True),
+]
+CASE_NAMES = [c["name"] for c in CASES]
+
+# Relative Frobenius error bounds (values, gradients) per input dtype.
+TOLERANCE = {jnp.float32: (1e-4, 2e-4), jnp.float16: (4e-3, 8e-3), jnp.bfloat16: (2e-2, 3e-2)}
+
+
+def case_by_name(name: str) -> dict:
+  return next(c for c in CASES if c["name"] == name)
+
+
+def make_inputs(case: dict, dtype, seed: int):
+  """-> (args, kwargs, d_out) for dot_product_attention; fresh normal inputs, never zeros."""
+  rng = np.random.default_rng(seed)
+  B, T, S, N, K, H = (case[k] for k in ("B", "T", "S", "N", "K", "H"))
+  cast = lambda x: jnp.asarray(x, dtype)
+  q = cast(rng.standard_normal((B, T, N, H)))
+  k = cast(rng.standard_normal((B, S, K, H)))
+  v = cast(rng.standard_normal((B, S, K, H)))
+  d_out = cast(rng.standard_normal((B, T, N, H)))
+  bias = cast(rng.standard_normal(case["bias"])) if "bias" in case else None
+  mask = None
+  if "mask" in case:
+    mask = rng.random(case["mask"]) > 0.3
+    mask[..., 0] = True  # at least one visible key per row unless a row is masked on purpose
+    for row in case.get("masked_rows", ()):
+      mask[..., row, :] = False
+    mask = jnp.asarray(mask)
+  kwargs = dict(is_causal=case.get("is_causal", False),
+                local_window_size=case.get("window"),
+                query_seq_lengths=None if "q_lens" not in case else jnp.asarray(case["q_lens"],
+                                                                               jnp.int32),
+                key_value_seq_lengths=None if "kv_lens" not in case else jnp.asarray(
+                    case["kv_lens"], jnp.int32))
+  return (q, k, v, bias, mask), kwargs, d_out
+
+
+def relative_error(x, ref) -> float:
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def run_case(implementation, case, dtype, max_adjust, numerics, *, interpret=False, seed=0,
+             jit=True):
+  """-> (out, grads, exact) where exact = (O, dQ, dK, dV, dBias) in float64."""
+  (q, k, v, bias, mask), kwargs, d_out = make_inputs(case, dtype, seed)
+
+  def f(q, k, v, bias):
+    return stable_attn.dot_product_attention(
+        q, k, v, bias, mask, implementation=implementation, max_adjust=max_adjust,
+        numerics=numerics, interpret=interpret, **kwargs)
+
+  if jit:
+    f = jax.jit(f)
+  out, vjp = jax.vjp(f, q, k, v, bias)
+  grads = vjp(d_out)
+  exact = exact_attention_vjp(q, k, v, d_out, bias, mask, **kwargs)
+  return out, grads, exact
+
+
+def check_case(implementation, case, dtype, max_adjust, numerics, *, interpret=False, seed=0,
+               jit=True):
+  """Asserts values and gradients match the exact reference within the dtype's tolerance."""
+  out, grads, exact = run_case(implementation, case, dtype, max_adjust, numerics,
+                               interpret=interpret, seed=seed, jit=jit)
+  chex.assert_shape(out, exact[0].shape)
+  chex.assert_tree_all_finite((out, [g for g in grads if g is not None]))
+  assert out.dtype == dtype
+  tol_value, tol_grad = TOLERANCE[dtype]
+  errors = {"out": relative_error(out, exact[0])}
+  for name, g, ref in zip(("dq", "dk", "dv", "dbias"), grads, exact[1:]):
+    if ref is not None:
+      errors[name] = relative_error(g, ref)
+  bad = {k: e for k, e in errors.items() if e > (tol_value if k == "out" else tol_grad)}
+  assert not bad, f"{implementation} {case['name']} {dtype.__name__} {max_adjust}/{numerics}: {bad}"
+  if case.get("masked_rows"):
+    rows = list(case["masked_rows"])
+    np.testing.assert_array_equal(np.asarray(out[:, rows], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(grads[0][:, rows], np.float32), 0.0)
+  return errors

@@ -1,0 +1,46 @@
+"""Bad input raises ValueError naming the argument."""
+import jax.numpy as jnp
+import pytest
+
+import stable_attn
+
+q = jnp.ones((2, 8, 4, 16), jnp.float32) * 0.1
+k = jnp.ones((2, 10, 2, 16), jnp.float32) * 0.2
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(query=q[0, 0]), "query"),
+    (dict(key=k[..., :8], value=k[..., :8]), "key"),
+    (dict(value=k[:, :9]), "value"),
+    (dict(key=jnp.ones((2, 10, 3, 16)), value=jnp.ones((2, 10, 3, 16))), "divide"),
+    (dict(query=q.astype(jnp.int32)), "dtype"),
+    (dict(key=k.astype(jnp.bfloat16)), "dtype"),
+    (dict(bias=jnp.ones((2, 4, 8, 11))), "bias"),
+    (dict(mask=jnp.ones((2, 4, 8, 10))), "mask"),
+    (dict(mask=jnp.ones((3, 4, 8, 10), bool)), "mask"),
+    (dict(query_seq_lengths=jnp.array([1, 2, 3])), "query_seq_lengths"),
+    (dict(key_value_seq_lengths=jnp.array([1.0, 2.0])), "key_value_seq_lengths"),
+    (dict(local_window_size=(-1, 2)), "local_window_size"),
+    (dict(local_window_size="wide"), "local_window_size"),
+    (dict(implementation="cudnn"), "implementation"),
+    (dict(max_adjust="always"), "max_adjust"),
+    (dict(beta=0.5), "beta"),
+    (dict(numerics="fp8"), "numerics"),
+])
+def test_bad_input_raises_value_error(kwargs, match):
+  args = dict(query=q, key=k, value=k)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    stable_attn.dot_product_attention(args.pop("query"), args.pop("key"), args.pop("value"),
+                                      implementation=args.pop("implementation", "reference"),
+                                      **args)
+
+
+def test_numerics_fields_are_checked():
+  with pytest.raises(ValueError, match="Numerics.acc"):
+    stable_attn.Numerics(acc="float64")
+
+
+def test_unavailable_kernel_raises_clearly_on_cpu():
+  with pytest.raises(ValueError, match="pallas_gpu"):
+    stable_attn.dot_product_attention(q, k, k, implementation="pallas_gpu")

@@ -1,0 +1,55 @@
+"""The bias-probe expectations of the Foundation issue (reference implementation, bf16).
+
+With 4 x 128 rows the probe's noise floor is ~0.01 ulp (its no-tie control shows it)."""
+import numpy as np
+import pytest
+
+from stable_attn.diagnostics import PLACEMENTS, REGIMES, measure
+
+SMALL = dict(batch=4, rows=128, keys=512)
+
+
+@pytest.mark.parametrize("regime", ["positive", "negative", "zero", "tiny"])
+def test_paper_numerics_without_fix_rounds_outward(regime):
+  r = measure("reference", "paper", "off", regime, "adjacent", **SMALL)
+  assert 0.15 < r.bias_ulp < 0.3 and r.nan_count == 0, r
+
+
+@pytest.mark.parametrize("regime", ["positive", "negative"])
+def test_paper_rule_removes_bias_for_signed_maxima(regime):
+  r = measure("reference", "paper", "paper", regime, "adjacent", **SMALL)
+  assert abs(r.bias_ulp) < 0.05, r
+
+
+@pytest.mark.parametrize("regime", ["zero", "tiny"])
+def test_paper_rule_leaves_zero_and_tiny_maxima(regime):
+  r = measure("reference", "paper", "paper", regime, "adjacent", **SMALL)
+  assert r.bias_ulp > 0.15, r
+
+
+def test_paper_rule_breaks_for_large_maxima_with_beta_7():
+  r = measure("reference", "paper", "paper", "large", "adjacent", beta=7.0, **SMALL)
+  assert r.nan_count > 0 or abs(r.bias_ulp) > 10, r   # NaN or garbage (underflow: l = 0)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "paper"])
+@pytest.mark.parametrize("regime", REGIMES)
+def test_safe_removes_bias_everywhere(numerics, regime):
+  for placement in PLACEMENTS:
+    r = measure("reference", numerics, "safe", regime, placement, **SMALL)
+    assert abs(r.bias_ulp) < 0.05 and r.nan_count == 0, r
+    assert r.abs_err_ulp < 0.75, r   # still within dtype tolerance of the truth
+
+
+def test_safe_probe_on_xla_path():
+  for regime in ("zero", "large"):
+    r = measure("xla", "paper", "safe", regime, "adjacent", **SMALL)
+    assert abs(r.bias_ulp) < 0.05 and r.nan_count == 0, r
+
+
+def test_probe_cli_prints_table(capsys):
+  from stable_attn.diagnostics.__main__ import main
+  main(["--implementations", "reference", "--numerics", "paper", "--max-adjust", "off,safe",
+        "--regimes", "zero", "--rows", "16", "--keys", "256", "--batch", "1"])
+  out = capsys.readouterr().out
+  assert "| reference | paper | off | zero |" in out and "| reference | paper | safe | zero |" in out
