@@ -1,0 +1,320 @@
+"""Attention kernel benchmark: pallas_gpu (max_adjust off / paper / safe) next to cuDNN, XLA and
+JAX's Pallas `mha`, in one process, protocol of docs/peers.md.
+
+    PYTHONPATH=. python benchmarks/attention.py                  # the peers.md shapes
+    PYTHONPATH=. python benchmarks/attention.py --shapes targets # the two target shapes only
+    PYTHONPATH=. python benchmarks/attention.py --sweep          # tiling variants of our kernels
+
+Protocol: random normal inputs (bf16 by default); each figure is the median of 5 blocks of 30
+back-to-back calls with one block_until_ready per block, after compilation and warm-up.
+TFLOP/s by the FlashAttention convention: forward 4*B*N*T*S*H, halved when causal; backward 2.5x
+forward, forward+backward 3.5x forward; "bwd" time is (fwd+bwd) - fwd. Every row carries the
+relative Frobenius error of O and of the gradients (dQ, dK, dV: the largest of the three) against
+an fp32 XLA reference on the same inputs. Writes benchmarks/results/attention_<device>.md and .png
+and prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import stable_attn  # noqa: E402
+from pallas_kernels.gpu import tuning  # noqa: E402
+
+try:  # deprecated in JAX 0.11 (the Triton lowering), may move or go
+  from jax.experimental.pallas.ops.gpu import attention as _pallas_mha_module
+  PALLAS_MHA_ERROR = None
+except Exception as e:  # pragma: no cover - depends on the installed JAX
+  _pallas_mha_module = None
+  PALLAS_MHA_ERROR = f"{type(e).__name__}: {e}"
+
+# (B, T, N, H, causal): the peers.md table.
+SHAPES = [
+    (16, 1024, 12, 64, True), (16, 1024, 12, 64, False),
+    (8, 2048, 16, 64, True), (8, 2048, 16, 64, False),
+    (4, 4096, 16, 128, True), (4, 4096, 16, 128, False),
+]
+TARGETS = [(16, 1024, 12, 64, True), (4, 4096, 16, 128, True)]
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def fwd_flops(B, T, N, H, causal):
+  f = 4.0 * B * N * T * T * H
+  return f / 2 if causal else f
+
+
+def time_calls(fn, args, calls: int, blocks: int, warmup: int = 3) -> float:
+  """Median over `blocks` of (time of `calls` back-to-back calls) / calls, in seconds."""
+  out = fn(*args)
+  jax.block_until_ready(out)
+  for _ in range(warmup):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  per_call = []
+  for _ in range(blocks):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    per_call.append((time.perf_counter() - t0) / calls)
+  return statistics.median(per_call)
+
+
+def implementations(H, causal, only=None):
+  """name -> f(q, k, v) -> O, all [B, T, N, H]."""
+  scale = 1.0 / np.sqrt(H)
+  impls = {}
+  impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, implementation="cudnn")
+  impls["xla"] = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, implementation="xla")
+  if _pallas_mha_module is not None:
+    impls["pallas_mha"] = lambda q, k, v: _pallas_mha_module.mha(
+        q, k, v, None, sm_scale=float(scale), causal=causal)
+  for mode in ("off", "paper", "safe"):
+    impls[f"ours_{mode}"] = functools.partial(
+        lambda q, k, v, mode: stable_attn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="pallas_gpu", max_adjust=mode), mode=mode)
+  if only:
+    impls = {k: v for k, v in impls.items() if k in only}
+  return impls
+
+
+def make_inputs(B, T, N, H, dtype, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  return tuple(jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(dtype) for kk in keys)
+
+
+def rel_err(x, ref):
+  x = jnp.asarray(x, jnp.float32)
+  ref = jnp.asarray(ref, jnp.float32)
+  return float(jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+
+
+@dataclasses.dataclass
+class Row:
+  shape: tuple
+  impl: str
+  fwd_ms: float = float("nan")
+  fb_ms: float = float("nan")
+  err_o: float = float("nan")
+  err_grad: float = float("nan")
+  note: str = ""
+
+  def tflops(self, which):
+    B, T, N, H, causal = self.shape
+    f = fwd_flops(B, T, N, H, causal)
+    if which == "fwd":
+      return f / (self.fwd_ms * 1e-3) / 1e12
+    if which == "bwd":
+      return 2.5 * f / ((self.fb_ms - self.fwd_ms) * 1e-3) / 1e12
+    return 3.5 * f / (self.fb_ms * 1e-3) / 1e12
+
+
+def bench_shape(shape, dtype, calls, blocks, only=None, check=True):
+  B, T, N, H, causal = shape
+  q, k, v, do = make_inputs(B, T, N, H, dtype)
+  ref_o = ref_grads = None
+  if check:
+    f32 = lambda x: x.astype(jnp.float32)
+    ref_fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                          implementation="xla")
+    ref_o, ref_vjp = jax.vjp(ref_fn, f32(q), f32(k), f32(v))
+    ref_grads = ref_vjp(f32(do))
+  rows = []
+  for name, fn in implementations(H, causal, only).items():
+    row = Row(shape, name)
+    try:
+      fwd = jax.jit(fn)
+      fb = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
+      if check:
+        row.err_o = rel_err(fwd(q, k, v), ref_o)
+        row.err_grad = max(rel_err(g, r) for g, r in zip(fb(q, k, v, do), ref_grads))
+      row.fwd_ms = 1e3 * time_calls(fwd, (q, k, v), calls, blocks)
+      row.fb_ms = 1e3 * time_calls(fb, (q, k, v, do), calls, blocks)
+    except Exception as e:  # a peer that fails on this JAX/shape is reported, not fatal
+      row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+      traceback.print_exc()
+    rows.append(row)
+    print(f"  {name:12s} fwd {row.fwd_ms:8.3f} ms  fwd+bwd {row.fb_ms:8.3f} ms  "
+          f"err O {row.err_o:.1e} grad {row.err_grad:.1e} {row.note}", flush=True)
+  del ref_o, ref_grads
+  return rows
+
+
+def shape_name(shape):
+  B, T, N, H, causal = shape
+  return f"B{B} T{T} N{N} H{H} {'causal' if causal else 'full'}"
+
+
+def ratios(rows, shape, impl, base):
+  by = {r.impl: r for r in rows if r.shape == shape}
+  if impl not in by or base not in by:
+    return float("nan")
+  return by[base].fb_ms / by[impl].fb_ms
+
+
+def markdown(rows, device, dtype, calls, blocks):
+  lines = [f"# Attention benchmark on {device}",
+           "",
+           f"JAX {jax.__version__}, {np.dtype(dtype).name}, random normal inputs; median of {blocks} "
+           f"blocks of {calls} back-to-back calls after warm-up (one block_until_ready per block). "
+           "TFLOP/s by the FlashAttention convention (forward 4*B*N*T*S*H, halved when causal; "
+           "bwd 2.5x, fwd+bwd 3.5x forward; bwd time = fwd+bwd - fwd). Errors: relative "
+           "Frobenius error against an fp32 XLA reference (grad = max over dQ, dK, dV). "
+           "x cuDNN / x mha: fwd+bwd speed relative to cuDNN / JAX Pallas mha in this run.",
+           ""]
+  if PALLAS_MHA_ERROR:
+    lines += [f"JAX Pallas mha not importable: `{PALLAS_MHA_ERROR}`", ""]
+  lines += ["| shape | impl | fwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
+            "| x cuDNN | x mha | err O | err grad | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(
+        f"| {shape_name(r.shape)} | {r.impl} | {r.fwd_ms:.3f} | {r.tflops('fwd'):.0f} | "
+        f"{r.tflops('bwd'):.0f} | {r.fb_ms:.3f} | {r.tflops('fb'):.0f} | "
+        f"{ratios(rows, r.shape, r.impl, 'cudnn'):.2f} | "
+        f"{ratios(rows, r.shape, r.impl, 'pallas_mha'):.2f} | {r.err_o:.1e} | {r.err_grad:.1e} | "
+        f"{r.note} |")
+  shapes = list(dict.fromkeys(r.shape for r in rows))
+  lines += ["", "Cost of the fix (fwd+bwd time relative to max_adjust=off):", "",
+            "| shape | paper / off | safe / off |", "|---|---|---|"]
+  for s in shapes:
+    by = {r.impl: r for r in rows if r.shape == s}
+    if "ours_off" in by:
+      off = by["ours_off"].fb_ms
+      rel = lambda m: by[m].fb_ms / off if m in by else float("nan")
+      lines.append(f"| {shape_name(s)} | {rel('ours_paper'):.3f} | {rel('ours_safe'):.3f} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows, device, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  shapes = list(dict.fromkeys(r.shape for r in rows))
+  impls = list(dict.fromkeys(r.impl for r in rows))
+  fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+  width = 0.8 / max(1, len(impls))
+  for ax, which, title in ((axes[0], "fwd", "forward"), (axes[1], "fb", "forward + backward")):
+    for i, impl in enumerate(impls):
+      vals = []
+      for s in shapes:
+        r = next((r for r in rows if r.shape == s and r.impl == impl), None)
+        vals.append(r.tflops(which) if r is not None else np.nan)
+      ax.bar(np.arange(len(shapes)) + i * width, vals, width, label=impl)
+    ax.set_xticks(np.arange(len(shapes)) + 0.4 - width / 2)
+    ax.set_xticklabels([shape_name(s).replace(" ", "\n", 2) for s in shapes], fontsize=7)
+    ax.set_ylabel("TFLOP/s (FA convention)")
+    ax.set_title(f"{title}, {device}")
+  axes[1].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+# Tiling variants for --sweep: each replaces one kernel's config in the table's config.
+K = tuning.KernelConfig
+SWEEP = {
+    "fwd": [K(128, 64, 4, 3), K(128, 64, 8, 3), K(128, 128, 8, 3), K(64, 64, 4, 3),
+            K(128, 32, 4, 4)],
+    "dkv": [K(64, 64, 4, 2), K(64, 64, 8, 2), K(64, 64, 4, 3), K(128, 64, 8, 2),
+            K(32, 64, 4, 2), K(64, 32, 4, 2), K(64, 128, 8, 2)],
+    "dq": [K(128, 64, 8, 2), K(64, 64, 4, 2), K(128, 128, 8, 2), K(64, 128, 4, 2),
+           K(128, 32, 4, 3), K(64, 32, 4, 3)],
+}
+
+
+def sweep(shapes, dtype, calls, blocks, kernels=tuple(SWEEP)):
+  """Times each variant of each kernel (others from the table): fwd alone for 'fwd', fwd+bwd
+  otherwise. Prints one line per variant."""
+  lines = []
+  for shape in shapes:
+    B, T, N, H, causal = shape
+    q, k, v, do = make_inputs(B, T, N, H, dtype)
+    fn = lambda q, k, v: stable_attn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="pallas_gpu", max_adjust="off")
+    base = tuning.table_config(H, dtype)
+    for kernel in kernels:
+      for kc in SWEEP[kernel]:
+        try:
+          with tuning.override(**{kernel: kc}):
+            if kernel == "fwd":
+              f = jax.jit(fn)
+              args = (q, k, v)
+            else:
+              f = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
+              args = (q, k, v, do)
+            jax.block_until_ready(f(*args))
+          ms = 1e3 * time_calls(f, args, calls, blocks)
+          flops = fwd_flops(*shape) * (1 if kernel == "fwd" else 3.5)
+          tag = " (table)" if getattr(base, kernel) == kc else ""
+          line = (f"sweep {shape_name(shape)} {kernel} bq{kc.block_q} bk{kc.block_k} "
+                  f"w{kc.num_warps} s{kc.num_stages}: {ms:.3f} ms "
+                  f"{flops / ms / 1e9:.0f} TFLOP/s{tag}")
+        except Exception as e:
+          line = (f"sweep {shape_name(shape)} {kernel} {kc}: FAILED "
+                  f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
+        print(line, flush=True)
+        lines.append(line)
+  return lines
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--shapes", default="all", choices=("all", "targets"))
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--calls", type=int, default=30)
+  p.add_argument("--blocks", type=int, default=5)
+  p.add_argument("--only", default="", help="comma-separated implementation names")
+  p.add_argument("--sweep", action="store_true", help="time tiling variants instead")
+  p.add_argument("--sweep-kernels", default="fwd,dkv,dq")
+  p.add_argument("--no-check", action="store_true", help="skip the fp32 reference errors")
+  p.add_argument("--out-dir", default=RESULTS)
+  p.add_argument("--tag", default="", help="suffix of the result file names")
+  args = p.parse_args(argv)
+  dtype = jnp.dtype(args.dtype)
+  device = jax.devices()[0].device_kind
+  shapes = SHAPES if args.shapes == "all" else TARGETS
+  print(f"device: {device}; jax {jax.__version__}; pallas mha: "
+        f"{'ok' if PALLAS_MHA_ERROR is None else PALLAS_MHA_ERROR}", flush=True)
+  if args.sweep:
+    sweep(shapes, dtype, args.calls, args.blocks, args.sweep_kernels.split(","))
+    return
+  only = [s for s in args.only.split(",") if s] or None
+  rows = []
+  for shape in shapes:
+    print(shape_name(shape), flush=True)
+    rows += bench_shape(shape, dtype, args.calls, args.blocks, only, check=not args.no_check)
+  os.makedirs(args.out_dir, exist_ok=True)
+  slug = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower() + args.tag
+  md_path = os.path.join(args.out_dir, f"attention_{slug}.md")
+  with open(md_path, "w") as f:
+    f.write(markdown(rows, device, dtype, args.calls, args.blocks))
+  try:
+    plot(rows, device, os.path.join(args.out_dir, f"attention_{slug}.png"))
+  except Exception as e:  # matplotlib missing is not fatal
+    print(f"plot failed: {e}")
+  print(f"\nwrote {md_path}\n")
+  print(f"{'shape':28s} {'impl':11s} {'fwd TF':>7s} {'f+b TF':>7s} {'xcuDNN':>6s} {'xmha':>6s} "
+        f"{'errO':>7s}")
+  for r in rows:
+    print(f"{shape_name(r.shape):28s} {r.impl:11s} {r.tflops('fwd'):7.0f} {r.tflops('fb'):7.0f} "
+          f"{ratios(rows, r.shape, r.impl, 'cudnn'):6.2f} "
+          f"{ratios(rows, r.shape, r.impl, 'pallas_mha'):6.2f} {r.err_o:7.1e}")
+
+
+if __name__ == "__main__":
+  main()
