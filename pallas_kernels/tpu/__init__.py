@@ -1,0 +1,35 @@
+"""implementation="pallas_tpu": Mosaic TPU flash attention with the max adjustment.
+
+`attention(spec, ops)` is what `stable_attn.dot_product_attention` dispatches to; with
+`spec.interpret` (the API's `interpret=True`) the kernels run in TPU interpret mode
+(`pltpu.InterpretParams`), which checks Mosaic's memory model (blocks, VMEM scratch, SMEM scalar
+prefetch) on CPU. See docs/tpu_kernel.md for what was and was not verified.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+from pallas_kernels.tpu.kernels import BlockSizes, flash_attention
+from stable_attn.spec import AttentionSpec, Operands
+
+__all__ = ["attention", "is_available", "BlockSizes"]
+
+
+def is_available() -> bool:
+  """True when the default backend is a TPU (the kernels compile only there)."""
+  try:
+    return jax.default_backend() == "tpu"
+  except RuntimeError:
+    return False
+
+
+def attention(spec: AttentionSpec, ops: Operands,
+              block_sizes: Optional[BlockSizes] = None) -> jax.Array:
+  """O [B, T, N, H] in the input dtype; differentiable in q, k, v and bias (flash backward)."""
+  if not spec.interpret and not is_available():
+    raise ValueError("implementation='pallas_tpu' needs a TPU backend (default backend is "
+                     f"{jax.default_backend()!r}); pass interpret=True to run it in TPU "
+                     "interpret mode on CPU")
+  return flash_attention(spec, ops, block_sizes)
