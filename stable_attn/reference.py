@@ -214,7 +214,7 @@ def _backward(spec: AttentionSpec, config, ops: Operands, o_res, lse, do):
                          lse_blk, delta_blk, slice_opt(bias_rows, k_start, block_k, 1),
                          slice_opt(mask_rows, k_start, block_k, 1), q_pos,
                          k_start + jnp.arange(block_k, dtype=jnp.int32), q_len, kv_len)
-      dq = dq + tile.matmul(ds.astype(in_dtype), k_blk) * spec.scale
+      dq = dq + tile.matmul(tile.round_exact(ds, in_dtype).astype(in_dtype), k_blk) * spec.scale
       if ds_rows is not None:
         ds_rows = lax.dynamic_update_slice_in_dim(ds_rows, ds, k_start, 1)
       return dq, ds_rows
@@ -240,8 +240,8 @@ def _backward(spec: AttentionSpec, config, ops: Operands, o_res, lse, do):
                          slice_opt(bias_cols, q_start, block_q, 0),
                          slice_opt(mask_cols, q_start, block_q, 0),
                          q_start + jnp.arange(block_q, dtype=jnp.int32), k_pos, q_len, kv_len)
-      dv = dv + tile.matmul(p.astype(in_dtype), do_blk, transpose_a=True)
-      dk = dk + tile.matmul(ds.astype(in_dtype), q_blk, transpose_a=True) * spec.scale
+      dv = dv + tile.matmul(tile.round_exact(p, in_dtype).astype(in_dtype), do_blk, transpose_a=True)
+      dk = dk + tile.matmul(tile.round_exact(ds, in_dtype).astype(in_dtype), q_blk, transpose_a=True) * spec.scale
       return dk, dv
 
     zeros = jnp.zeros((block_k, H), jnp.float32)

@@ -169,7 +169,8 @@ def online_softmax_step(state: SoftmaxState, s, ok, v, *, dt: Dtypes, max_adjust
   p = jnp.exp(shifted)
   if ok is not None:
     p = jnp.where(ok, p, 0.0)
-  p_low = p.astype(dt.p)
+  # Round through round_fn first: XLA may elide a bare f32->bf16->f32 pair around the dot.
+  p_low = round_fn(p, dt.p).astype(dt.p)
   alpha = jnp.exp(round_fn(state.m - m_new, dt.score))
   row_sum = jnp.sum(p_low.astype(f32) if dt.sum_of_rounded_p else p, axis=-1)
   l_new = round_fn(round_fn(round_fn(alpha, dt.sum) * state.l, dt.sum) + round_fn(row_sum, dt.sum),
