@@ -63,5 +63,23 @@ def describe(implementation: str, max_adjust: str, numerics: str) -> str:
         return f"jax.nn.dot_product_attention(implementation={JAX_NN[implementation]!r}) (no max adjustment)"
     if stable_attn_function() is None:
         return "jax.nn.dot_product_attention(implementation='xla') [FALLBACK: stable_attn missing]"
-    return (f"stable_attn.dot_product_attention(implementation={implementation!r}, "
+    impl = implementation
+    if impl == "auto":
+        import stable_attn
+        picked = getattr(stable_attn, "default_implementation", lambda: "?")()
+        impl = f"auto -> {picked}"
+    return (f"stable_attn.dot_product_attention(implementation={impl!r}, "
             f"max_adjust={max_adjust!r}, numerics={numerics!r})")
+
+
+def short_name(implementation: str, max_adjust: str, numerics: str) -> str:
+    """A few words for plot titles and tables, e.g. "stable_attn reference, max_adjust safe, fast"."""
+    if implementation in JAX_NN:
+        return f"jax.nn {JAX_NN[implementation]}"
+    if stable_attn_function() is None:
+        return "jax.nn xla (stable_attn missing)"
+    impl = implementation
+    if impl == "auto":
+        import stable_attn
+        impl = getattr(stable_attn, "default_implementation", lambda: "auto")()
+    return f"stable_attn {impl}, max_adjust {max_adjust}, {numerics}"

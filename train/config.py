@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 ATTENTION_CHOICES = ("auto", "reference", "pallas_gpu", "pallas_tpu", "xla", "cudnn", "jax_xla")
 MAX_ADJUST_CHOICES = ("off", "paper", "safe")
-NUMERICS_CHOICES = ("fast", "paper")
+NUMERICS_CHOICES = ("fast", "paper", "fast+fp32o", "paper+fp32o")  # stable_attn presets
 DTYPE_CHOICES = ("bfloat16", "float32", "float16")
 
 
@@ -71,15 +71,19 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     seed: int = 0
     corpus: str = "default"
+    # Intervals in steps. eval/monitor also run at the last step; 0 turns them off. Checkpoints are also
+    # written at the end (0 = only then); samples are drawn at the end (sample_tokens 0 = never).
     eval_every: int = 1000
     eval_batches: int = 20
     log_every: int = 10
     monitor_every: int = 500
     ckpt_every: int = 1000
-    sample_every: int = 0  # 0 = only at the end
+    sample_every: int = 0
     sample_tokens: int = 200
     keep_checkpoints: int = 3
-    spike_factor: float = 0.0  # stop when loss > spike_factor * running mean; 0 disables
+    # Stop when a loss exceeds spike_factor x its running mean (EMA, from step max(100, warmup_steps) on);
+    # 0 disables. A real explosion (loss 3 -> 7+) trips it; ordinary noise does not.
+    spike_factor: float = 2.0
     fsdp: bool = False
 
     def __post_init__(self):
@@ -139,8 +143,8 @@ CONFIGS: dict[str, TrainConfig] = {
     # vocabulary makes the tied embedding / LM head most of the cost, so the body stays small.
     "tiny": TrainConfig(
         model=ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),
-        batch_size=16, grad_accum=1, max_steps=400, lr=3e-3, min_lr=3e-4, warmup_steps=20,
-        weight_decay=0.1, eval_every=100, eval_batches=8, log_every=10, monitor_every=50,
+        batch_size=8, grad_accum=1, max_steps=300, lr=3e-3, min_lr=3e-4, warmup_steps=20,
+        weight_decay=0.1, eval_every=100, eval_batches=4, log_every=10, monitor_every=50,
         ckpt_every=100, sample_tokens=100,
     ),
 }

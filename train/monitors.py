@@ -1,0 +1,57 @@
+"""The paper's stability monitors, computed in a separate jitted function every N steps.
+
+- spectral norm (largest singular value) of each layer's W_Q and W_K ([C, C] slices of c_attn);
+- max attention logit per layer (scale * q.k over the causal window);
+- tie fraction per layer: the fraction of query rows in which two or more scores round to P = 1.0 in
+  bf16, i.e. bf16(exp(s - rowmax)) == 1, the condition under which the PV product adds exact copies of
+  V rows and the rounding bias of the paper appears. It is the raw rate under the standard softmax max
+  (what an unadjusted kernel sees), measured whatever --max-adjust is set to.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from train.config import ModelConfig
+
+
+def spectral_norm(w):
+    """Largest singular value of a 2-D float32 matrix."""
+    return jnp.linalg.svd(w.astype(jnp.float32), compute_uv=False)[0]
+
+
+def attention_stats(q, k, *, scale: float, paper_numerics: bool):
+    """q, k: [B, T, N, H] (compute dtype). Returns (max logit, tie fraction) as float32 scalars."""
+    s = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    if paper_numerics:
+        s = s.astype(jnp.bfloat16).astype(jnp.float32)  # the paper's kernel keeps scores in bf16
+    T = q.shape[1]
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    s = jnp.where(causal, s, -jnp.inf)
+    m = s.max(axis=-1, keepdims=True)
+    ones = (jnp.exp(s - m).astype(jnp.bfloat16) == 1) & causal
+    tied = ones.sum(axis=-1) >= 2
+    return m.max(), tied.mean(dtype=jnp.float32)
+
+
+def make_monitor_fn(graphdef, cfg: ModelConfig):
+    """(params, x [b, T] int32) -> dict of per-layer float32 arrays of length n_layer."""
+    C = cfg.n_embd
+    scale = cfg.head_dim ** -0.5
+
+    def monitor(params, x):
+        _, qks = nnx.merge(graphdef, params)(x, capture=True)
+        wq, wk, max_logit, tie = [], [], [], []
+        for i, (q, k) in enumerate(qks):
+            kernel = params["h"][i]["attn"]["c_attn"]["kernel"][...]
+            wq.append(spectral_norm(kernel[:, :C]))
+            wk.append(spectral_norm(kernel[:, C:2 * C]))
+            m, t = attention_stats(q, k, scale=scale, paper_numerics=cfg.numerics.startswith("paper"))
+            max_logit.append(m)
+            tie.append(t)
+        return {"spec_wq": jnp.stack(wq), "spec_wk": jnp.stack(wk),
+                "max_logit": jnp.stack(max_logit), "tie_frac": jnp.stack(tie)}
+
+    return monitor
