@@ -9,10 +9,12 @@ Values of IMPL:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 OURS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "xla")
 JAX_NN = {"cudnn": "cudnn", "jax_xla": "xla"}
@@ -26,6 +28,26 @@ def stable_attn_function():
     except ImportError:
         return None
     return getattr(stable_attn, "dot_product_attention", None)
+
+
+# The data-parallel mesh while a training function is being traced (see `batch_sharded`).
+_MESH = None
+
+
+@contextlib.contextmanager
+def batch_sharded(mesh):
+    """Trace attention per device over the mesh's 'data' axis (batch) while this context is active.
+
+    XLA cannot partition a Pallas custom call: inside a GSPMD-sharded jit it would gather q, k, v and
+    run the whole global batch on every device. Under this context our attention runs in a shard_map
+    over the batch instead, each device on its own rows (jax.nn's cuDNN call has its own partitioner).
+    """
+    global _MESH
+    previous, _MESH = _MESH, mesh
+    try:
+        yield
+    finally:
+        _MESH = previous
 
 
 def is_ours(implementation: str) -> bool:
@@ -53,8 +75,17 @@ def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str =
     impl = None if implementation == "auto" else implementation
     # Pallas kernels cannot compile for the CPU; there they run in interpret mode (tests, smoke runs).
     interpret = implementation.startswith("pallas") and jax.default_backend() == "cpu"
-    return fn(q, k, v, is_causal=True, implementation=impl, max_adjust=max_adjust,
-              beta=beta, numerics=numerics, interpret=interpret)
+
+    def call(q, k, v):
+        return fn(q, k, v, is_causal=True, implementation=impl, max_adjust=max_adjust,
+                  beta=beta, numerics=numerics, interpret=interpret)
+
+    mesh = _MESH
+    if mesh is not None and mesh.shape["data"] > 1 and q.shape[0] % mesh.shape["data"] == 0:
+        # Small unsharded batches (monitors, sampling) fall through to the plain call.
+        spec = P("data")
+        call = jax.shard_map(call, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+    return call(q, k, v)
 
 
 def describe(implementation: str, max_adjust: str, numerics: str) -> str:

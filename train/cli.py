@@ -92,11 +92,6 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     return cfg.replace(model=model, **train)
 
 
-def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, TrainConfig]:
-    args = build_parser().parse_args(argv)
-    return args, build_config(args)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Multi-host start-up has to precede any use of a JAX backend, including building the config.

@@ -83,6 +83,11 @@ def init_params(cfg: TrainConfig, shardings=None):
 
 def train(cfg: TrainConfig, opts: RunOptions) -> dict:
     """Run (or resume) training as configured; returns a summary dict (also written to DIR/summary.json)."""
+    with attn_lib.batch_sharded(make_mesh()):
+        return _train(cfg, opts)
+
+
+def _train(cfg: TrainConfig, opts: RunOptions) -> dict:
     out_dir = Path(opts.out_dir)
     main = jax.process_index() == 0
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ def make_sampler(graphdef, block_size: int, *, temperature: float = 0.8, top_k: 
             logits = model(buf)[0, pos - 1].astype(jnp.float32)
             # Padded vocabulary entries (50257..vocab_size-1) are never real tokens.
             logits = jnp.where(jnp.arange(logits.shape[0]) < tok.N_VOCAB, logits, -jnp.inf) / temperature
-            kth = jax.lax.top_k(logits, top_k)[0][-1]
+            kth = jax.lax.top_k(logits, min(top_k, logits.shape[0]))[0][-1]
             logits = jnp.where(logits < kth, -jnp.inf, logits)
             key, sub = jax.random.split(key)
             nxt = jax.random.categorical(sub, logits).astype(jnp.int32)
