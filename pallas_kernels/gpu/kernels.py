@@ -195,6 +195,23 @@ def _tile_visible(spec, lay: _Layout, mask_ref, b, n, q_pos, k_pos, q_start, bq,
 # Forward
 # ---------------------------------------------------------------------------------------------
 
+def _key_tile(spec, lay, dt, q, q_pos, j, bk, k_ref, v_ref, bias_ref, mask_ref, b, n, q_start,
+              bq, q_len, kv_len, masked):
+  """Key block j for a query block: (K, V tiles, scores, visibility or None when fully visible)."""
+  k_start = j * bk
+  k = k_ref[pl.ds(k_start, bk), :]
+  v = v_ref[pl.ds(k_start, bk), :]
+  bias = None
+  if bias_ref is not None:
+    bias = lay.bias.tile(bias_ref, b, n, q_start, bq, k_start, bk)
+  s = tile.scores(q, k, spec.scale, bias, dt)
+  ok = None
+  if masked:
+    ok = _tile_visible(spec, lay, mask_ref, b, n, q_pos, k_start + lax.iota(i32, bk), q_start,
+                       bq, k_start, bk, q_len, kv_len)
+  return k, v, s, ok
+
+
 def _forward_kernel(*refs, spec: AttentionSpec, lay: _Layout, kc: tuning.KernelConfig,
                     write_residual: bool):
   q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, *rest = refs
@@ -221,17 +238,8 @@ def _forward_kernel(*refs, spec: AttentionSpec, lay: _Layout, kc: tuning.KernelC
                             q_len=q_len, kv_len=kv_len, has_mask=mask_ref is not None)
 
   def body(j, state, *, masked):
-    k_start = j * bk
-    k = k_ref[pl.ds(k_start, bk), :]
-    v = v_ref[pl.ds(k_start, bk), :]
-    bias = None
-    if bias_ref is not None:
-      bias = lay.bias.tile(bias_ref, b, n, q_start, bq, k_start, bk)
-    s = tile.scores(q, k, spec.scale, bias, dt)
-    ok = None
-    if masked:
-      ok = _tile_visible(spec, lay, mask_ref, b, n, q_pos, k_start + lax.iota(i32, bk), q_start,
-                         bq, k_start, bk, q_len, kv_len)
+    k, v, s, ok = _key_tile(spec, lay, dt, q, q_pos, j, bk, k_ref, v_ref, bias_ref, mask_ref,
+                            b, n, q_start, bq, q_len, kv_len, masked)
     return tile.online_softmax_step(state, s, ok, v, dt=dt, max_adjust=spec.max_adjust,
                                     beta=spec.beta, offset=offset)
 
@@ -380,22 +388,13 @@ def _dq_kernel(*refs, spec: AttentionSpec, lay: _Layout, kc: tuning.KernelConfig
                             q_len=q_len, kv_len=kv_len, has_mask=mask_ref is not None)
 
   def body(j, dq, *, masked):
-    k_start = j * bk
-    k = k_ref[pl.ds(k_start, bk), :]
-    v = v_ref[pl.ds(k_start, bk), :]
-    bias = None
-    if bias_ref is not None:
-      bias = lay.bias.tile(bias_ref, b, n, q_start, bq, k_start, bk)
-    s = tile.scores(q, k, spec.scale, bias, dt)
-    ok = None
-    if masked:
-      ok = _tile_visible(spec, lay, mask_ref, b, n, q_pos, k_start + lax.iota(i32, bk), q_start,
-                         bq, k_start, bk, q_len, kv_len)
+    k, v, s, ok = _key_tile(spec, lay, dt, q, q_pos, j, bk, k_ref, v_ref, bias_ref, mask_ref,
+                            b, n, q_start, bq, q_len, kv_len, masked)
     p = tile.probabilities(s, lse, ok)
     dp = tile.matmul(do, v, transpose_b=True)
     ds = tile.score_grad(p, dp, delta)
     if ds_ref is not None:
-      ds_ref[b, n, pl.ds(q_start, bq), pl.ds(k_start, bk)] = ds
+      ds_ref[b, n, pl.ds(q_start, bq), pl.ds(j * bk, bk)] = ds
     return dq + tile.matmul(ds.astype(in_dtype), k) * spec.scale
 
   dq = _split_loop(lo, flo, fhi, hi, body, jnp.zeros((bq, lay.Hp), f32))
