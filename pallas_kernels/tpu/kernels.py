@@ -383,6 +383,16 @@ def _forward(spec: AttentionSpec, config: _Config, ops: Operands):
 # Backward: dK/dV (innermost: the group's query heads x query blocks) and dQ (innermost: key blocks)
 # ---------------------------------------------------------------------------------------------
 
+def _tile_grads(r, spec: AttentionSpec, dt, q_start, bq: int, k_start, bk: int, q_len, kv_len):
+  """Recomputes one tile's P and dS = P * (dP - delta): -> (q, k, dO, P, dS), fp32 P and dS."""
+  q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
+  s = tile.scores(q, k, spec.scale, _pairwise_tile(r["bias"], bq, bk), dt, _round_fn(spec))
+  ok = _visible(spec, q_start, bq, k_start, bk, q_len, kv_len, r["mask"])
+  p = tile.probabilities(s, _rows(r["lse"]), ok)
+  ds = tile.score_grad(p, tile.matmul(do, v, transpose_b=True), _rows(r["delta"]))
+  return q, k, do, p, ds
+
+
 def _dkv_kernel(q_lens_ref, kv_lens_ref, *refs, spec: AttentionSpec, dt, bq: int, bk: int,
                 nq: int, group: int, has_bias: bool, has_mask: bool):
   r = _unpack(refs, [("q", True), ("k", True), ("v", True), ("do", True), ("lse", True),
@@ -403,12 +413,7 @@ def _dkv_kernel(q_lens_ref, kv_lens_ref, *refs, spec: AttentionSpec, dt, bq: int
 
   @pl.when((i >= lo) & (i < hi) & (k_start < kv_len))
   def _step():
-    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-    s = tile.scores(q, k, spec.scale, _pairwise_tile(r["bias"], bq, bk), dt, _round_fn(spec))
-    ok = _visible(spec, q_start, bq, k_start, bk, q_len, kv_len, r["mask"])
-    p = tile.probabilities(s, _rows(r["lse"]), ok)
-    dp = tile.matmul(do, v, transpose_b=True)
-    ds = tile.score_grad(p, dp, _rows(r["delta"]))
+    q, k, do, p, ds = _tile_grads(r, spec, dt, q_start, bq, k_start, bk, q_len, kv_len)
     r["dv"][...] = r["dv"][...] + tile.matmul(_cast(spec, p, in_dtype), do, transpose_a=True)
     r["dk"][...] = r["dk"][...] + (tile.matmul(_cast(spec, ds, in_dtype), q, transpose_a=True)
                                    * spec.scale)
@@ -438,12 +443,7 @@ def _dq_kernel(q_lens_ref, kv_lens_ref, *refs, spec: AttentionSpec, dt, bq: int,
 
   @pl.when(run)
   def _step():
-    q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-    s = tile.scores(q, k, spec.scale, _pairwise_tile(r["bias"], bq, bk), dt, _round_fn(spec))
-    ok = _visible(spec, q_start, bq, k_start, bk, q_len, kv_len, r["mask"])
-    p = tile.probabilities(s, _rows(r["lse"]), ok)
-    dp = tile.matmul(do, v, transpose_b=True)
-    ds = tile.score_grad(p, dp, _rows(r["delta"]))
+    q, k, do, p, ds = _tile_grads(r, spec, dt, q_start, bq, k_start, bk, q_len, kv_len)
     r["dq"][...] = r["dq"][...] + tile.matmul(_cast(spec, ds, in_dtype), k) * spec.scale
     if r["ds_out"] is not None:
       r["ds_out"][...] = ds
