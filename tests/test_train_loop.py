@@ -67,6 +67,18 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
 
+def test_time_limit_checkpoints_and_the_same_run_resumes(tmp_path):
+    cfg = micro(max_steps=5)
+    summary = run(cfg, tmp_path, time_limit=1e-6)
+    assert summary["time_limit_reached"] and summary["last_checkpoint"] == 1
+    assert [s for s, _ in losses(tmp_path)] == [0]
+    summary = run(cfg, tmp_path)
+    assert summary["start_step"] == 1 and not summary["time_limit_reached"]
+    assert [s for s, _ in losses(tmp_path)] == list(range(5))
+    with pytest.raises(ValueError, match="time_limit"):
+        run(cfg, tmp_path / "other", time_limit=0)
+
+
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
     # A learning rate of 1e30 overflows the weights after one update: the next loss is NaN.
     cfg = micro(max_steps=6, ckpt_every=1, lr=1e30, min_lr=1e30, warmup_steps=0, grad_clip=0.0)

@@ -35,6 +35,10 @@ class Checkpointer:
         ), force=True)
         self.manager.wait_until_finished()
 
+    def read_meta(self, step: int) -> dict:
+        """The JSON part of a checkpoint alone (config, data position), without the arrays."""
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
     def restore(self, step: int, params, opt_state):
         """Arrays restored onto the shardings (and into the tree structure) of the given templates."""
         abstract = jax.tree.map(

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--fsdp", action="store_true", default=None, help="shard parameters and optimizer state over devices")
     a("--resume", dest="resume", action="store_true", default=True, help="resume from DIR/checkpoints (default)")
     a("--no-resume", dest="resume", action="store_false", help="refuse to reuse an out dir with checkpoints")
+    a("--time-limit", type=float, help="stop after this many seconds of training with a checkpoint; the same "
+                                        "command resumes (fixed-budget runs)")
     a("--peak-tflops", type=float, help="per-device peak for MFU (default: measured on GPU, nominal on CPU)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bars")
     a("--no-tensorboard", dest="tensorboard", action="store_false")
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from train.loop import RunOptions, TrainingStopped, train
     opts = RunOptions(out_dir=Path(args.out_dir or Path("out") / args.config), config_name=args.config,
                       data=args.data, resume=args.resume, peak_tflops=args.peak_tflops,
+                      time_limit=args.time_limit,
                       progress=args.progress, tensorboard=args.tensorboard, prompt=args.prompt)
     try:
         train(cfg, opts)

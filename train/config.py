@@ -139,6 +139,17 @@ CONFIGS: dict[str, TrainConfig] = {
         batch_size=32, grad_accum=16, max_steps=600_000, lr=1e-3, min_lr=1e-5, warmup_steps=2000,
         weight_decay=0.0, monitor_every=100, spike_factor=1.5,
     ),
+    # The reproduction's loss-explosion attempt (docs/reproduction.md): the paper's model and optimiser,
+    # its failing arithmetic by default (--numerics paper --max-adjust off), but a 16x smaller batch
+    # (32 x 1024 tokens), 500 warm-up steps and the larger registry corpus, so that thousands of steps
+    # fit in one GPU-budget run. Multi-epoch by necessity (9.9M tokens); the peak lr is set per arm.
+    "repro": TrainConfig(
+        model=ModelConfig(bias=False, numerics="paper", max_adjust="off"),
+        corpus="mix", batch_size=32, grad_accum=1, max_steps=20_000, lr=1e-3, min_lr=1e-5,
+        warmup_steps=500, weight_decay=0.0, eval_every=500, eval_batches=10, log_every=10,
+        monitor_every=50, ckpt_every=1000, keep_checkpoints=4, sample_tokens=0,
+        spike_factor=0.0,  # run through spikes (does the loss recover?); only NaN/Inf stops a run
+    ),
     # CPU config for the default job: 2-core CPU, < 10 minutes including data preparation. The GPT-2
     # vocabulary makes the tied embedding / LM head most of the cost, so the body stays small.
     "tiny": TrainConfig(

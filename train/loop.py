@@ -50,6 +50,7 @@ class RunOptions:
     progress: bool = True
     tensorboard: bool = True
     prompt: str = ""
+    time_limit: float | None = None  # seconds; then checkpoint and return (resumable)
 
 
 class _Log:
@@ -70,7 +71,8 @@ def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def _abstract_model(cfg):
+def abstract_model(cfg):
+    """The model with abstract (shape-only) parameters."""
     return nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
 
 
@@ -116,7 +118,7 @@ def _train(cfg: TrainConfig, opts: RunOptions) -> dict:
 
     # ----------------------------------------------------------------- state on the mesh
     mesh = make_mesh()
-    graphdef, abstract_params = nnx.split(_abstract_model(mcfg), nnx.Param)
+    graphdef, abstract_params = nnx.split(abstract_model(mcfg), nnx.Param)
     p_sh = param_shardings(abstract_params, mesh, cfg.fsdp)
     params = init_params(cfg, p_sh)
     tx = make_optimizer(cfg)
@@ -191,6 +193,10 @@ def _train(cfg: TrainConfig, opts: RunOptions) -> dict:
     t_start = time.time()
     stopped = None
     step = completed = start
+    if opts.time_limit is not None and opts.time_limit <= 0:
+        raise ValueError(f"time_limit must be positive, got {opts.time_limit}")
+    deadline = None if opts.time_limit is None else t_start + opts.time_limit
+    timed_out = False
 
     def flush():
         """Fetch pending step metrics, check them, write the records due; raises TrainingStopped."""
@@ -259,11 +265,18 @@ def _train(cfg: TrainConfig, opts: RunOptions) -> dict:
             # measured from then on.
             if step == start or _due(step, cfg.log_every) or extra or last or _due(done, cfg.ckpt_every):
                 flush()
-            if _due(done, cfg.ckpt_every) or last:
+            timed_out = deadline is not None and time.time() > deadline and not last
+            if timed_out and pending:
+                flush()
+            if _due(done, cfg.ckpt_every) or last or timed_out:
                 t0 = time.perf_counter()
                 save(done)
                 state["last_good"] = done
                 state["excluded"] += time.perf_counter() - t0
+            if timed_out:
+                log(f"train: time limit of {opts.time_limit:g}s reached after step {step}; checkpoint at "
+                    f"step {done}; run the same command again to resume")
+                break
     except TrainingStopped as e:
         stopped = str(e)
         loss = e.loss if e.loss is not None and math.isfinite(e.loss) else None
@@ -292,8 +305,11 @@ def _train(cfg: TrainConfig, opts: RunOptions) -> dict:
         "tokens_per_s": float(np.median(state["tok_s"])) if state["tok_s"] else None,
         "mfu": float(np.median(state["mfu"])) if state["mfu"] else None, "mfu_peak": peak_note,
         "wall_s": time.time() - t_start, "last_checkpoint": state["last_good"], "stopped": stopped,
+        "time_limit_reached": timed_out,
     }
-    if stopped is None and main and cfg.sample_tokens > 0:
+    if timed_out:
+        pass  # a later run finishes the job; the final sample belongs to that one
+    elif stopped is None and main and cfg.sample_tokens > 0:
         text = generate_text(sampler, params, mcfg.block_size, jax.random.fold_in(sample_key, cfg.max_steps),
                              prompt=opts.prompt, max_new_tokens=cfg.sample_tokens)
         _write_sample(out_dir, cfg.max_steps, text, main, log)

@@ -32,15 +32,22 @@ class CausalSelfAttention(nnx.Module):
         self.c_proj = nnx.Linear(cfg.n_embd, cfg.n_embd, use_bias=cfg.bias, dtype=dt,
                                  kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), rngs=rngs)
 
-    def __call__(self, x):
-        """x: [B, T, C] float32 -> ([B, T, C] compute dtype, (q, k) each [B, T, N, H] compute dtype)."""
+    def __call__(self, x, tap=None):
+        """x: [B, T, C] float32 -> ([B, T, C] compute dtype, captured).
+
+        captured = {"x": x, "q", "k", "v": each [B, T, N, H] compute dtype} for the monitors and the
+        gradient study. `tap` (optional, [B, T, N, H] compute dtype, zeros) is added to the attention
+        output: the gradient of the loss with respect to it is the dO that the attention backward sees.
+        """
         cfg = self.cfg
         B, T, C = x.shape
         qkv = self.c_attn(x)
         q, k, v = (a.reshape(B, T, cfg.n_head, cfg.head_dim) for a in jnp.split(qkv, 3, axis=-1))
         y = causal_attention(q, k, v, implementation=cfg.attention, max_adjust=cfg.max_adjust,
                              numerics=cfg.numerics, beta=cfg.beta)
-        return self.c_proj(y.reshape(B, T, C)), (q, k)
+        if tap is not None:
+            y = y + tap
+        return self.c_proj(y.reshape(B, T, C)), {"x": x, "q": q, "k": k, "v": v}
 
 
 class MLP(nnx.Module):
@@ -68,16 +75,16 @@ class Block(nnx.Module):
         self.ln_2 = _layer_norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x):
-        """x: [B, T, C] float32 residual stream -> (same, (q, k))."""
-        a, qk = self.attn(self.ln_1(x))
+    def __call__(self, x, tap=None):
+        """x: [B, T, C] float32 residual stream -> (same, the attention's captured inputs)."""
+        a, captured = self.attn(self.ln_1(x), tap)
         x = x + a.astype(jnp.float32)
         x = x + self.mlp(self.ln_2(x)).astype(jnp.float32)
-        return x, qk
+        return x, captured
 
 
-def _block_forward(block: Block, x):
-    return block(x)
+def _block_forward(block: Block, x, tap=None):
+    return block(x, tap)
 
 
 # Recomputes the block in the backward pass instead of storing its activations (--remat).
@@ -92,28 +99,32 @@ class GPT(nnx.Module):
         self.h = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
         self.ln_f = _layer_norm(cfg, rngs)
 
-    def __call__(self, idx, *, capture: bool = False):
+    def __call__(self, idx, *, capture: bool = False, taps=None):
         """idx: [B, T] int32 token ids, T <= block_size.
 
         Returns logits [B, T, vocab_size] in the compute dtype; with capture=True also the list of
-        per-layer (q, k), each [B, T, N, H], for the attention monitors.
+        per-layer attention inputs (dicts of x [B, T, C] and q, k, v [B, T, N, H], see
+        CausalSelfAttention). `taps`: None or one zero [B, T, N, H] array per layer added to the
+        attention outputs, so that a gradient with respect to taps yields each layer's dO.
         """
         cfg = self.cfg
         B, T = idx.shape
         if T > cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {cfg.block_size}")
         x = self.wte(idx) + self.wpe(jnp.arange(T))[None]
-        qks = []
+        layers = []
+        if taps is not None and len(taps) != cfg.n_layer:
+            raise ValueError(f"taps must hold one array per layer ({cfg.n_layer}), got {len(taps)}")
         forward = _block_forward_remat if cfg.remat and not capture else _block_forward
-        for block in self.h:
-            x, qk = forward(block, x)
+        for i, block in enumerate(self.h):
+            x, captured = forward(block, x, None if taps is None else taps[i])
             if capture:
-                qks.append(qk)
+                layers.append(captured)
         x = self.ln_f(x)
         dt = jnp.dtype(cfg.dtype)
         # Tied LM head: the token embedding, transposed, in the compute dtype.
         logits = jnp.dot(x.astype(dt), self.wte.embedding[...].astype(dt).T)
-        return (logits, qks) if capture else logits
+        return (logits, layers) if capture else logits
 
 
 def count_params(model_or_state, *, exclude_positions: bool = False) -> int:

@@ -41,9 +41,10 @@ def make_monitor_fn(graphdef, cfg: ModelConfig):
     scale = cfg.head_dim ** -0.5
 
     def monitor(params, x):
-        _, qks = nnx.merge(graphdef, params)(x, capture=True)
+        _, captured = nnx.merge(graphdef, params)(x, capture=True)
         wq, wk, max_logit, tie = [], [], [], []
-        for i, (q, k) in enumerate(qks):
+        for i, layer in enumerate(captured):
+            q, k = layer["q"], layer["k"]
             kernel = params["h"][i]["attn"]["c_attn"]["kernel"][...]
             wq.append(spectral_norm(kernel[:, :C]))
             wk.append(spectral_norm(kernel[:, C:2 * C]))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from stable_attn.diagnostics.probe import PLACEMENTS, REGIMES, measure_gradients, sweep
+from stable_attn.diagnostics.probe import PEERS, PLACEMENTS, REGIMES, measure_gradients, sweep
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -56,8 +56,8 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m stable_attn.diagnostics",
                                    description=__doc__)
   parser.add_argument("--implementations", default="reference,xla,jax.nn",
-                      help="comma list of stable_attn implementations, plus 'jax.nn' "
-                           "(jax.nn.dot_product_attention, XLA) for comparison")
+                      help="comma list of stable_attn implementations, plus peers for comparison: "
+                           "'jax.nn' (jax.nn.dot_product_attention, XLA) and 'cudnn' (the same, cuDNN)")
   parser.add_argument("--numerics", default="fast,paper")
   parser.add_argument("--max-adjust", default="off,paper:2,paper:7,safe",
                       help="comma list of modes, 'paper:BETA' for the paper's rule with BETA")
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
   for regime in regimes:
     if regime not in REGIMES:
       parser.error(f"--regimes: unknown regime {regime!r}; choose from {REGIMES}")
-  n_ours = sum(i != "jax.nn" for i in impls)
+  n_ours = sum(i not in PEERS for i in impls)
   total = (n_ours * len(numerics) * len(adjusts) + (len(impls) - n_ours)) * len(regimes) * len(
       PLACEMENTS)
   start = time.time()
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
   if args.gradients:
     grads = [measure_gradients(impl, nx, mode, beta=beta, dtype=_DTYPES[args.dtype],
                                seed=args.seed, interpret=args.interpret)
-             for impl in impls if impl != "jax.nn" for nx in numerics for mode, beta in adjusts
+             for impl in impls if impl not in PEERS for nx in numerics for mode, beta in adjusts
              if not (mode == "paper" and beta != 2.0)]
     text += ("\nGradient probe (positive maxima, adjacent ties, dO < 0 on the negative V columns): "
              "delta = rowsum(dO * O) from the output O vs float64\n\n" + gradient_table(grads))

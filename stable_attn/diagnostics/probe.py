@@ -27,6 +27,9 @@ PLACEMENTS = ("adjacent", "random", "split", "none")   # "none": the no-tie cont
 NEGATIVE_COLUMNS = 48
 HEAD_DIM = 64
 SPLIT_AT = 128   # ties at keys 127 and 128: split across blocks for any block_k in 16..128
+# Peers measured beside ours: name -> jax.nn.dot_product_attention implementation. They have no
+# numerics presets or max adjustment.
+PEERS = {"jax.nn": "xla", "cudnn": "cudnn"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +126,9 @@ def _attention(implementation, numerics, max_adjust, beta, interpret):
   """One jitted function per configuration (shapes repeat across regimes)."""
   key = (implementation, numerics, max_adjust, beta, interpret)
   if key not in _CACHE:
-    if implementation == "jax.nn":
-      fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")
+    if implementation in PEERS:
+      fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                        implementation=PEERS[implementation])
     else:
       fn = lambda q, k, v: dot_product_attention(
           q, k, v, implementation=implementation, numerics=numerics, max_adjust=max_adjust,
@@ -140,8 +144,8 @@ def sweep(implementations: Iterable[str], numerics_presets: Iterable[str] = ("fa
   """Every combination; `progress` (e.g. a tqdm) is updated once per measurement."""
   results = []
   for impl in implementations:
-    nx_list = ("-",) if impl == "jax.nn" else tuple(numerics_presets)
-    adj_list = (("-", 0.0),) if impl == "jax.nn" else tuple(adjusts)
+    nx_list = ("-",) if impl in PEERS else tuple(numerics_presets)
+    adj_list = (("-", 0.0),) if impl in PEERS else tuple(adjusts)
     for nx in nx_list:
       for adjust, beta in adj_list:
         for regime in regimes:

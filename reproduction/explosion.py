@@ -1,0 +1,312 @@
+"""The loss-explosion experiment: identical training runs that differ only in the attention arithmetic.
+
+    python -m reproduction.explosion run --out out/explosion --lrs 1e-3,3e-3 --time-limit 1080
+    python -m reproduction.explosion report --out out/explosion --figure docs/figures/explosion.png
+
+`run` starts one `python -m train --config repro` process per (learning rate, arm), all with the same
+seed and therefore the same initial weights and batch order, spread over the visible GPUs (several
+per GPU when there are more runs than GPUs; one after another on a machine without GPUs). Every run
+stops at the time limit with a checkpoint (`--time-limit`; the same command resumes it) or when its
+loss becomes non-finite or spikes (the train loop's spike stop, which keeps the last good checkpoint).
+`report` reads the runs' metrics.jsonl and writes the figure (loss and the largest W_Q spectral norm
+over layers, against steps, per arm) and a Markdown table of outcomes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# arm name -> (numerics preset, max_adjust); the first is the paper's failing arithmetic.
+ARMS = {
+    "paper/off": ("paper", "off"),
+    "paper/paper": ("paper", "paper"),
+    "paper/safe": ("paper", "safe"),
+    "fast/off": ("fast", "off"),
+}
+COLORS = {"paper/off": "tab:red", "paper/paper": "tab:blue", "paper/safe": "tab:green",
+          "fast/off": "tab:orange"}
+EXIT_STOPPED = 3  # `python -m train` exit status when the loss went non-finite or spiked
+SPIKE_FACTOR = 1.5  # a logged loss above this many times its running mean is a spike
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    lr: float
+    arm: str
+    out_dir: Path
+    gpu: str | None  # CUDA_VISIBLE_DEVICES for this run; None on a machine without GPUs
+
+    @property
+    def label(self) -> str:
+        return f"lr {self.lr:g} {self.arm}"
+
+
+def run_dir(out: Path, lr: float, arm: str) -> Path:
+    return Path(out) / f"lr{lr:g}" / arm.replace("/", "-")
+
+
+def plan(out: Path, lrs: list[float], arms: list[str], gpus: list[str]) -> list[Run]:
+    """One run per (lr, arm), assigned round-robin to the GPUs."""
+    for arm in arms:
+        if arm not in ARMS:
+            raise ValueError(f"arms: unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    if not lrs or any(not lr > 0 for lr in lrs):
+        raise ValueError(f"lrs must be positive numbers, got {lrs}")
+    runs = []
+    for i, (lr, arm) in enumerate((lr, arm) for lr in lrs for arm in arms):
+        runs.append(Run(lr, arm, run_dir(out, lr, arm), gpus[i % len(gpus)] if gpus else None))
+    return runs
+
+
+def train_command(run: Run, *, config: str, time_limit: float | None, extra: list[str]) -> list[str]:
+    numerics, max_adjust = ARMS[run.arm]
+    cmd = [sys.executable, "-m", "train", "--config", config, "--numerics", numerics,
+           "--max-adjust", max_adjust, "--lr", repr(run.lr), "--out-dir", str(run.out_dir),
+           "--no-progress", "--no-tensorboard"]
+    if time_limit is not None:
+        cmd += ["--time-limit", repr(time_limit)]
+    return cmd + list(extra)
+
+
+def visible_gpus() -> list[str]:
+    """GPU indices from CUDA_VISIBLE_DEVICES, else from `nvidia-smi -L`; [] without GPUs."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip()]
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")]
+
+
+def last_record(out_dir: Path) -> dict | None:
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.exists():
+        return None
+    last = None
+    for line in path.read_text().splitlines():
+        if line.strip():
+            last = json.loads(line)
+    return last
+
+
+def _progress_line(runs: list[Run], t0: float) -> str:
+    cells = []
+    for run in runs:
+        rec = last_record(run.out_dir)
+        if rec is None:
+            cells.append(f"{run.label}: starting")
+        elif rec.get("stopped"):
+            cells.append(f"{run.label}: STOPPED at {rec['step']}")
+        else:
+            cells.append(f"{run.label}: step {rec['step']} loss {rec['loss']:.3f}")
+    return f"[{time.time() - t0:6.0f}s] " + " | ".join(cells)
+
+
+def launch(runs: list[Run], *, config: str, time_limit: float | None, extra: list[str],
+           report_every: float = 60.0) -> dict[Run, int]:
+    """Start the runs (all at once on GPUs, one by one without), wait, return their exit statuses."""
+    per_gpu = {}
+    for run in runs:
+        per_gpu[run.gpu] = per_gpu.get(run.gpu, 0) + 1
+    t0 = time.time()
+    statuses: dict[Run, int] = {}
+    waves = [runs] if runs and runs[0].gpu is not None else [[r] for r in runs]
+    for wave in waves:
+        procs = {}
+        for run in wave:
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+            env = dict(os.environ)
+            if run.gpu is not None:
+                env["CUDA_VISIBLE_DEVICES"] = run.gpu
+                # Several runs share a GPU: each takes its slice of memory up front.
+                env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.85 / per_gpu[run.gpu]:.2f}"
+            cmd = train_command(run, config=config, time_limit=time_limit, extra=extra)
+            log = open(run.out_dir / "stdout.log", "a")
+            log.write(f"$ {' '.join(cmd)}\n")
+            log.flush()
+            procs[run] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+            print(f"started {run.label} on GPU {run.gpu}: {run.out_dir}", flush=True)
+        next_report = time.time() + report_every
+        while any(p.poll() is None for p, _ in procs.values()):
+            time.sleep(1.0)
+            if time.time() >= next_report:
+                print(_progress_line(runs, t0), flush=True)
+                next_report += report_every
+        for run, (proc, log) in procs.items():
+            log.close()
+            statuses[run] = proc.returncode
+    print(_progress_line(runs, t0), flush=True)
+    return statuses
+
+
+# --------------------------------------------------------------------------------- report
+
+
+def read_run(out_dir: Path) -> dict:
+    """Steps/losses, monitor records and the outcome of one run directory."""
+    records = []
+    path = Path(out_dir) / "metrics.jsonl"
+    if path.exists():
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("loss") is not None and "stopped" not in r
+             and "loss_avg" in r]
+    monitors = [r for r in records if "spec_wq" in r]
+    stop = next((r for r in records if r.get("stopped")), None)
+    summary_path = Path(out_dir) / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return {"steps": [r["step"] for r in train], "loss": [r["loss_avg"] for r in train],
+            "monitor_steps": [r["step"] for r in monitors],
+            "spec_wq": [r["spec_wq"] for r in monitors], "tie_frac": [r["tie_frac"] for r in monitors],
+            "max_logit": [r["max_logit"] for r in monitors], "stop": stop, "summary": summary}
+
+
+def first_spike(steps: list[int], losses: list[float], *, after: int = 500) -> int | None:
+    """First step (from `after` on) whose loss exceeds SPIKE_FACTOR x the running mean (EMA 0.9 over
+    the logged losses, as the train loop's spike stop but over records); None if there is none."""
+    ema = None
+    for step, loss in zip(steps, losses):
+        if ema is not None and step >= after and loss > SPIKE_FACTOR * ema:
+            return step
+        ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+    return None
+
+
+def outcome(run: dict) -> str:
+    """"diverged" (non-finite), "spiked at ... (recovered / did not recover)" or "stable"."""
+    if run["stop"] is not None:
+        return f"diverged at step {run['stop']['step']} (non-finite loss)"
+    if not run["steps"]:
+        return "no steps recorded"
+    spike = first_spike(run["steps"], run["loss"])
+    if spike is None:
+        return f"stable to step {run['steps'][-1]}"
+    before = min(loss for step, loss in zip(run["steps"], run["loss"]) if step < spike)
+    recovered = run["loss"][-1] < SPIKE_FACTOR * before
+    return (f"loss spike at step {spike}, {'recovered' if recovered else 'did not recover'} by step "
+            f"{run['steps'][-1]}")
+
+
+def table(out: Path, lrs: list[float], arms: list[str]) -> str:
+    lines = ["| lr | arm (numerics/max_adjust) | outcome | final loss | max W_Q norm: first -> last "
+             "(layer) | tie rate, mean over layers: first -> last |",
+             "|---|---|---|---|---|---|"]
+    for lr in lrs:
+        for arm in arms:
+            r = read_run(run_dir(out, lr, arm))
+            final = f"{r['loss'][-1]:.3f}" if r["loss"] else "-"
+            if r["spec_wq"]:
+                first, last = r["spec_wq"][0], r["spec_wq"][-1]
+                layer = max(range(len(last)), key=last.__getitem__)
+                norm = f"{max(first):.1f} -> {max(last):.1f} (layer {layer + 1})"
+                ties = (f"{sum(r['tie_frac'][0]) / len(first):.3f} -> "
+                        f"{sum(r['tie_frac'][-1]) / len(last):.3f}")
+            else:
+                norm = ties = "-"
+            lines.append(f"| {lr:g} | {arm} | {outcome(r)} | {final} | {norm} | {ties} |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(out: Path, lrs: list[float], arms: list[str], path: Path) -> Path:
+    """Rows: training loss, largest W_Q spectral norm over layers; one column per learning rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(lrs), figsize=(5.5 * len(lrs), 7), squeeze=False, sharex="col")
+    for col, lr in enumerate(lrs):
+        ax_loss, ax_norm = axes[0, col], axes[1, col]
+        for arm in arms:
+            r = read_run(run_dir(out, lr, arm))
+            color = COLORS.get(arm)
+            ax_loss.plot(r["steps"], r["loss"], color=color, lw=1, label=f"{arm}: {outcome(r)}")
+            ax_norm.plot(r["monitor_steps"], [max(v) for v in r["spec_wq"]], color=color, lw=1.2)
+            if r["stop"] is not None and r["steps"]:
+                ax_loss.plot(r["steps"][-1], r["loss"][-1], "x", color=color, ms=10, mew=2)
+        ax_loss.set_title(f"peak lr {lr:g}")
+        ax_loss.set_ylabel("training loss (mean of 10 steps)")
+        ax_loss.legend(fontsize=7, loc="upper right")
+        ax_norm.set_ylabel("largest W_Q spectral norm over layers")
+        ax_norm.set_xlabel("step")
+        for ax in (ax_loss, ax_norm):
+            ax.grid(alpha=0.3)
+    fig.suptitle("GPT-2 124M (no biases), bf16, 32x1024 tokens/step: arms differ only in attention "
+                 "numerics / max_adjust", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------- CLI
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _arms(text: str) -> list[str]:
+    arms = [a for a in text.split(",") if a]
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
+    return arms
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reproduction.explosion", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "report"):
+        p = sub.add_parser(name)
+        p.add_argument("--out", default="out/explosion", help="one sub-directory per run")
+        p.add_argument("--lrs", type=_floats, default=[1e-3, 3e-3], help="peak learning rates")
+        p.add_argument("--arms", type=_arms, default=list(ARMS), help=f"from {', '.join(ARMS)}")
+        p.add_argument("--figure", help="write the figure here (default OUT/explosion.png)")
+        p.add_argument("--table", help="write the Markdown table here (default OUT/explosion.md)")
+    run_p = sub.choices["run"]
+    run_p.add_argument("--config", default="repro", help="train config of every run")
+    run_p.add_argument("--time-limit", type=float, help="seconds per run (then checkpoint; rerun resumes)")
+    run_p.add_argument("--gpus", help="comma list of GPU indices (default: all visible; none = CPU)")
+    run_p.add_argument("--report-every", type=float, default=60.0, help="seconds between progress lines")
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "run":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    out = Path(args.out)
+    status = 0
+    if args.command == "run":
+        gpus = visible_gpus() if args.gpus is None else [g for g in args.gpus.split(",") if g]
+        try:
+            runs = plan(out, args.lrs, args.arms, gpus)
+        except ValueError as e:
+            parser.error(str(e))
+        statuses = launch(runs, config=args.config, time_limit=args.time_limit, extra=extra,
+                          report_every=args.report_every)
+        failed = [r for r, s in statuses.items() if s not in (0, EXIT_STOPPED)]
+        for r in failed:
+            print(f"ERROR: {r.label} exited with status {statuses[r]}; see {r.out_dir / 'stdout.log'}",
+                  file=sys.stderr)
+        status = 1 if failed else 0
+    text = table(out, args.lrs, args.arms)
+    table_path = Path(args.table or out / "explosion.md")
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    table_path.write_text(text)
+    fig = figure(out, args.lrs, args.arms, Path(args.figure or out / "explosion.png"))
+    print(text + f"\nfigure: {fig}\ntable: {table_path}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU part of docs/reproduction.md on a machine reached through calls of at most 10 minutes:
+#
+#   bash reproduction/gpu_session.sh start    # arms in the background (setsid), bias probes, progress
+#   bash reproduction/gpu_session.sh wait     # progress until this call's budget is spent
+#   bash reproduction/gpu_session.sh finish   # wait for the arms, gradient study, pack the results
+#
+# On a machine without call limits, `start` then `finish` is the whole job. Needs data/mix
+# (python -m train --corpus mix --prepare-only). Results go to $OUT (default $REPRO_DIR/out);
+# every phase also packs the partial results, so a lost machine loses at most one call.
+set -uo pipefail
+phase=${1:?usage: gpu_session.sh start|wait|finish}
+W=${REPRO_DIR:-/tmp/repro}
+OUT=${OUT:-$W/out}
+LRS=${LRS:-1e-3,3e-3}
+TIME_LIMIT=${TIME_LIMIT:-1140}     # seconds of training per arm
+CALL_SECONDS=${CALL_SECONDS:-560}  # how long start/wait may run
+GRAD_LR=${GRAD_LR:-0.003}          # which learning rate's paper/off run the gradient study reads
+EXPLOSION_ARGS=${EXPLOSION_ARGS:-}  # more arguments for `explosion run` (e.g. a smoke test's config)
+export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+mkdir -p "$W" "$OUT"
+t0=$(date +%s)
+running() { pgrep -f "reproduction.explosion run" >/dev/null; }
+pack() {
+  (cd "$W" && tar czf "$OUT/results.tar.gz" --ignore-failed-read \
+     $(ls -d explosion.log probe*.log explosion/explosion.* explosion/*/*/metrics.jsonl \
+        explosion/*/*/summary.json explosion/*/*/train.log explosion/*/*/stdout.log gradients 2>/dev/null))
+}
+progress() {
+  while running && [ $(( $(date +%s) - t0 )) -lt "$CALL_SECONDS" ]; do sleep 15; done
+  tail -n 2 "$W/explosion.log"
+}
+
+case $phase in
+start)
+  nvidia-smi -L
+  setsid nohup python3 -m reproduction.explosion run --out "$W/explosion" --lrs "$LRS" \
+      --time-limit "$TIME_LIMIT" --report-every 60 $EXPLOSION_ARGS >"$W/explosion.log" 2>&1 </dev/null &
+  # The probes share GPU 0 with its runs through a small memory slice.
+  export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.06
+  python3 -m stable_attn.diagnostics --implementations pallas_gpu,reference,xla,jax.nn --gradients \
+      --out "$OUT/bias_probe_gpu.md" >"$W/probe.log" 2>&1; echo "probe: exit $?"
+  python3 -m stable_attn.diagnostics --implementations cudnn --numerics fast --max-adjust off \
+      --out "$OUT/bias_probe_gpu_cudnn.md" >"$W/probe_cudnn.log" 2>&1; echo "cudnn probe: exit $?"
+  unset CUDA_VISIBLE_DEVICES XLA_PYTHON_CLIENT_MEM_FRACTION
+  progress; pack ;;
+wait)
+  progress; pack ;;
+finish)
+  while running; do sleep 5; done
+  tail -n 12 "$W/explosion.log"
+  python3 -m reproduction.gradients --run "$W/explosion/lr$GRAD_LR/paper-off" --step before-spike \
+      --steps 20 --data data/mix --out "$W/gradients/gradients.json" 2>&1 | tee "$W/gradients.log" | tail -n 60
+  pack ;;
+*)
+  echo "unknown phase $phase (start, wait or finish)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,164 @@
+"""reproduction/: the gradient-error bookkeeping against float64, the study on a checkpoint, the
+explosion launcher's plan, outcome classification and report."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from reproduction import explosion, gradients
+from stable_attn import dot_product_attention
+from stable_attn.reference import exact_attention, exact_attention_vjp
+from train.config import ModelConfig, get_config
+from train.loop import RunOptions, train
+
+ALICE = str(Path(__file__).parent / "data" / "carroll-alice.txt")
+
+
+def _rand(rng, shape, dtype=jnp.bfloat16, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+
+
+def test_exact_causal_attention_matches_float64():
+    rng = np.random.default_rng()
+    q, k, v = (_rand(rng, (2, 24, 3, 16), jnp.float32) for _ in range(3))
+    out, p = jax.jit(gradients.exact_causal_attention)(q, k, v)
+    truth = exact_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(np.asarray(out), truth, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(p).sum(-1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arm", ["paper/off", "fast/off"])
+def test_layer_errors_match_an_independent_float64_computation(arm):
+    """delta and dW_Q / dW_K errors of the low-precision kernel against float64 NumPy."""
+    rng = np.random.default_rng()
+    B, T, N, H, C = 2, 32, 2, 16, 24
+    q, k, v = (_rand(rng, (B, T, N, H), scale=1.5) for _ in range(3))
+    do = _rand(rng, (B, T, N, H), scale=0.1)
+    x = jnp.asarray(rng.standard_normal((B, T, C)), jnp.float32)
+    model = ModelConfig(n_layer=1, n_head=N, n_embd=N * H, block_size=T, attention="reference")
+    got = jax.device_get(jax.jit(lambda *a: gradients.layer_errors(*a, model=model, arm=arm))(q, k, v, do, x))
+
+    numerics, max_adjust = explosion.ARMS[arm]
+    fn = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, implementation="reference",
+                                               numerics=numerics, max_adjust=max_adjust)
+    o_lp, vjp = jax.vjp(fn, q, k, v)
+    dq_lp, dk_lp, _ = (np.asarray(g.astype(jnp.float32), np.float64) for g in vjp(do))
+    o_true, dq_true, dk_true, _, _ = exact_attention_vjp(q, k, v, do, is_causal=True)
+    do64 = np.asarray(do.astype(jnp.float32), np.float64)
+    ddelta = np.sum(do64 * (np.asarray(o_lp.astype(jnp.float32), np.float64) - o_true), axis=-1)
+    X = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    per_head = lambda d: np.einsum("btc,btnh->nch", X, d)
+    rel = lambda e, ref: np.linalg.norm(e.reshape(N, -1), axis=1) / np.linalg.norm(ref.reshape(N, -1), axis=1)
+
+    assert np.abs(ddelta).max() > 0  # the kernel does round: there is something to measure
+    np.testing.assert_allclose(got["delta_err_sum"], ddelta.sum(axis=(0, 1)), rtol=2e-2,
+                               atol=1e-3 * np.abs(ddelta).sum())
+    np.testing.assert_allclose(got["dwq_rel_err"], rel(per_head(dq_lp - dq_true), per_head(dq_true)), rtol=2e-2)
+    np.testing.assert_allclose(got["dwk_rel_err"], rel(per_head(dk_lp - dk_true), per_head(dk_true)), rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(got["e_q"]), per_head(dq_lp - dq_true),
+                               atol=2e-2 * np.abs(per_head(dq_lp - dq_true)).max())
+    assert np.all((got["dwq_rank1_share"] > 0) & (got["dwq_rank1_share"] <= 1 + 1e-6))
+
+
+def test_study_on_a_tiny_checkpoint(tmp_path):
+    cfg = get_config("tiny").replace(
+        model=dict(n_layer=2, n_head=2, n_embd=32, block_size=32, attention="reference",
+                   numerics="paper", max_adjust="off"),
+        batch_size=4, max_steps=3, eval_every=0, monitor_every=1, ckpt_every=0, sample_tokens=0)
+    run = tmp_path / "run"
+    train(cfg, RunOptions(out_dir=run, data=ALICE, progress=False, tensorboard=False))
+    result = gradients.study(run, steps=3, compare=["paper/off", "paper/safe"], data=ALICE,
+                             progress=lambda _: None)
+    assert result["start_step"] == 3 and result["own_arm"] == "paper/off" and len(result["losses"]) == 3
+    for arm in ("paper/off", "paper/safe"):
+        r = {k: np.asarray(v, np.float64) for k, v in result["arms"][arm].items()}
+        assert r["delta_err_sum"].shape == (3, 2, 2) and r["tie_frac"].shape == (3, 2)
+        assert np.isfinite(r["dwq_rel_err"]).all() and (r["dwq_rel_err"] > 0).all()
+        assert np.isnan(r["dwq_cos_prev"][0]).all() and (np.abs(r["dwq_cos_prev"][1:]) <= 1 + 1e-9).all()
+        assert ((r["dwq_coherence"] > 0) & (r["dwq_coherence"] <= 1 + 1e-9)).all()
+        assert set(np.unique(r["delta_sign_positive"] * 3)) <= {0, 1, 2, 3}
+    text = gradients.table(result)
+    assert text.count("| paper/off |") == 2 and text.count("| paper/safe |") == 2
+    fig = gradients.figure(result, tmp_path / "g.png", run / "metrics.jsonl")
+    assert fig.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="steps"):
+        gradients.study(run, steps=1, compare=["paper/off"], data=ALICE)
+    with pytest.raises(ValueError, match="--step"):
+        gradients.pick_step(run, "soon")
+    assert gradients.pick_step(run, "before-spike") is None  # no spike: the latest
+
+
+def test_plan_assigns_gpus_round_robin_and_builds_commands(tmp_path):
+    runs = explosion.plan(tmp_path, [1e-3, 3e-3], list(explosion.ARMS), ["0", "1", "2"])
+    assert len(runs) == 8 and [r.gpu for r in runs] == ["0", "1", "2", "0", "1", "2", "0", "1"]
+    assert runs[5].out_dir == tmp_path / "lr0.003" / "paper-paper"
+    cmd = explosion.train_command(runs[0], config="repro", time_limit=60.0, extra=["--max-steps", "5"])
+    assert cmd[:3] == [sys.executable, "-m", "train"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--numerics"] == "paper" and flags["--max-adjust"] == "off"
+    assert float(flags["--lr"]) == 1e-3 and flags["--time-limit"] == "60.0" and cmd[-2:] == ["--max-steps", "5"]
+    assert [r.gpu for r in explosion.plan(tmp_path, [1e-3], ["fast/off"], [])] == [None]
+    with pytest.raises(ValueError, match="arm"):
+        explosion.plan(tmp_path, [1e-3], ["paper/on"], [])
+    with pytest.raises(ValueError, match="lrs"):
+        explosion.plan(tmp_path, [0.0], ["fast/off"], [])
+
+
+def _write_run(directory: Path, losses, *, stopped_at=None):
+    directory.mkdir(parents=True)
+    recs = []
+    for i, loss in enumerate(losses):
+        step = 10 * i
+        rec = {"step": step, "loss": loss, "loss_avg": loss, "grad_norm": 1.0}
+        if i % 5 == 0:
+            rec |= {"spec_wq": [1.0 + i, 2.0 + i], "tie_frac": [0.1, 0.2], "max_logit": [3.0, 4.0]}
+        recs.append(rec)
+    if stopped_at is not None:
+        recs.append({"step": stopped_at, "loss": None, "stopped": "train: STOPPED"})
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_outcomes_and_report(tmp_path):
+    rng = np.random.default_rng()
+    base = list(np.linspace(8, 4, 60) + rng.uniform(-0.05, 0.05, 60))
+    series = {
+        "paper/off": base[:50] + [9.0] * 10,                  # spikes at step 500, stays up
+        "paper/paper": base[:55] + [9.0] + base[56:],          # spikes at 550, recovers
+        "paper/safe": base,                                    # stable
+        "fast/off": base[:30],                                 # NaN at step 300
+    }
+    for arm, losses in series.items():
+        _write_run(explosion.run_dir(tmp_path, 1e-3, arm), losses,
+                   stopped_at=300 if arm == "fast/off" else None)
+    out = {arm: explosion.outcome(explosion.read_run(explosion.run_dir(tmp_path, 1e-3, arm))) for arm in series}
+    assert out["paper/off"] == "loss spike at step 500, did not recover by step 590"
+    assert out["paper/paper"] == "loss spike at step 550, recovered by step 590"
+    assert out["paper/safe"] == "stable to step 590"
+    assert out["fast/off"] == "diverged at step 300 (non-finite loss)"
+    assert explosion.first_spike([0, 10, 20], [5.0, 9.0, 9.0], after=0) == 10
+    assert explosion.first_spike([0, 10, 20], [5.0, 9.0, 9.0], after=500) is None
+
+    assert explosion.main(["report", "--out", str(tmp_path), "--lrs", "1e-3"]) == 0
+    table = (tmp_path / "explosion.md").read_text()
+    assert table.count("| 0.001 |") == 4
+    assert "2.0 -> 57.0 (layer 2)" in table  # largest norm over layers, first and last monitor
+    assert (tmp_path / "explosion.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        explosion.main(["report", "--out", str(tmp_path), "--arms", "paper/on"])
+
+
+def test_run_launches_arms_on_cpu(tmp_path):
+    """The launcher end to end on CPU: two arms one after another, identical until numerics differ."""
+    argv = ["run", "--out", str(tmp_path), "--config", "tiny", "--lrs", "3e-3", "--arms", "paper/off,fast/off",
+            "--gpus", "", "--report-every", "5", "--data", ALICE, "--max-steps", "2", "--eval-every", "0",
+            "--monitor-every", "1", "--ckpt-every", "0", "--sample-tokens", "0", "--block-size", "32"]
+    assert explosion.main(argv) == 0
+    runs = [explosion.read_run(explosion.run_dir(tmp_path, 3e-3, arm)) for arm in ("paper/off", "fast/off")]
+    assert all(r["steps"] == [0, 1] for r in runs)
+    assert runs[0]["loss"][0] == pytest.approx(runs[1]["loss"][0], rel=1e-2)  # same weights, same batch
+    assert "numerics='paper'" in (explosion.run_dir(tmp_path, 3e-3, "paper/off") / "train.log").read_text()
