@@ -33,6 +33,7 @@ COLORS = {"paper/off": "tab:red", "paper/paper": "tab:blue", "paper/safe": "tab:
           "fast/off": "tab:orange"}
 EXIT_STOPPED = 3  # `python -m train` exit status when the loss went non-finite or spiked
 SPIKE_FACTOR = 1.5  # a logged loss above this many times its running mean is a spike
+RISING_FACTOR = 1.2  # a final loss this far above the run's lowest is reported as rising
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,14 +180,41 @@ def first_spike(steps: list[int], losses: list[float], *, after: int = 500) -> i
     return None
 
 
+def sustained_rise(steps: list[int], losses: list[float]) -> int | None:
+    """First step from which every later logged loss stays above SPIKE_FACTOR x the lowest loss
+    before it (a slow divergence, which no single spike reveals); None if there is none."""
+    low, lows = float("inf"), []
+    for loss in losses:
+        lows.append(low)
+        low = min(low, loss)
+    tail_min = float("inf")
+    first = None
+    for i in range(len(losses) - 1, -1, -1):
+        tail_min = min(tail_min, losses[i])
+        if tail_min > SPIKE_FACTOR * lows[i]:
+            first = steps[i]
+    return first
+
+
 def outcome(run: dict) -> str:
-    """"diverged" (non-finite), "spiked at ... (recovered / did not recover)" or "stable"."""
+    """"diverged" (non-finite loss, or a sustained rise), "loss spike ... (recovered / did not
+    recover)" or "stable"."""
     if run["stop"] is not None:
         return f"diverged at step {run['stop']['step']} (non-finite loss)"
     if not run["steps"]:
         return "no steps recorded"
+    rise = sustained_rise(run["steps"], run["loss"])
+    if rise is not None:
+        low = min(run["loss"])
+        return (f"diverged: loss above {SPIKE_FACTOR:g}x its minimum {low:.2f} from step {rise} on, "
+                f"{run['loss'][-1]:.2f} at step {run['steps'][-1]}")
     spike = first_spike(run["steps"], run["loss"])
     if spike is None:
+        low = min(run["loss"])
+        if run["loss"][-1] > RISING_FACTOR * low:
+            at = run["steps"][run["loss"].index(low)]
+            return (f"rising: lowest loss {low:.2f} at step {at}, {run['loss'][-1]:.2f} at step "
+                    f"{run['steps'][-1]}")
         return f"stable to step {run['steps'][-1]}"
     before = min(loss for step, loss in zip(run["steps"], run["loss"]) if step < spike)
     recovered = run["loss"][-1] < SPIKE_FACTOR * before
@@ -232,13 +260,19 @@ def figure(out: Path, lrs: list[float], arms: list[str], path: Path) -> Path:
                 ax_loss.plot(r["steps"][-1], r["loss"][-1], "x", color=color, ms=10, mew=2)
         ax_loss.set_title(f"peak lr {lr:g}")
         ax_loss.set_ylabel("training loss (mean of 10 steps)")
-        ax_loss.legend(fontsize=7, loc="upper right")
+        ax_loss.legend(fontsize=6, loc="lower left")
         ax_norm.set_ylabel("largest W_Q spectral norm over layers")
         ax_norm.set_xlabel("step")
         for ax in (ax_loss, ax_norm):
             ax.grid(alpha=0.3)
     fig.suptitle("GPT-2 124M (no biases), bf16, 32x1024 tokens/step: arms differ only in attention "
                  "numerics / max_adjust", fontsize=10)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write (creating the directory) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from reproduction.explosion import ARMS, first_spike, read_run
+from reproduction.explosion import ARMS, first_spike, read_run, save_figure
 from train import data as data_lib
 from train.attention import causal_attention
 from train.checkpoint import Checkpointer
@@ -234,9 +234,10 @@ def table(result: dict) -> str:
     steps = result["steps"]
     lines = [f"Checkpoint {result['run']} at step {result['start_step']} (trained with "
              f"{result['own_arm']}), {steps} consecutive steps of {result['batch_tokens']:,} tokens, "
-             f"{result['device']}.", "",
+             f"{result['device']}. dW_Q error coherence of unrelated directions: ~1/sqrt(steps) = "
+             f"{steps ** -0.5:.2f}; 1 = one direction every step.", "",
              "| arm | layer | tie rate | delta rel. bias | steps with summed delta err > 0 (most one-signed head) "
-             "| dW_Q rel. err | dW_K rel. err | dW_Q err cos(t, t-1) | dW_Q err coherence (max head) "
+             "| dW_Q rel. err (median) | dW_K rel. err (median) | dW_Q err cos(t, t-1) | dW_Q err coherence (max head) "
              "| rank-1 share | delta-path cos |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, r in result["arms"].items():
@@ -249,7 +250,7 @@ def table(result: dict) -> str:
                 f"| {arm} | {layer + 1} | {a['tie_frac'][:, layer].mean():.3f} | "
                 f"{a['delta_rel_bias'][:, layer].mean():+.1e} | "
                 f"{sign.mean():.2f} (head {one_sided + 1}: {sign[one_sided]:.2f}) | "
-                f"{a['dwq_rel_err'][:, layer].mean():.1e} | {a['dwk_rel_err'][:, layer].mean():.1e} | "
+                f"{np.median(a['dwq_rel_err'][:, layer]):.1e} | {np.median(a['dwk_rel_err'][:, layer]):.1e} | "
                 f"{np.nanmean(a['dwq_cos_prev'][:, layer]):+.2f} | "
                 f"{coh.mean():.2f} (head {int(np.argmax(coh)) + 1}: {coh.max():.2f}) | "
                 f"{a['dwq_rank1_share'][:, layer].mean():.2f} | {a['dwq_delta_cos'][:, layer].mean():+.2f} |")
@@ -281,35 +282,40 @@ def figure(result: dict, path: Path, run_metrics: Path | None = None) -> Path:
             ax.set_yticks(range(n_layer), [str(i + 1) for i in range(n_layer)], fontsize=6)
             fig.colorbar(im, ax=ax, fraction=0.046)
     if extra:
-        records = [json.loads(line) for line in Path(run_metrics).read_text().splitlines() if line.strip()]
-        mons = [r for r in records if "tie_frac" in r]
-        ties = np.asarray([r["tie_frac"] for r in mons])
+        history = read_run(Path(run_metrics).parent)
+        steps, ties = history["monitor_steps"], np.asarray(history["tie_frac"])
         ax = axes[0, -1]
         for layer in range(ties.shape[1]):
-            ax.plot([r["step"] for r in mons], ties[:, layer], lw=1, label=f"layer {layer + 1}")
+            ax.plot(steps, ties[:, layer], lw=1, label=f"layer {layer + 1}")
         ax.set_title("tie rate per layer over training", fontsize=8)
         ax.set_xlabel("step")
         ax.legend(fontsize=5, ncol=2)
         ax = axes[1, -1]
-        spec = np.asarray([r["spec_wq"] for r in mons])
+        spec = np.asarray(history["spec_wq"])
         for layer in range(spec.shape[1]):
-            ax.plot([r["step"] for r in mons], spec[:, layer], lw=1)
+            ax.plot(steps, spec[:, layer], lw=1)
         ax.set_title("W_Q spectral norm per layer", fontsize=8)
         ax.set_xlabel("step")
     fig.suptitle(f"Gradient errors vs fp32, {result['steps']} steps from step {result['start_step']} of "
                  f"{result['run']}", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
+
+
+def load_results(path: Path) -> dict:
+    """A study's JSON, plain or gzip-compressed."""
+    if path.suffix == ".gz":
+        import gzip
+        return json.loads(gzip.decompress(path.read_bytes()))
+    return json.loads(path.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m reproduction.gradients", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, help="a training run directory (with checkpoints/)")
+    parser.add_argument("--run", required=True, help="a training run directory (with checkpoints/; for "
+                                                     "--from-results only its metrics.jsonl is read)")
+    parser.add_argument("--from-results", help="re-render the table and figure from a saved JSON "
+                                               "(.json or .json.gz) instead of running the study")
     parser.add_argument("--step", default="latest",
                         help="checkpoint step, 'latest', or 'before-spike': the last checkpoint before the "
                              "run's first loss spike (the latest if it has none)")
@@ -325,15 +331,20 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"--compare: unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
     run = Path(args.run)
-    try:
-        result = study(run, steps=args.steps, compare=compare, step=pick_step(run, args.step),
-                       data=args.data)
-    except ValueError as e:
-        print(f"python -m reproduction.gradients: error: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out or run / "gradients.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result) + "\n")
+    if args.from_results:
+        result = load_results(Path(args.from_results))
+        out = Path(args.out or args.from_results)
+    else:
+        try:
+            result = study(run, steps=args.steps, compare=compare, step=pick_step(run, args.step),
+                           data=args.data)
+        except ValueError as e:
+            print(f"python -m reproduction.gradients: error: {e}", file=sys.stderr)
+            return 2
+        out = Path(args.out or run / "gradients.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result) + "\n")
+    out = out.with_name(out.name.removesuffix(".gz"))
     text = table(result)
     Path(args.table or out.with_suffix(".md")).write_text(text)
     fig = figure(result, Path(args.figure or out.with_suffix(".png")), run / "metrics.jsonl")

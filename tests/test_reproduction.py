@@ -127,7 +127,7 @@ def test_outcomes_and_report(tmp_path):
     rng = np.random.default_rng()
     base = list(np.linspace(8, 4, 60) + rng.uniform(-0.05, 0.05, 60))
     series = {
-        "paper/off": base[:50] + [9.0] * 10,                  # spikes at step 500, stays up
+        "paper/off": base[:50] + [9.0] * 10,                  # jumps at step 500, stays up
         "paper/paper": base[:55] + [9.0] + base[56:],          # spikes at 550, recovers
         "paper/safe": base,                                    # stable
         "fast/off": base[:30],                                 # NaN at step 300
@@ -136,10 +136,18 @@ def test_outcomes_and_report(tmp_path):
         _write_run(explosion.run_dir(tmp_path, 1e-3, arm), losses,
                    stopped_at=300 if arm == "fast/off" else None)
     out = {arm: explosion.outcome(explosion.read_run(explosion.run_dir(tmp_path, 1e-3, arm))) for arm in series}
-    assert out["paper/off"] == "loss spike at step 500, did not recover by step 590"
+    assert out["paper/off"].startswith("diverged: loss above 1.5x its minimum") and "from step 500 on" in out["paper/off"]
     assert out["paper/paper"] == "loss spike at step 550, recovered by step 590"
     assert out["paper/safe"] == "stable to step 590"
     assert out["fast/off"] == "diverged at step 300 (non-finite loss)"
+    rise = list(np.linspace(8, 3, 30)) + list(np.linspace(3, 6, 30))
+    assert explosion.sustained_rise([10 * i for i in range(60)], rise) == 450  # first loss > 1.5 x 3.0
+    _write_run(tmp_path / "slow", rise)
+    assert explosion.outcome(explosion.read_run(tmp_path / "slow")).startswith(
+        "diverged: loss above 1.5x its minimum 3.00 from step 450 on")
+    _write_run(tmp_path / "drift", list(np.linspace(8, 3, 30)) + [3.9] * 5)
+    assert explosion.outcome(explosion.read_run(tmp_path / "drift")) == (
+        "rising: lowest loss 3.00 at step 290, 3.90 at step 340")
     assert explosion.first_spike([0, 10, 20], [5.0, 9.0, 9.0], after=0) == 10
     assert explosion.first_spike([0, 10, 20], [5.0, 9.0, 9.0], after=500) is None
 
