@@ -196,6 +196,14 @@ def sustained_rise(steps: list[int], losses: list[float]) -> int | None:
     return first
 
 
+def first_instability(run: dict) -> int | None:
+    """The earliest step at which `run` (from read_run) diverged, rose for good or spiked; None if never."""
+    candidates = [sustained_rise(run["steps"], run["loss"]), first_spike(run["steps"], run["loss"]),
+                  run["stop"]["step"] if run["stop"] is not None else None]
+    found = [step for step in candidates if step is not None]
+    return min(found) if found else None
+
+
 def outcome(run: dict) -> str:
     """"diverged" (non-finite loss, or a sustained rise), "loss spike ... (recovered / did not
     recover)" or "stable"."""

@@ -49,7 +49,7 @@ wait)
 finish)
   while running; do sleep 5; done
   tail -n 12 "$W/explosion.log"
-  python3 -m reproduction.gradients --run "$W/explosion/lr$GRAD_LR/paper-off" --step before-spike \
+  python3 -m reproduction.gradients --run "$W/explosion/lr$GRAD_LR/paper-off" --step before-instability \
       --steps 20 --data data/mix --out "$W/gradients/gradients.json" 2>&1 | tee "$W/gradients.log" | tail -n 60
   pack ;;
 *)

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from reproduction.explosion import ARMS, first_spike, read_run, save_figure
+from reproduction.explosion import ARMS, first_instability, read_run, save_figure
 from train import data as data_lib
 from train.attention import causal_attention
 from train.checkpoint import Checkpointer
@@ -147,25 +147,22 @@ def restore(run: Path, step: int | None):
 
 
 def pick_step(run: Path, choice: str) -> int | None:
-    """--step: a number, "latest" (None) or "before-spike"."""
+    """--step: a number, "latest" (None) or "before-instability"."""
     if choice == "latest":
         return None
-    if choice != "before-spike":
+    if choice != "before-instability":
         try:
             return int(choice)
         except ValueError:
-            raise ValueError(f"--step must be a number, 'latest' or 'before-spike', got {choice!r}") from None
-    r = read_run(run)
-    spike = first_spike(r["steps"], r["loss"])
-    if r["stop"] is not None:
-        spike = min(spike, r["stop"]["step"]) if spike is not None else r["stop"]["step"]
-    if spike is None:
+            raise ValueError(f"--step must be a number, 'latest' or 'before-instability', got {choice!r}") from None
+    unstable = first_instability(read_run(run))
+    if unstable is None:
         return None
     ckpt = Checkpointer(Path(run) / "checkpoints")
-    steps = [s for s in ckpt.manager.all_steps() if s <= spike]
+    steps = [s for s in ckpt.manager.all_steps() if s <= unstable]
     ckpt.close()
     if not steps:
-        raise ValueError(f"--run {run}: no checkpoint left before the spike at step {spike}")
+        raise ValueError(f"--run {run}: no checkpoint left before the instability at step {unstable}")
     return max(steps)
 
 
@@ -185,8 +182,8 @@ def study(run: Path, *, steps: int, compare: list[str], step: int | None = None,
     layer_fns = {arm: jax.jit(lambda q, k, v, do, x, arm=arm: layer_errors(q, k, v, do, x, model=mcfg, arm=arm))
                  for arm in compare}
     L, N = mcfg.n_layer, mcfg.n_head
-    scalars = [k for k in ("delta_err_sum", "delta_rel_bias", "delta_rel_rms", "dwq_rel_err",
-                           "dwk_rel_err", "dwq_rank1_share", "dwq_delta_cos", "dwq_delta_norm_ratio")]
+    scalars = ("delta_err_sum", "delta_rel_bias", "delta_rel_rms", "dwq_rel_err", "dwk_rel_err",
+               "dwq_rank1_share", "dwq_delta_cos", "dwq_delta_norm_ratio")
     out = {arm: {k: np.zeros((steps, L, N)) for k in scalars} | {
         "tie_frac": np.zeros((steps, L)), "dwq_cos_prev": np.full((steps, L, N), np.nan)} for arm in compare}
     e_sum = {arm: np.zeros((L, N, mcfg.n_embd, mcfg.head_dim)) for arm in compare}
@@ -317,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-results", help="re-render the table and figure from a saved JSON "
                                                "(.json or .json.gz) instead of running the study")
     parser.add_argument("--step", default="latest",
-                        help="checkpoint step, 'latest', or 'before-spike': the last checkpoint before the "
-                             "run's first loss spike (the latest if it has none)")
+                        help="checkpoint step, 'latest', or 'before-instability': the last checkpoint before "
+                             "the run's first spike, sustained rise or non-finite loss (the latest if none)")
     parser.add_argument("--steps", type=int, default=20, help="consecutive optimizer steps to study")
     parser.add_argument("--compare", default=",".join(ARMS), help=f"arms from {', '.join(ARMS)}")
     parser.add_argument("--data", help="token data directory (default: ./data/<the run's corpus>)")

@@ -90,7 +90,7 @@ def test_study_on_a_tiny_checkpoint(tmp_path):
         gradients.study(run, steps=1, compare=["paper/off"], data=ALICE)
     with pytest.raises(ValueError, match="--step"):
         gradients.pick_step(run, "soon")
-    assert gradients.pick_step(run, "before-spike") is None  # no spike: the latest
+    assert gradients.pick_step(run, "before-instability") is None  # no instability: the latest
 
 
 def test_plan_assigns_gpus_round_robin_and_builds_commands(tmp_path):
@@ -148,6 +148,9 @@ def test_outcomes_and_report(tmp_path):
     _write_run(tmp_path / "drift", list(np.linspace(8, 3, 30)) + [3.9] * 5)
     assert explosion.outcome(explosion.read_run(tmp_path / "drift")) == (
         "rising: lowest loss 3.00 at step 290, 3.90 at step 340")
+    assert explosion.first_instability(explosion.read_run(tmp_path / "slow")) == 450
+    assert explosion.first_instability(explosion.read_run(explosion.run_dir(tmp_path, 1e-3, "fast/off"))) == 300
+    assert explosion.first_instability(explosion.read_run(explosion.run_dir(tmp_path, 1e-3, "paper/safe"))) is None
     assert explosion.first_spike([0, 10, 20], [5.0, 9.0, 9.0], after=0) == 10
     assert explosion.first_spike([0, 10, 20], [5.0, 9.0, 9.0], after=500) is None
 
