@@ -1,9 +1,10 @@
-"""Attention kernel benchmark: pallas_gpu (max_adjust off / paper / safe) next to cuDNN, XLA and
-JAX's Pallas `mha`, in one process, protocol of docs/peers.md.
+"""Attention kernel benchmark: our kernels -- pallas_mosaic_gpu ("mosaic_*", Hopper) and pallas_gpu
+("ours_*", Triton), each with max_adjust off / paper / safe -- next to cuDNN, XLA and JAX's Pallas
+`mha`, in one process, protocol of ../shared/docs/peers.md.
 
     PYTHONPATH=. python benchmarks/attention.py                  # the peers.md shapes
-    PYTHONPATH=. python benchmarks/attention.py --shapes targets # the two target shapes only
-    PYTHONPATH=. python benchmarks/attention.py --sweep          # tiling variants of our kernels
+    PYTHONPATH=. python benchmarks/attention.py --shapes targets # the Hopper kernel's target shapes
+    PYTHONPATH=. python benchmarks/attention.py --sweep          # tiling variants of pallas_gpu
 
 Protocol: random normal inputs (bf16 by default); each figure is the median of 5 blocks of 30
 back-to-back calls with one block_until_ready per block, after compilation and warm-up.
@@ -40,17 +41,30 @@ except Exception as e:  # pragma: no cover - depends on the installed JAX
   _pallas_mha_module = None
   PALLAS_MHA_ERROR = f"{type(e).__name__}: {e}"
 
-# (B, T, N, H, causal): the peers.md table.
+try:  # JAX's Mosaic GPU FlashAttention-3 example: float16 only, no causal backward
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as _jax_mgpu_module
+except Exception:  # pragma: no cover - depends on the installed JAX
+  _jax_mgpu_module = None
+# Peers that take other input dtypes (inputs are cast once, outside the timed calls) or have no
+# backward for these shapes (forward only).
+CAST_TO = {"jax_mgpu": jnp.float16}
+FORWARD_ONLY = ("jax_mgpu",)
+
+# (B, T, N query heads, K kv heads, H, causal): the peers.md table.
 SHAPES = [
-    (16, 1024, 12, 64, True), (16, 1024, 12, 64, False),
-    (8, 2048, 16, 64, True), (8, 2048, 16, 64, False),
-    (4, 4096, 16, 128, True), (4, 4096, 16, 128, False),
+    (16, 1024, 12, 12, 64, True), (16, 1024, 12, 12, 64, False),
+    (8, 2048, 16, 16, 64, True), (8, 2048, 16, 16, 64, False),
+    (4, 4096, 16, 16, 128, True), (4, 4096, 16, 16, 128, False),
 ]
-TARGETS = [(16, 1024, 12, 64, True), (4, 4096, 16, 128, True)]
+# The Hopper kernel's targets (issue 10): the first two are the targets, the rest are reported.
+TARGETS = [(16, 1024, 12, 12, 64, True), (4, 4096, 16, 16, 128, True),
+           (8, 2048, 16, 16, 64, False), (2, 8192, 32, 8, 128, True),
+           (1, 16384, 16, 16, 128, True)]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+XLA_MAX_SCORES = 2 ** 31   # XLA attention materialises B*N*T*T fp32 scores; skip beyond this
 
 
-def fwd_flops(B, T, N, H, causal):
+def fwd_flops(B, T, N, K, H, causal):
   f = 4.0 * B * N * T * T * H
   return f / 2 if causal else f
 
@@ -72,29 +86,39 @@ def time_calls(fn, args, calls: int, blocks: int, warmup: int = 3) -> float:
   return statistics.median(per_call)
 
 
-def implementations(H, causal, only=None):
-  """name -> f(q, k, v) -> O, all [B, T, N, H]."""
+def implementations(shape, only=None):
+  """name -> f(q, k, v) -> O ([B, T, N, H] queries, [B, T, K, H] keys and values)."""
+  B, T, N, K, H, causal = shape
   scale = 1.0 / np.sqrt(H)
   impls = {}
   impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=causal, implementation="cudnn")
-  impls["xla"] = lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=causal, implementation="xla")
-  if _pallas_mha_module is not None:
+  if B * N * T * T <= XLA_MAX_SCORES:
+    impls["xla"] = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="xla")
+  if _pallas_mha_module is not None and K == N:
     impls["pallas_mha"] = lambda q, k, v: _pallas_mha_module.mha(
         q, k, v, None, sm_scale=float(scale), causal=causal)
-  for mode in ("off", "paper", "safe"):
-    impls[f"ours_{mode}"] = functools.partial(
-        lambda q, k, v, mode: stable_attn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="pallas_gpu", max_adjust=mode), mode=mode)
+  if _jax_mgpu_module is not None and H in (64, 128) and T % 128 == 0:
+    # It has no softmax scale: Q is pre-scaled outside the timed calls (see bench_shape).
+    config = _jax_mgpu_module.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                           causal=causal)
+    impls["jax_mgpu"] = lambda q, k, v: _jax_mgpu_module.attention(q, k, v, config)
+  for prefix, implementation in (("mosaic", "pallas_mosaic_gpu"), ("ours", "pallas_gpu")):
+    for mode in ("off", "paper", "safe"):
+      impls[f"{prefix}_{mode}"] = functools.partial(
+          lambda q, k, v, mode, implementation: stable_attn.dot_product_attention(
+              q, k, v, is_causal=causal, implementation=implementation, max_adjust=mode),
+          mode=mode, implementation=implementation)
   if only:
     impls = {k: v for k, v in impls.items() if k in only}
   return impls
 
 
-def make_inputs(B, T, N, H, dtype, seed=0):
+def make_inputs(B, T, N, K, H, dtype, seed=0):
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  return tuple(jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(dtype) for kk in keys)
+  normal = lambda key, heads: jax.random.normal(key, (B, T, heads, H), jnp.float32).astype(dtype)
+  return normal(keys[0], N), normal(keys[1], K), normal(keys[2], K), normal(keys[3], N)
 
 
 def rel_err(x, ref):
@@ -114,8 +138,7 @@ class Row:
   note: str = ""
 
   def tflops(self, which):
-    B, T, N, H, causal = self.shape
-    f = fwd_flops(B, T, N, H, causal)
+    f = fwd_flops(*self.shape)
     if which == "fwd":
       return f / (self.fwd_ms * 1e-3) / 1e12
     if which == "bwd":
@@ -124,9 +147,10 @@ class Row:
 
 
 def bench_shape(shape, dtype, calls, blocks, only=None, check=True):
-  B, T, N, H, causal = shape
-  q, k, v, do = make_inputs(B, T, N, H, dtype)
+  B, T, N, K, H, causal = shape
+  q, k, v, do = make_inputs(*shape[:5], dtype)
   ref_o = ref_grads = None
+  check = check and B * N * T * T <= XLA_MAX_SCORES   # the fp32 reference must fit in memory
   if check:
     f32 = lambda x: x.astype(jnp.float32)
     ref_fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
@@ -134,16 +158,22 @@ def bench_shape(shape, dtype, calls, blocks, only=None, check=True):
     ref_o, ref_vjp = jax.vjp(ref_fn, f32(q), f32(k), f32(v))
     ref_grads = ref_vjp(f32(do))
   rows = []
-  for name, fn in implementations(H, causal, only).items():
+  for name, fn in implementations(shape, only).items():
     row = Row(shape, name)
     try:
+      args = (q, k, v)
+      if name in CAST_TO:
+        scaled_q = q.astype(jnp.float32) * (1.0 / np.sqrt(H))
+        args = tuple(x.astype(CAST_TO[name]) for x in (scaled_q, k, v))
       fwd = jax.jit(fn)
       fb = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
       if check:
-        row.err_o = rel_err(fwd(q, k, v), ref_o)
-        row.err_grad = max(rel_err(g, r) for g, r in zip(fb(q, k, v, do), ref_grads))
-      row.fwd_ms = 1e3 * time_calls(fwd, (q, k, v), calls, blocks)
-      row.fb_ms = 1e3 * time_calls(fb, (q, k, v, do), calls, blocks)
+        row.err_o = rel_err(fwd(*args), ref_o)
+        if name not in FORWARD_ONLY:
+          row.err_grad = max(rel_err(g, r) for g, r in zip(fb(q, k, v, do), ref_grads))
+      row.fwd_ms = 1e3 * time_calls(fwd, args, calls, blocks)
+      if name not in FORWARD_ONLY:
+        row.fb_ms = 1e3 * time_calls(fb, (q, k, v, do), calls, blocks)
     except Exception as e:  # a peer that fails on this JAX/shape is reported, not fatal
       row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
       traceback.print_exc()
@@ -155,15 +185,18 @@ def bench_shape(shape, dtype, calls, blocks, only=None, check=True):
 
 
 def shape_name(shape):
-  B, T, N, H, causal = shape
-  return f"B{B} T{T} N{N} H{H} {'causal' if causal else 'full'}"
+  B, T, N, K, H, causal = shape
+  heads = f"N{N}" if K == N else f"N{N} K{K}"
+  return f"B{B} T{T} {heads} H{H} {'causal' if causal else 'full'}"
 
 
-def ratios(rows, shape, impl, base):
+def ratios(rows, shape, impl, base, which="fb"):
+  """Speed of `impl` relative to `base` (>1 = faster), fwd+bwd ("fb") or forward ("fwd")."""
   by = {r.impl: r for r in rows if r.shape == shape}
   if impl not in by or base not in by:
     return float("nan")
-  return by[base].fb_ms / by[impl].fb_ms
+  attr = "fb_ms" if which == "fb" else "fwd_ms"
+  return getattr(by[base], attr) / getattr(by[impl], attr)
 
 
 def markdown(rows, device, dtype, calls, blocks):
@@ -174,29 +207,35 @@ def markdown(rows, device, dtype, calls, blocks):
            "TFLOP/s by the FlashAttention convention (forward 4*B*N*T*S*H, halved when causal; "
            "bwd 2.5x, fwd+bwd 3.5x forward; bwd time = fwd+bwd - fwd). Errors: relative "
            "Frobenius error against an fp32 XLA reference (grad = max over dQ, dK, dV). "
-           "x cuDNN / x mha: fwd+bwd speed relative to cuDNN / JAX Pallas mha in this run.",
+           "x cuDNN / x mha: fwd+bwd speed relative to cuDNN / JAX Pallas mha in this run; "
+           "fwd x cuDNN: the forward alone.",
            ""]
   if PALLAS_MHA_ERROR:
     lines += [f"JAX Pallas mha not importable: `{PALLAS_MHA_ERROR}`", ""]
   lines += ["| shape | impl | fwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
-            "| x cuDNN | x mha | err O | err grad | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| fwd x cuDNN | x cuDNN | x mha | err O | err grad | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(
         f"| {shape_name(r.shape)} | {r.impl} | {r.fwd_ms:.3f} | {r.tflops('fwd'):.0f} | "
         f"{r.tflops('bwd'):.0f} | {r.fb_ms:.3f} | {r.tflops('fb'):.0f} | "
+        f"{ratios(rows, r.shape, r.impl, 'cudnn', 'fwd'):.2f} | "
         f"{ratios(rows, r.shape, r.impl, 'cudnn'):.2f} | "
         f"{ratios(rows, r.shape, r.impl, 'pallas_mha'):.2f} | {r.err_o:.1e} | {r.err_grad:.1e} | "
         f"{r.note} |")
   shapes = list(dict.fromkeys(r.shape for r in rows))
-  lines += ["", "Cost of the fix (fwd+bwd time relative to max_adjust=off):", "",
-            "| shape | paper / off | safe / off |", "|---|---|---|"]
+  lines += ["", "Cost of the fix (time relative to max_adjust=off of the same kernel):", "",
+            "| shape | kernel | fwd paper / off | fwd safe / off | fwd+bwd paper / off "
+            "| fwd+bwd safe / off |", "|---|---|---|---|---|---|"]
   for s in shapes:
     by = {r.impl: r for r in rows if r.shape == s}
-    if "ours_off" in by:
-      off = by["ours_off"].fb_ms
-      rel = lambda m: by[m].fb_ms / off if m in by else float("nan")
-      lines.append(f"| {shape_name(s)} | {rel('ours_paper'):.3f} | {rel('ours_safe'):.3f} |")
+    for prefix in ("mosaic", "ours"):
+      if f"{prefix}_off" in by:
+        rel = lambda m, attr: (getattr(by[f"{prefix}_{m}"], attr) / getattr(by[f"{prefix}_off"], attr)
+                               if f"{prefix}_{m}" in by else float("nan"))
+        lines.append(f"| {shape_name(s)} | {prefix} | {rel('paper', 'fwd_ms'):.3f} | "
+                     f"{rel('safe', 'fwd_ms'):.3f} | {rel('paper', 'fb_ms'):.3f} | "
+                     f"{rel('safe', 'fb_ms'):.3f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -242,22 +281,23 @@ def sweep(shapes, dtype, calls, blocks, kernels=tuple(SWEEP)):
   otherwise. Prints one line per variant."""
   lines = []
   for shape in shapes:
-    B, T, N, H, causal = shape
-    q, k, v, do = make_inputs(B, T, N, H, dtype)
-    fn = lambda q, k, v: stable_attn.dot_product_attention(
-        q, k, v, is_causal=causal, implementation="pallas_gpu", max_adjust="off")
+    B, T, N, K, H, causal = shape
+    q, k, v, do = make_inputs(*shape[:5], dtype)
     base = tuning.table_config(H, dtype)
     for kernel in kernels:
       for kc in SWEEP[kernel]:
         try:
-          with tuning.override(**{kernel: kc}):
-            if kernel == "fwd":
-              f = jax.jit(fn)
-              args = (q, k, v)
-            else:
-              f = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
-              args = (q, k, v, do)
-            jax.block_until_ready(f(*args))
+          fn = functools.partial(
+              lambda q, k, v, config: stable_attn.dot_product_attention(
+                  q, k, v, is_causal=causal, implementation="pallas_gpu", max_adjust="off",
+                  config=config), config=base.replace(**{kernel: kc}))
+          if kernel == "fwd":
+            f = jax.jit(fn)
+            args = (q, k, v)
+          else:
+            f = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
+            args = (q, k, v, do)
+          jax.block_until_ready(f(*args))
           ms = 1e3 * time_calls(f, args, calls, blocks)
           flops = fwd_flops(*shape) * (1 if kernel == "fwd" else 3.5)
           tag = " (table)" if getattr(base, kernel) == kc else ""
@@ -274,7 +314,9 @@ def sweep(shapes, dtype, calls, blocks, kernels=tuple(SWEEP)):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--shapes", default="all", choices=("all", "targets"))
+  p.add_argument("--shapes", default="all", choices=("all", "targets", "targets2"),
+                 help="all: the peers.md table; targets: the Hopper kernel's shapes; targets2: "
+                      "its first two")
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--calls", type=int, default=30)
   p.add_argument("--blocks", type=int, default=5)
@@ -287,7 +329,7 @@ def main(argv=None):
   args = p.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   device = jax.devices()[0].device_kind
-  shapes = SHAPES if args.shapes == "all" else TARGETS
+  shapes = {"all": SHAPES, "targets": TARGETS, "targets2": TARGETS[:2]}[args.shapes]
   print(f"device: {device}; jax {jax.__version__}; pallas mha: "
         f"{'ok' if PALLAS_MHA_ERROR is None else PALLAS_MHA_ERROR}", flush=True)
   if args.sweep:
@@ -308,12 +350,12 @@ def main(argv=None):
   except Exception as e:  # matplotlib missing is not fatal
     print(f"plot failed: {e}")
   print(f"\nwrote {md_path}\n")
-  print(f"{'shape':28s} {'impl':11s} {'fwd TF':>7s} {'f+b TF':>7s} {'xcuDNN':>6s} {'xmha':>6s} "
-        f"{'errO':>7s}")
+  print(f"{'shape':32s} {'impl':12s} {'fwd TF':>7s} {'f+b TF':>7s} {'fwd/cu':>6s} {'f+b/cu':>6s} "
+        f"{'errO':>7s} {'errG':>7s}")
   for r in rows:
-    print(f"{shape_name(r.shape):28s} {r.impl:11s} {r.tflops('fwd'):7.0f} {r.tflops('fb'):7.0f} "
-          f"{ratios(rows, r.shape, r.impl, 'cudnn'):6.2f} "
-          f"{ratios(rows, r.shape, r.impl, 'pallas_mha'):6.2f} {r.err_o:7.1e}")
+    print(f"{shape_name(r.shape):32s} {r.impl:12s} {r.tflops('fwd'):7.0f} {r.tflops('fb'):7.0f} "
+          f"{ratios(rows, r.shape, r.impl, 'cudnn', 'fwd'):6.2f} "
+          f"{ratios(rows, r.shape, r.impl, 'cudnn'):6.2f} {r.err_o:7.1e} {r.err_grad:7.1e}")
 
 
 if __name__ == "__main__":

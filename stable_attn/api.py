@@ -1,23 +1,22 @@
 """stable_attn.dot_product_attention: argument checking, canonical operands, dispatch."""
 from __future__ import annotations
 
-import importlib
 from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stable_attn import backends
 from stable_attn import numerics as numerics_lib
+from stable_attn.backends import IMPLEMENTATIONS, default_implementation
 from stable_attn.numerics import Numerics
 from stable_attn.spec import AttentionSpec, Operands
 from stable_attn.tile import MAX_ADJUST_MODES
 
-IMPLEMENTATIONS = ("reference", "xla", "pallas_gpu", "pallas_tpu")
+__all__ = ["dot_product_attention", "choose_implementation", "default_implementation",
+           "canonicalize", "IMPLEMENTATIONS"]
 _SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-# Where each Pallas implementation lives; each module exposes `attention(spec, ops)` and
-# `is_available() -> bool`.
-_KERNEL_MODULES = {"pallas_gpu": "pallas_kernels.gpu", "pallas_tpu": "pallas_kernels.tpu"}
 
 
 def dot_product_attention(
@@ -32,6 +31,7 @@ def dot_product_attention(
     beta: float = 2.0,
     numerics: Union[str, Numerics] = "fast",
     interpret: bool = False,
+    config=None,
 ) -> jax.Array:
   """Scaled dot-product attention with the max adjustment; a drop-in for jax.nn's.
 
@@ -47,59 +47,36 @@ def dot_product_attention(
     query_seq_lengths, key_value_seq_lengths: int32 [B]; positions at or past the length are
       padding. Padded query rows return zeros.
     local_window_size: int w or (left, right): query t sees keys t - left .. t + right.
-    implementation: None (best available: "pallas_gpu" on NVIDIA GPUs, "pallas_tpu" on TPUs,
-      otherwise "reference"), "reference" (blockwise FA2 emulation in jnp), "xla" (materialised
-      scores), "pallas_gpu" or "pallas_tpu".
+    implementation: None (the fastest available backend that covers the call, see
+      `choose_implementation` and docs/dispatch.md), or one of IMPLEMENTATIONS: "pallas_mosaic_gpu"
+      (Hopper), "pallas_gpu" (Pallas Triton, NVIDIA), "pallas_tpu", "reference" (blockwise FA2
+      emulation in jnp), "xla" (materialised scores). A named backend that does not cover the call
+      raises ValueError.
     max_adjust: "off", "paper" (Qiu & Yao's rule) or "safe" (ours; see stable_attn.tile).
     beta: the paper's beta, used by max_adjust="paper".
     numerics: "fast", "paper", "fast+fp32o", "paper+fp32o" or a `Numerics`.
     interpret: run Pallas implementations in interpret mode (CPU).
+    config: the named implementation's tuning object (e.g. pallas_kernels.gpu.tuning.Config,
+      pallas_kernels.tpu.BlockSizes); None uses its defaults.
 
   Returns:
     [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
     gradients. Differentiable in query, key, value and bias (flash backward).
   """
-  spec, ops, unbatched = _canonicalize(query, key, value, bias, mask, scale, is_causal,
-                                       query_seq_lengths, key_value_seq_lengths,
-                                       local_window_size, max_adjust, beta, numerics, interpret)
-  out = _dispatch(implementation, spec, ops)
+  spec, ops, unbatched = canonicalize(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, max_adjust=max_adjust, beta=beta, numerics=numerics,
+      interpret=interpret)
+  out = backends.run(implementation, spec, ops, config)
   return out[0] if unbatched else out
 
 
-def _dispatch(implementation, spec: AttentionSpec, ops: Operands) -> jax.Array:
-  if implementation is None:
-    implementation = default_implementation()
-  if implementation == "reference":
-    from stable_attn.reference import blockwise_attention
-    return blockwise_attention(spec, ops)
-  if implementation == "xla":
-    from stable_attn.xla import xla_attention
-    return xla_attention(spec, ops)
-  if implementation in _KERNEL_MODULES:
-    return _kernel_module(implementation).attention(spec, ops)
-  raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, "
-                   f"got {implementation!r}")
-
-
-def _kernel_module(implementation: str):
-  try:
-    return importlib.import_module(_KERNEL_MODULES[implementation])
-  except ImportError as e:
-    raise ValueError(f"implementation={implementation!r} is not available: {e}") from e
-
-
-def default_implementation() -> str:
-  """What implementation=None picks on the default backend."""
-  backend = jax.default_backend()
-  for name, platform in (("pallas_gpu", "gpu"), ("pallas_tpu", "tpu")):
-    if backend == platform:
-      try:
-        module = importlib.import_module(_KERNEL_MODULES[name])
-      except ImportError:
-        continue
-      if module.is_available():
-        return name
-  return "reference"
+def choose_implementation(query, key, value, bias=None, mask=None, **kwargs) -> backends.Choice:
+  """What implementation=None runs for these arguments (same as dot_product_attention's), and why
+  each faster backend was passed over: `Choice(name, passed_over={name: reason})`."""
+  spec, ops, _ = canonicalize(query, key, value, bias, mask, **kwargs)
+  return backends.choose(spec, ops)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +132,10 @@ def _window(local_window_size):
   return left, right
 
 
-def _canonicalize(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-                  key_value_seq_lengths, local_window_size, max_adjust, beta, numerics, interpret):
+def canonicalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                 query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                 max_adjust="safe", beta=2.0, numerics="fast", interpret=False):
+  """Checks the arguments of dot_product_attention -> (AttentionSpec, Operands, unbatched)."""
   unbatched = jnp.ndim(query) == 3
   q = _as_4d(query, "query", True)
   k = _as_4d(key, "key", unbatched)
@@ -204,5 +183,6 @@ def _canonicalize(query, key, value, bias, mask, scale, is_causal, query_seq_len
     raise ValueError(f"scale must be finite, got {scale!r}")
   spec = AttentionSpec(scale=float(scale), is_causal=bool(is_causal),
                        window=_window(local_window_size), max_adjust=max_adjust, beta=float(beta),
-                       numerics=numerics_lib.resolve(numerics), interpret=bool(interpret))
+                       numerics=numerics_lib.resolve(numerics), interpret=bool(interpret),
+                       has_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None)
   return spec, Operands(q, k, v, bias, mask, q_lens, kv_lens), unbatched

@@ -1,16 +1,22 @@
 """Which key blocks a query block needs, and which query blocks a key block needs.
 
 Causal and local-window attention skip blocks that are entirely invisible; every implementation
-(reference and kernels) uses these bounds, so they visit the same blocks in the same order.
+(reference and kernels) uses these bounds, so they visit the same blocks in the same order. The
+`full_*` sub-ranges are the blocks that every row sees whole: kernels run those without the
+visibility mask (identical results, less arithmetic).
 Arguments may be Python ints or traced int32 scalars (Pallas program ids, loop indices).
 """
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
+from jax import lax
 
+from stable_attn.layout import cdiv
 
-def cdiv(a, b):
-  return (a + b - 1) // b
+__all__ = ["cdiv", "kv_block_range", "q_block_range", "full_kv_range", "full_q_range",
+           "kv_sections", "q_sections", "split_loop"]
 
 
 def kv_block_range(q_start, block_q: int, block_k: int, num_kv_blocks, *, causal: bool, window,
@@ -50,3 +56,77 @@ def q_block_range(k_start, block_k: int, block_q: int, num_q_blocks, *, causal: 
   lo = first_row // block_q
   hi = jnp.maximum(lo, last_row // block_q + 1)
   return lo, jnp.where(last_row < first_row, lo, hi)
+
+
+def full_kv_range(q_start, block_q: int, block_k: int, lo, hi, *, causal: bool, window, q_len,
+                  kv_len, has_mask: bool):
+  """Sub-range [flo, fhi) of the key blocks [lo, hi) that every row of the query block sees whole.
+
+  A mask operand may hide anything, so with one the sub-range is empty.
+  """
+  if has_mask:
+    return lo, lo
+  flo = lo
+  fhi = kv_len // block_k                               # key blocks entirely before kv_len
+  if causal:
+    fhi = jnp.minimum(fhi, (q_start + 1) // block_k)    # (j + 1) * bk - 1 <= q_start
+  if window is not None:
+    left, right = window
+    flo = jnp.maximum(flo, cdiv(q_start + block_q - 1 - left, block_k))
+    fhi = jnp.minimum(fhi, (q_start + right + 1) // block_k)
+  fhi = jnp.where(q_start + block_q <= q_len, fhi, flo)  # padded query rows need the mask
+  return _clamp_subrange(lo, hi, flo, fhi)
+
+
+def full_q_range(k_start, block_k: int, block_q: int, lo, hi, *, causal: bool, window, q_len,
+                 kv_len, has_mask: bool):
+  """Sub-range [flo, fhi) of the query blocks [lo, hi) whose rows all see the whole key block."""
+  if has_mask:
+    return lo, lo
+  flo = lo
+  fhi = q_len // block_q                                 # query blocks entirely before q_len
+  k_last = k_start + block_k - 1
+  if causal:
+    flo = jnp.maximum(flo, cdiv(k_last, block_q))         # i * bq >= k_last
+  if window is not None:
+    left, right = window
+    flo = jnp.maximum(flo, cdiv(k_last - right, block_q))
+    fhi = jnp.minimum(fhi, (k_start + left + 1) // block_q)  # (i + 1) * bq - 1 <= k_start + left
+  fhi = jnp.where(k_start + block_k <= kv_len, fhi, flo)    # padded keys need the mask
+  return _clamp_subrange(lo, hi, flo, fhi)
+
+
+def _clamp_subrange(lo, hi, flo, fhi):
+  """Clamps [flo, fhi) into [lo, hi) (empty where they do not overlap)."""
+  flo = jnp.minimum(jnp.maximum(flo, lo), hi)
+  fhi = jnp.minimum(jnp.maximum(fhi, flo), hi)
+  return flo, fhi
+
+
+def kv_sections(q_start, block_q: int, block_k: int, num_kv_blocks, *, causal: bool, window,
+                q_len, kv_len, has_mask: bool):
+  """(lo, flo, fhi, hi): the key blocks [lo, hi) that query rows [q_start, +block_q) visit, and
+  inside them [flo, fhi), the blocks all those rows see whole."""
+  lo, hi = kv_block_range(q_start, block_q, block_k, num_kv_blocks, causal=causal, window=window,
+                          kv_len=kv_len)
+  flo, fhi = full_kv_range(q_start, block_q, block_k, lo, hi, causal=causal, window=window,
+                           q_len=q_len, kv_len=kv_len, has_mask=has_mask)
+  return lo, flo, fhi, hi
+
+
+def q_sections(k_start, block_k: int, block_q: int, num_q_blocks, *, causal: bool, window, q_len,
+               kv_len, has_mask: bool):
+  """(lo, flo, fhi, hi): the query blocks that see key columns [k_start, +block_k), and inside
+  them the blocks whose rows all see the whole key block."""
+  lo, hi = q_block_range(k_start, block_k, block_q, num_q_blocks, causal=causal, window=window,
+                         q_len=q_len)
+  flo, fhi = full_q_range(k_start, block_k, block_q, lo, hi, causal=causal, window=window,
+                          q_len=q_len, kv_len=kv_len, has_mask=has_mask)
+  return lo, flo, fhi, hi
+
+
+def split_loop(lo, flo, fhi, hi, body, carry):
+  """Runs body(j, carry, masked=...) over [lo, flo) masked, [flo, fhi) unmasked, [fhi, hi) masked."""
+  carry = lax.fori_loop(lo, flo, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)

@@ -11,6 +11,8 @@ the chosen `Numerics` done exactly. It runs on any backend and is differentiable
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from jax import lax
 
 from stable_attn import blocks, tile
 from stable_attn.flash import make_flash_attention, reduce_to_shape
+from stable_attn.layout import Geometry, from_heads_major, heads_major, pad_axis, pad_pairwise
 from stable_attn.spec import AttentionSpec, Operands
 
 DEFAULT_BLOCK_Q = 64
@@ -108,151 +111,160 @@ def exact_attention_vjp(query, key, value, d_out, bias=None, mask=None, *, scale
 # Blockwise FA2 emulation (jnp)
 # ---------------------------------------------------------------------------------------------
 
-def _layout(spec: AttentionSpec, ops: Operands, block_q: int, block_k: int):
-  """Heads-major, padded operands: q [B,N,Tp,H], k/v [B,N,Sp,H] (GQA repeated), full bias/mask."""
-  B, T, N, H = ops.q.shape
-  S, K = ops.k.shape[1], ops.k.shape[2]
-  Tp, Sp = blocks.cdiv(T, block_q) * block_q, blocks.cdiv(S, block_k) * block_k
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """Tile sizes of the blockwise emulation."""
+  block_q: int = 64
+  block_k: int = 64
 
-  def heads_major(x, length, padded):
-    x = jnp.swapaxes(x, 1, 2)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, padded - length), (0, 0)))
+  def __post_init__(self):
+    if self.block_q < 1 or self.block_k < 1:
+      raise ValueError(f"block sizes must be positive, got block_q={self.block_q}, "
+                       f"block_k={self.block_k}")
 
-  q = heads_major(ops.q, T, Tp)
-  k = jnp.repeat(heads_major(ops.k, S, Sp), N // K, axis=1)
-  v = jnp.repeat(heads_major(ops.v, S, Sp), N // K, axis=1)
+
+_ROUND = tile.round_exact   # jnp code: XLA must never elide a rounding point
+
+
+def _layout(ops: Operands, blk: Blocks):
+  """Heads-major, padded operands: q [B,N,Tp,H], k/v [B,N,Sp,H] (GQA repeated: a reference need not
+  be frugal), bias/mask broadcast to [B,N,Tp,Sp]."""
+  geo = Geometry.of(ops)
+  pad = geo.padded(blk.block_q, blk.block_k)
+  q = heads_major(ops.q, pad.T, geo.H)
+  k = jnp.repeat(heads_major(ops.k, pad.S, geo.H), geo.G, axis=1)
+  v = jnp.repeat(heads_major(ops.v, pad.S, geo.H), geo.G, axis=1)
 
   def full(x, fill):
     if x is None:
       return None
-    x = jnp.broadcast_to(x, (B, N, T, S))
-    return jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, Sp - S)), constant_values=fill)
+    x = jnp.broadcast_to(x, (geo.B, geo.N, geo.T, geo.S))
+    return pad_pairwise(x, geo, pad, fill)
 
-  return q, k, v, full(ops.bias, 0), full(ops.mask, False), Tp, Sp
+  return geo, pad, q, k, v, full(ops.bias, 0), full(ops.mask, False)
 
 
-def _forward(spec: AttentionSpec, config, ops: Operands):
-  block_q, block_k = config
+def _slice(x, start, size, axis):
+  return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _tile_scores(spec: AttentionSpec, dt, q_blk, k_blk, b_blk, m_blk, q_pos, k_pos, q_len, kv_len):
+  ok = tile.visible(q_pos, k_pos, q_len, kv_len, causal=spec.is_causal, window=spec.window,
+                    mask=m_blk)
+  return tile.scores(tile.matmul(q_blk, k_blk, transpose_b=True), ok, scale=spec.scale,
+                     bias=b_blk, dt=dt, round_fn=_ROUND)
+
+
+def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
+  bq, bk = blk.block_q, blk.block_k
   dt = spec.numerics.dtypes(ops.q.dtype)
-  q, k, v, bias, mask, Tp, Sp = _layout(spec, ops, block_q, block_k)
-  B, N, _, H = q.shape
-  num_kv = Sp // block_k
+  geo, pad, q, k, v, bias, mask = _layout(ops, blk)
+  num_kv = pad.S // bk
 
   def one_block(q_blk, k_all, v_all, bias_rows, mask_rows, q_len, kv_len, head, q_start):
-    q_pos = q_start + jnp.arange(block_q, dtype=jnp.int32)
+    q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
     offset = tile.safe_offset(q_pos, head, dt.p) if spec.max_adjust == "safe" else None
-    lo, hi = blocks.kv_block_range(q_start, block_q, block_k, num_kv, causal=spec.is_causal,
+    lo, hi = blocks.kv_block_range(q_start, bq, bk, num_kv, causal=spec.is_causal,
                                    window=spec.window, kv_len=kv_len)
 
-    def body(j, state):
-      k_start = j * block_k
-      k_blk = lax.dynamic_slice_in_dim(k_all, k_start, block_k)
-      v_blk = lax.dynamic_slice_in_dim(v_all, k_start, block_k)
-      b_blk = None if bias_rows is None else lax.dynamic_slice_in_dim(bias_rows, k_start, block_k, 1)
-      m_blk = None if mask_rows is None else lax.dynamic_slice_in_dim(mask_rows, k_start, block_k, 1)
-      s = tile.scores(q_blk, k_blk, spec.scale, b_blk, dt, tile.round_exact)
-      ok = tile.visible(q_pos, k_start + jnp.arange(block_k, dtype=jnp.int32), q_len, kv_len,
-                        causal=spec.is_causal, window=spec.window, mask=m_blk)
-      return tile.online_softmax_step(state, s, ok, v_blk, dt=dt, max_adjust=spec.max_adjust,
-                                      beta=spec.beta, offset=offset, round_fn=tile.round_exact)
+    def body(j, carry):
+      acc, stats = carry
+      k_start = j * bk
+      v_blk = lax.dynamic_slice_in_dim(v_all, k_start, bk)
+      s = _tile_scores(spec, dt, q_blk, lax.dynamic_slice_in_dim(k_all, k_start, bk),
+                       _slice(bias_rows, k_start, bk, 1), _slice(mask_rows, k_start, bk, 1),
+                       q_pos, k_start + jnp.arange(bk, dtype=jnp.int32), q_len, kv_len)
+      p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
+                                     beta=spec.beta, offset=offset, round_fn=_ROUND)
+      pv = tile.matmul(p, v_blk.astype(dt.p))
+      return tile.accumulate(acc, alpha, pv, dt=dt, round_fn=_ROUND), stats
 
-    state = lax.fori_loop(lo, hi, body, tile.init_state(block_q, H, dt))
-    return tile.finalize(state, dt=dt, offset=offset, round_fn=tile.round_exact)
+    init = (jnp.zeros((bq, geo.H), jnp.float32), tile.init_stats(bq, dt))
+    acc, stats = lax.fori_loop(lo, hi, body, init)
+    return tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=_ROUND)
 
-  q_blocks = q.reshape(B, N, Tp // block_q, block_q, H)
-  rows = lambda x: None if x is None else x.reshape(B, N, Tp // block_q, block_q, Sp)
-  starts = jnp.arange(Tp // block_q, dtype=jnp.int32) * block_q
-  heads = jnp.arange(N, dtype=jnp.int32)
-  bias_axes = None if bias is None else 0
-  mask_axes = None if mask is None else 0
-  fn = jax.vmap(one_block, (0, None, None, bias_axes, mask_axes, None, None, None, 0))   # q blocks
-  fn = jax.vmap(fn, (0, 0, 0, bias_axes, mask_axes, None, None, 0, None))                # heads
-  fn = jax.vmap(fn, (0, 0, 0, bias_axes, mask_axes, 0, 0, None, None))                   # batch
+  q_blocks = q.reshape(geo.B, geo.N, pad.T // bq, bq, geo.H)
+  rows = lambda x: None if x is None else x.reshape(geo.B, geo.N, pad.T // bq, bq, pad.S)
+  starts = jnp.arange(pad.T // bq, dtype=jnp.int32) * bq
+  heads = jnp.arange(geo.N, dtype=jnp.int32)
+  b_ax = None if bias is None else 0
+  m_ax = None if mask is None else 0
+  fn = jax.vmap(one_block, (0, None, None, b_ax, m_ax, None, None, None, 0))   # q blocks
+  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, None, None, 0, None))                # heads
+  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, None, None))                   # batch
   o, o_res, lse = fn(q_blocks, k, v, rows(bias), rows(mask), ops.q_lens, ops.kv_lens, heads,
                      starts)
-  T = ops.q.shape[1]
-  to_btnh = lambda x: jnp.swapaxes(x.reshape(B, N, Tp, H)[:, :, :T], 1, 2)
-  return to_btnh(o), to_btnh(o_res), lse.reshape(B, N, Tp)[:, :, :T]
+  to_btnh = lambda x: from_heads_major(x.reshape(geo.B, geo.N, pad.T, geo.H), geo.T, geo.H)
+  return to_btnh(o), to_btnh(o_res), lse.reshape(geo.B, geo.N, pad.T)[:, :, :geo.T]
 
 
-def _backward(spec: AttentionSpec, config, ops: Operands, o_res, lse, do):
-  block_q, block_k = config
+def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do):
+  bq, bk = blk.block_q, blk.block_k
   dt = spec.numerics.dtypes(ops.q.dtype)
-  B, T, N, H = ops.q.shape
-  S, K = ops.k.shape[1], ops.k.shape[2]
-  q, k, v, bias, mask, Tp, Sp = _layout(spec, ops, block_q, block_k)
-  pad_rows = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
-  do_h = pad_rows(do)
-  delta = tile.delta(do_h, pad_rows(o_res))                                  # [B, N, Tp]
-  lse = jnp.pad(lse, ((0, 0), (0, 0), (0, Tp - T)))
   in_dtype = ops.q.dtype
+  geo, pad, q, k, v, bias, mask = _layout(ops, blk)
+  do_h = heads_major(do, pad.T, geo.H)
+  delta = tile.delta(do_h, heads_major(o_res, pad.T, geo.H))               # [B, N, Tp]
+  lse = pad_axis(lse, 2, pad.T)
 
   def tile_grads(q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, b_blk, m_blk, q_pos, k_pos,
                  q_len, kv_len):
-    s = tile.scores(q_blk, k_blk, spec.scale, b_blk, dt, tile.round_exact)
-    ok = tile.visible(q_pos, k_pos, q_len, kv_len, causal=spec.is_causal, window=spec.window,
-                      mask=m_blk)
-    p = tile.probabilities(s, lse_blk, ok)
+    s = _tile_scores(spec, dt, q_blk, k_blk, b_blk, m_blk, q_pos, k_pos, q_len, kv_len)
     dp = tile.matmul(do_blk, v_blk, transpose_b=True)
-    return p, tile.score_grad(p, dp, delta_blk)
-
-  def slice_opt(x, start, size, axis):
-    return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis)
+    return tile.backward_tile(s, lse_blk, dp, delta_blk, in_dtype=in_dtype, round_fn=_ROUND)
 
   # dQ (and dS for dbias): each query block loops over its visible key blocks.
   def dq_block(q_blk, k_all, v_all, do_blk, lse_blk, delta_blk, bias_rows, mask_rows, q_len,
                kv_len, q_start):
-    q_pos = q_start + jnp.arange(block_q, dtype=jnp.int32)
-    lo, hi = blocks.kv_block_range(q_start, block_q, block_k, Sp // block_k,
-                                   causal=spec.is_causal, window=spec.window, kv_len=kv_len)
+    q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
+    lo, hi = blocks.kv_block_range(q_start, bq, bk, pad.S // bk, causal=spec.is_causal,
+                                   window=spec.window, kv_len=kv_len)
 
     def body(j, carry):
       dq, ds_rows = carry
-      k_start = j * block_k
-      k_blk = lax.dynamic_slice_in_dim(k_all, k_start, block_k)
-      _, ds = tile_grads(q_blk, k_blk, lax.dynamic_slice_in_dim(v_all, k_start, block_k), do_blk,
-                         lse_blk, delta_blk, slice_opt(bias_rows, k_start, block_k, 1),
-                         slice_opt(mask_rows, k_start, block_k, 1), q_pos,
-                         k_start + jnp.arange(block_k, dtype=jnp.int32), q_len, kv_len)
-      dq = dq + tile.matmul(tile.round_exact(ds, in_dtype).astype(in_dtype), k_blk) * spec.scale
+      k_start = j * bk
+      k_blk = lax.dynamic_slice_in_dim(k_all, k_start, bk)
+      g = tile_grads(q_blk, k_blk, lax.dynamic_slice_in_dim(v_all, k_start, bk), do_blk,
+                     lse_blk, delta_blk, _slice(bias_rows, k_start, bk, 1),
+                     _slice(mask_rows, k_start, bk, 1), q_pos,
+                     k_start + jnp.arange(bk, dtype=jnp.int32), q_len, kv_len)
+      dq = dq + tile.matmul(g.ds_op, k_blk) * spec.scale
       if ds_rows is not None:
-        ds_rows = lax.dynamic_update_slice_in_dim(ds_rows, ds, k_start, 1)
+        ds_rows = lax.dynamic_update_slice_in_dim(ds_rows, g.ds, k_start, 1)
       return dq, ds_rows
 
-    ds_rows = None if bias is None else jnp.zeros((block_q, Sp), jnp.float32)
-    return lax.fori_loop(lo, hi, body, (jnp.zeros((block_q, H), jnp.float32), ds_rows))
+    ds_rows = None if bias is None else jnp.zeros((bq, pad.S), jnp.float32)
+    return lax.fori_loop(lo, hi, body, (jnp.zeros((bq, geo.H), jnp.float32), ds_rows))
 
   # dK, dV: each key block loops over the query blocks that see it.
   def dkv_block(k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_cols, mask_cols, q_len,
                 kv_len, k_start):
-    k_pos = k_start + jnp.arange(block_k, dtype=jnp.int32)
-    lo, hi = blocks.q_block_range(k_start, block_k, block_q, Tp // block_q,
-                                  causal=spec.is_causal, window=spec.window, q_len=q_len)
+    k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
+    lo, hi = blocks.q_block_range(k_start, bk, bq, pad.T // bq, causal=spec.is_causal,
+                                  window=spec.window, q_len=q_len)
 
     def body(i, carry):
       dk, dv = carry
-      q_start = i * block_q
-      q_blk = lax.dynamic_slice_in_dim(q_all, q_start, block_q)
-      do_blk = lax.dynamic_slice_in_dim(do_all, q_start, block_q)
-      p, ds = tile_grads(q_blk, k_blk, v_blk, do_blk,
-                         lax.dynamic_slice_in_dim(lse_all, q_start, block_q),
-                         lax.dynamic_slice_in_dim(delta_all, q_start, block_q),
-                         slice_opt(bias_cols, q_start, block_q, 0),
-                         slice_opt(mask_cols, q_start, block_q, 0),
-                         q_start + jnp.arange(block_q, dtype=jnp.int32), k_pos, q_len, kv_len)
-      dv = dv + tile.matmul(tile.round_exact(p, in_dtype).astype(in_dtype), do_blk, transpose_a=True)
-      dk = dk + tile.matmul(tile.round_exact(ds, in_dtype).astype(in_dtype), q_blk, transpose_a=True) * spec.scale
+      q_start = i * bq
+      q_blk = lax.dynamic_slice_in_dim(q_all, q_start, bq)
+      do_blk = lax.dynamic_slice_in_dim(do_all, q_start, bq)
+      g = tile_grads(q_blk, k_blk, v_blk, do_blk, lax.dynamic_slice_in_dim(lse_all, q_start, bq),
+                     lax.dynamic_slice_in_dim(delta_all, q_start, bq),
+                     _slice(bias_cols, q_start, bq, 0), _slice(mask_cols, q_start, bq, 0),
+                     q_start + jnp.arange(bq, dtype=jnp.int32), k_pos, q_len, kv_len)
+      dv = dv + tile.matmul(g.p, do_blk, transpose_a=True)
+      dk = dk + tile.matmul(g.ds_op, q_blk, transpose_a=True) * spec.scale
       return dk, dv
 
-    zeros = jnp.zeros((block_k, H), jnp.float32)
+    zeros = jnp.zeros((bk, geo.H), jnp.float32)
     return lax.fori_loop(lo, hi, body, (zeros, zeros))
 
-  nq, nk = Tp // block_q, Sp // block_k
+  nq, nk = pad.T // bq, pad.S // bk
   b_ax = None if bias is None else 0
   m_ax = None if mask is None else 0
-  q_starts = jnp.arange(nq, dtype=jnp.int32) * block_q
-  k_starts = jnp.arange(nk, dtype=jnp.int32) * block_k
-  row_blocks = lambda x: None if x is None else x.reshape(B, N, nq, block_q, *x.shape[3:])
+  q_starts = jnp.arange(nq, dtype=jnp.int32) * bq
+  k_starts = jnp.arange(nk, dtype=jnp.int32) * bk
+  row_blocks = lambda x: None if x is None else x.reshape(geo.B, geo.N, nq, bq, *x.shape[3:])
 
   fn = jax.vmap(dq_block, (0, None, None, 0, 0, 0, b_ax, m_ax, None, None, 0))
   fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None))
@@ -261,23 +273,23 @@ def _backward(spec: AttentionSpec, config, ops: Operands, o_res, lse, do):
               row_blocks(bias), row_blocks(mask), ops.q_lens, ops.kv_lens, q_starts)
 
   col_blocks = lambda x: None if x is None else jnp.moveaxis(
-      x.reshape(B, N, Tp, nk, block_k), 3, 2)                                 # [B,N,nk,Tp,bk]
+      x.reshape(geo.B, geo.N, pad.T, nk, bk), 3, 2)                           # [B,N,nk,Tp,bk]
   fn = jax.vmap(dkv_block, (0, 0, None, None, None, None, b_ax, m_ax, None, None, 0))
   fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None))
   fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, 0, None))
-  kv_blocks = lambda x: x.reshape(B, N, nk, block_k, H)
+  kv_blocks = lambda x: x.reshape(geo.B, geo.N, nk, bk, geo.H)
   dk, dv = fn(kv_blocks(k), kv_blocks(v), q, do_h, lse, delta, col_blocks(bias),
               col_blocks(mask), ops.q_lens, ops.kv_lens, k_starts)
 
-  dq = jnp.swapaxes(dq.reshape(B, N, Tp, H)[:, :, :T], 1, 2).astype(ops.q.dtype)
+  dq = from_heads_major(dq.reshape(geo.B, geo.N, pad.T, geo.H), geo.T, geo.H).astype(in_dtype)
 
   def per_kv_head(x, like):
-    x = x.reshape(B, K, N // K, Sp, H).sum(2)[:, :, :S]
-    return jnp.swapaxes(x, 1, 2).astype(like.dtype)
+    x = x.reshape(geo.B, geo.K, geo.G, pad.S, geo.H).sum(2)
+    return from_heads_major(x, geo.S, geo.H).astype(like.dtype)
 
   dbias = None
   if ops.bias is not None:
-    ds_full = ds.reshape(B, N, Tp, Sp)[:, :, :T, :S]
+    ds_full = ds.reshape(geo.B, geo.N, pad.T, pad.S)[:, :, :geo.T, :geo.S]
     dbias = reduce_to_shape(ds_full, ops.bias.shape).astype(ops.bias.dtype)
   return dq, per_kv_head(dk, ops.k), per_kv_head(dv, ops.v), dbias
 
@@ -288,6 +300,18 @@ _blockwise = make_flash_attention(_forward, _backward)
 def blockwise_attention(spec: AttentionSpec, ops: Operands, *, block_q: int = DEFAULT_BLOCK_Q,
                         block_k: int = DEFAULT_BLOCK_K) -> jax.Array:
   """The FA2 emulation on canonical operands (see `stable_attn.spec`); O [B,T,N,H]."""
-  if block_q < 1 or block_k < 1:
-    raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
-  return _blockwise(spec, (int(block_q), int(block_k)), ops)
+  return _blockwise(spec, Blocks(int(block_q), int(block_k)), ops)
+
+
+# The backend protocol (stable_attn.backends): implementation="reference" runs anywhere, covers all.
+
+def attention(spec: AttentionSpec, ops: Operands, config: Blocks | None = None) -> jax.Array:
+  return _blockwise(spec, config or Blocks(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K), ops)
+
+
+def is_available() -> bool:
+  return True
+
+
+def covers(spec: AttentionSpec, ops: Operands):
+  return None

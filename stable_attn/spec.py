@@ -19,6 +19,9 @@ class AttentionSpec:
   beta: float
   numerics: Numerics
   interpret: bool = False
+  # Whether sequence lengths were given: if not, ops.q_lens / kv_lens are T and S, and a kernel may
+  # use those static values instead of reading the arrays.
+  has_lengths: bool = False
 
 
 class Operands(NamedTuple):

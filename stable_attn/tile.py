@@ -1,9 +1,21 @@
 """The whole fix in one place: the max adjustment and the online-softmax step, on tiles.
 
-Every implementation (the blockwise reference, the XLA path, the Pallas GPU and TPU kernels) calls
-these functions on [block_q, block_k] score tiles; they differ only in how tiles reach memory.
-Everything is plain jnp that lowers in Pallas (Triton and Mosaic): fp32 arithmetic with explicit
-rounding points taken from `numerics.Dtypes`, 1-D row statistics of shape [block_q].
+Every implementation (the blockwise reference, the XLA path, the Pallas GPU, Mosaic GPU and TPU
+kernels) calls these functions on score tiles; they differ only in how tiles reach memory and in
+who does the matmuls. The shape is FlashAttention-3's (hopper/softmax.h): the caller computes
+QK^T, `scores` turns it into masked logits, `rescale` does the softmax step up to the PV product
+(P in the P dtype, the rescale factor alpha, the new row max and sum), the caller computes PV, and
+`accumulate` folds it into O. The backward tile is `backward_tile`. Everything is plain jnp on
+fp32 values with explicit rounding points taken from `numerics.Dtypes`; row statistics are 1-D.
+
+Orientation. A tile is [query rows, key columns] (q_axis=0) or transposed [keys, queries]
+(q_axis=1, FA3's SwapAB: the dK/dV side computes S^T = K Q^T). Elementwise helpers do not care;
+functions with row statistics take `q_axis`, the axis along which the query index runs.
+
+Base 2. With base2=True scores are in log2 units (log2(e) folded into the softmax scale, so a
+kernel evaluates exp2 with one FMA per element) and the row max follows; the log-sum-exp a kernel
+returns is always in natural units. Only fp32 scores may run in base 2: it moves the rounding
+points of the "paper" preset.
 
 Max adjustment (`max_adjust`):
   "off"    m = running row max (standard safe softmax).
@@ -20,10 +32,12 @@ Max adjustment (`max_adjust`):
            errs up in some rows and down in others, and over consecutive rows those errors cancel:
            the tie's half-way cases round both ways instead of always outward. (A fixed offset
            rounds the same way in every row: the paper's appendix C.) In exact arithmetic nothing
-           changes: softmax is shift invariant and the log-sum-exp is m + c + log l.
+           changes: softmax is shift invariant and the log-sum-exp is m + c + log l. With fp32
+           scores the offset is folded into the row max (one add per row, not per element).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -37,6 +51,8 @@ PAPER_TIE_TOLERANCE = 1e-3
 SAFE_WEIGHT_MIN, SAFE_WEIGHT_MAX = 0.55, 0.95   # range of the largest P_bar under "safe"
 # Log-sum-exp of a row with no visible key: exp(S - LSE) is then 0 for every score.
 EMPTY_ROW_LSE = 1e30
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 # Weyl sequences in 24-bit fixed point: consecutive query positions spread evenly over [0, 1).
 _ROW_STEP = (10368889, 12664881)    # round(0.6180339887 * 2**24), round(0.7548776662 * 2**24)
@@ -46,22 +62,40 @@ _FIXED_MASK = (1 << 24) - 1
 f32 = jnp.float32
 
 
+# ---------------------------------------------------------------------------------------------
+# Rounding and matmuls
+# ---------------------------------------------------------------------------------------------
+
 def round_convert(x: jax.Array, dtype) -> jax.Array:
-  """Rounds fp32 `x` to `dtype`'s precision and back; the kernels' rounding (a real conversion)."""
+  """Rounds fp32 `x` to `dtype`'s precision and back; the compiled kernels' rounding."""
   if jnp.dtype(dtype) == jnp.float32:
     return x
   return x.astype(dtype).astype(f32)
 
 
 def round_exact(x: jax.Array, dtype) -> jax.Array:
-  """Like `round_convert`, but XLA may never elide it (used by the jnp implementations)."""
-  info = jnp.finfo(dtype)
+  """Like `round_convert`, but XLA may never elide it (the jnp implementations and interpret mode:
+  XLA:CPU's excess-precision simplification may drop an f32 -> bf16 -> f32 pair)."""
   if jnp.dtype(dtype) == jnp.float32:
     return x
+  info = jnp.finfo(dtype)
   return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 RoundFn = Callable[[jax.Array, object], jax.Array]
+
+
+def rounding(interpret: bool) -> RoundFn:
+  """The rounding a Pallas kernel uses: a real conversion when compiled, `round_exact` when its
+  body runs as XLA:CPU code in interpret mode."""
+  return round_exact if interpret else round_convert
+
+
+def operand(x: jax.Array, dtype, round_fn: RoundFn = round_convert) -> jax.Array:
+  """fp32 `x` cast to `dtype` for a matmul operand, rounded for certain (see `round_exact`)."""
+  if round_fn is round_convert:
+    return x.astype(dtype)   # one conversion, not a round trip and a second conversion
+  return round_fn(x, dtype).astype(dtype)
 
 
 def _precision(dtype):
@@ -77,26 +111,61 @@ def matmul(a: jax.Array, b: jax.Array, *, transpose_a=False, transpose_b=False) 
                          precision=_precision(a.dtype), preferred_element_type=f32)
 
 
+def _rows(x: jax.Array, like: jax.Array, q_axis: int) -> jax.Array:
+  """A per-query vector broadcast over a tile (explicitly: Mosaic GPU has no [n, 1] layouts)."""
+  return lax.broadcast_in_dim(x, like.shape, (q_axis,))
+
+
 # ---------------------------------------------------------------------------------------------
 # Scores and visibility
 # ---------------------------------------------------------------------------------------------
 
-def scores(q, k, scale: float, bias, dt: Dtypes, round_fn: RoundFn = round_convert):
-  """S = scale * q k^T (+ bias), rounded to the score dtype; fp32 [bq, bk]."""
-  s = matmul(q, k, transpose_b=True) * scale
-  if bias is not None:
-    s = s + bias.astype(f32)
-  return round_fn(s, dt.score)
+class Scores(NamedTuple):
+  """A tile's masked logits, `values * factor` (fp32). factor is 1 except in base-2 kernels with a
+  positive softmax scale and no bias: there the scale stays outside the tile, so the max is taken
+  of raw products and exp2(values * factor - m) is one FMA per element."""
+  values: jax.Array
+  factor: float
+
+  def scaled(self) -> jax.Array:
+    return self.values if self.factor == 1.0 else self.values * self.factor
+
+  def minus(self, rows: jax.Array) -> jax.Array:
+    """The logits minus a per-query value already broadcast to the tile (fused when scaled)."""
+    return self.values - rows if self.factor == 1.0 else self.values * self.factor - rows
+
+
+def scores(qk, ok=None, *, scale: float, bias=None, dt: Dtypes, round_fn: RoundFn = round_convert,
+           base2: bool = False) -> Scores:
+  """Logits of a tile from its product qk = Q K^T (fp32, either orientation).
+
+  scale * qk + bias, rounded to the score dtype, in log2 units when base2, and -inf where `ok`
+  (bool, same shape, or None = all visible) is False. bias, when given, is in the tile's
+  orientation. Masked scores give P = 0 exactly in every later step, with no second select.
+  """
+  factor = 1.0
+  if base2:
+    if jnp.dtype(dt.score) != jnp.float32:
+      raise ValueError(f"base-2 scores need fp32 scores, not {jnp.dtype(dt.score).name}")
+    if bias is None and scale > 0:
+      s, factor = qk, scale * LOG2E
+    else:
+      s = qk * scale * LOG2E if bias is None else (qk * scale + bias.astype(f32)) * LOG2E
+  else:
+    s = qk * scale if bias is None else qk * scale + bias.astype(f32)
+    s = round_fn(s, dt.score)
+  return Scores(s if ok is None else jnp.where(ok, s, -jnp.inf), factor)
 
 
 def visible(q_pos, k_pos, q_len, kv_len, *, causal: bool, window, mask=None):
-  """Which scores take part: bool [bq, bk] from positions q_pos [bq], k_pos [bk] (int32).
+  """Which scores take part: bool [bq, bk] from int32 positions, either q_pos [bq] and k_pos [bk]
+  or both already broadcast to the tile's shape (either orientation; Mosaic GPU makes them with
+  a layout-aware iota).
 
   Semantics of jax.nn.dot_product_attention: causal keeps k <= q (top-left aligned when T != S),
   window (left, right) keeps q - left <= k <= q + right, lengths mask padding at the end.
   """
-  q = q_pos[:, None]
-  k = k_pos[None, :]
+  q, k = (q_pos[:, None], k_pos[None, :]) if q_pos.ndim == 1 else (q_pos, k_pos)
   ok = (q < q_len) & (k < kv_len)
   if causal:
     ok = ok & (k <= q)
@@ -108,113 +177,162 @@ def visible(q_pos, k_pos, q_len, kv_len, *, causal: bool, window, mask=None):
   return ok
 
 
+# ---------------------------------------------------------------------------------------------
+# The max adjustment
+# ---------------------------------------------------------------------------------------------
+
 def _weyl(q_pos, head, which: int):
   x = (q_pos * _ROW_STEP[which] + head * _HEAD_STEP[which]) & _FIXED_MASK
   return x.astype(f32) * (1.0 / (1 << 24))
 
 
-def safe_offset(q_pos, head, p_dtype) -> jax.Array:
-  """The per-row exponent offset c of max_adjust="safe": fp32 [bq], exp(-c) in [0.55, 0.95].
+def safe_offset(q_pos, head, p_dtype, *, base2: bool = False) -> jax.Array:
+  """The per-row exponent offset c of max_adjust="safe": fp32, exp(-c) in [0.55, 0.95].
 
-  q_pos: int32 [bq] query positions; head: int32 query head; p_dtype: the dtype P is rounded to.
+  q_pos: int32 query positions (any shape); head: int32 query head(s), broadcastable; p_dtype:
+  the dtype P is rounded to. In log2 units when base2.
   """
   cell = 2.0 ** -(jnp.finfo(p_dtype).nmant + 1)   # spacing of p_dtype in [0.5, 1)
   cells = jnp.floor(SAFE_WEIGHT_MIN / cell + _weyl(q_pos, head, 1) *
                     ((SAFE_WEIGHT_MAX - SAFE_WEIGHT_MIN) / cell))
   weight = (cells + _weyl(q_pos, head, 0)) * cell
-  return -jnp.log(weight)
+  return -jnp.log2(weight) if base2 else -jnp.log(weight)
 
 
-def paper_adjusted_max(s, block_max, beta: float, dt: Dtypes, round_fn: RoundFn = round_convert):
-  """The paper's per-block rule on masked scores s [bq, bk] and their row max [bq]."""
-  close = s >= round_fn(block_max - PAPER_TIE_TOLERANCE, dt.score)[:, None]
-  ties = jnp.sum(close.astype(jnp.int32), axis=-1) > 1
+def paper_adjusted_max(s, block_max, beta: float, dt: Dtypes, round_fn: RoundFn = round_convert,
+                       *, base2: bool = False, q_axis: int = 0):
+  """The paper's per-block rule on masked scores s (an array) and their row max (per query)."""
+  tolerance = PAPER_TIE_TOLERANCE * (LOG2E if base2 else 1.0)
+  close = s >= _rows(round_fn(block_max - tolerance, dt.score), s, q_axis)
+  ties = jnp.sum(jnp.where(close, 1.0, 0.0), axis=1 - q_axis) > 1.5
   adjusted = jnp.where(ties & (block_max > 0), round_fn(beta * block_max, dt.score), block_max)
   return jnp.where(ties & (adjusted < 0), 0.0, adjusted)
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward: the online-softmax step
+# Forward: the online-softmax step, split around the PV product
 # ---------------------------------------------------------------------------------------------
 
-class SoftmaxState(NamedTuple):
-  """Running statistics of one query block (all fp32, holding values of their rounding dtypes)."""
-  m: jax.Array    # [bq] running (possibly adjusted) max
-  l: jax.Array    # [bq] running sum of P_bar
-  acc: jax.Array  # [bq, H] running P_bar V
+class RowStats(NamedTuple):
+  """Running statistics of the query rows of one tile (fp32, holding values of their dtypes)."""
+  m: jax.Array    # running (possibly adjusted) max, in the scores' units
+  l: jax.Array    # running sum of P_bar
 
 
-def init_state(block_q: int, head_dim: int, dt: Dtypes) -> SoftmaxState:
-  m = jnp.full((block_q,), jnp.finfo(dt.score).min, f32)
-  return SoftmaxState(m, jnp.zeros((block_q,), f32), jnp.zeros((block_q, head_dim), f32))
+def init_stats(rows: int, dt: Dtypes) -> RowStats:
+  return RowStats(jnp.full((rows,), jnp.finfo(dt.score).min, f32), jnp.zeros((rows,), f32))
 
 
-def online_softmax_step(state: SoftmaxState, s, ok, v, *, dt: Dtypes, max_adjust: str,
-                        beta: float, offset=None, round_fn: RoundFn = round_convert):
-  """Folds one key block into the state.
+def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: float,
+            offset=None, round_fn: RoundFn = round_convert, base2: bool = False, q_axis: int = 0):
+  """Folds one key block's masked scores (from `scores`) into the row statistics.
 
-  Args:
-    s: fp32 [bq, bk] scores from `scores`; ok: bool [bq, bk] from `visible` or None (all visible).
-    v: [bk, H] values in the input dtype. offset: [bq] from `safe_offset` when max_adjust="safe".
+  Returns (p, alpha, stats): P_bar in dt.p (the PV operand), the factor alpha (fp32, per query)
+  by which the O accumulator must be rescaled, and the new statistics. offset: per query, from
+  `safe_offset` in the same units, when max_adjust="safe".
   """
-  if ok is not None:
-    s = jnp.where(ok, s, jnp.finfo(dt.score).min)  # finite fill, as the paper's code
-  block_max = jnp.max(s, axis=-1)
+  exp = jnp.exp2 if base2 else jnp.exp
+  k_axis = 1 - q_axis
   if max_adjust == "paper":
-    block_max = paper_adjusted_max(s, block_max, beta, dt, round_fn)
-  m_new = jnp.maximum(state.m, block_max)
-  shifted = round_fn(s - m_new[:, None], dt.score)
-  if offset is not None:
-    shifted = shifted - offset[:, None]
-  p = jnp.exp(shifted)
-  if ok is not None:
-    p = jnp.where(ok, p, 0.0)
-  # Round through round_fn first: XLA may elide a bare f32->bf16->f32 pair around the dot.
-  p_low = round_fn(p, dt.p).astype(dt.p)
-  alpha = jnp.exp(round_fn(state.m - m_new, dt.score))
-  row_sum = jnp.sum(p_low.astype(f32) if dt.sum_of_rounded_p else p, axis=-1)
-  l_new = round_fn(round_fn(round_fn(alpha, dt.sum) * state.l, dt.sum) + round_fn(row_sum, dt.sum),
+    scaled = s.scaled()
+    block_max = paper_adjusted_max(scaled, jnp.max(scaled, axis=k_axis), beta, dt, round_fn,
+                                   base2=base2, q_axis=q_axis)
+  else:
+    block_max = jnp.max(s.values, axis=k_axis)
+    block_max = block_max if s.factor == 1.0 else block_max * s.factor   # factor > 0 commutes
+  m_new = jnp.maximum(stats.m, block_max)
+  tile_rows = lambda x: _rows(x, s.values, q_axis)
+  if offset is not None and jnp.dtype(dt.score) == jnp.float32:
+    p = exp(s.minus(tile_rows(m_new + offset)))   # the offset folded into the max
+  else:
+    shifted = round_fn(s.minus(tile_rows(m_new)), dt.score)
+    p = exp(shifted if offset is None else shifted - tile_rows(offset))
+  p_low = operand(p, dt.p, round_fn)
+  alpha = exp(round_fn(stats.m - m_new, dt.score))
+  row_sum = jnp.sum(p_low.astype(f32) if dt.sum_of_rounded_p else p, axis=k_axis)
+  l_new = round_fn(round_fn(round_fn(alpha, dt.sum) * stats.l, dt.sum) + round_fn(row_sum, dt.sum),
                    dt.sum)
-  pv = round_fn(matmul(p_low, v.astype(dt.p)), dt.pv)
-  acc_new = round_fn(round_fn(state.acc * round_fn(alpha, dt.acc)[:, None], dt.acc) + pv, dt.acc)
-  return SoftmaxState(m_new, l_new, acc_new)
+  return p_low, alpha, RowStats(m_new, l_new)
 
 
-def finalize(state: SoftmaxState, *, dt: Dtypes, offset=None, round_fn: RoundFn = round_convert):
-  """-> (O [bq, H] in the input dtype, residual O [bq, H] in dt.residual_o, LSE fp32 [bq]).
+def scale_acc(acc, alpha, *, dt: Dtypes, round_fn: RoundFn = round_convert, q_axis: int = 0):
+  """The O accumulator rescaled by alpha, before this block's PV is added."""
+  return round_fn(acc * _rows(round_fn(alpha, dt.acc), acc, q_axis), dt.acc)
 
-  Rows that saw no visible key (l == 0) give O = 0 and LSE = EMPTY_ROW_LSE, so the backward's
-  P = exp(S - LSE) is 0 there and their gradients are zero, never NaN.
+
+def accumulates_in_place(dt: Dtypes) -> bool:
+  """Whether an MMA may add PV straight into the rescaled accumulator (`scale_acc` then MMA):
+  true when neither PV nor the accumulator is rounded below fp32."""
+  return jnp.dtype(dt.pv) == jnp.float32 and jnp.dtype(dt.acc) == jnp.float32
+
+
+def accumulate(acc, alpha, pv, *, dt: Dtypes, round_fn: RoundFn = round_convert, q_axis: int = 0):
+  """O accumulator after one key block: acc * alpha + PV, with PV (fp32 product) rounded to dt.pv
+  and the sum to dt.acc."""
+  scaled = scale_acc(acc, alpha, dt=dt, round_fn=round_fn, q_axis=q_axis)
+  return round_fn(scaled + round_fn(pv, dt.pv), dt.acc)
+
+
+def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn = round_convert,
+             base2: bool = False, q_axis: int = 0):
+  """-> (O in the input dtype, residual O in dt.residual_o, LSE fp32 per query, natural units).
+
+  Rows that saw no visible key (l == 0, acc == 0) give O = 0 and LSE = EMPTY_ROW_LSE, so the
+  backward's P = exp(S - LSE) is 0 there and their gradients are zero, never NaN.
   """
-  empty = state.l == 0.0
-  l_safe = jnp.where(empty, 1.0, state.l)
-  o_exact = jnp.where(empty[:, None], 0.0, state.acc / l_safe[:, None])
+  empty = stats.l == 0.0
+  l_safe = jnp.where(empty, 1.0, stats.l)
+  o_exact = acc / _rows(l_safe, acc, q_axis)
   o = round_fn(o_exact, dt.out).astype(dt.input)
-  m = state.m if offset is None else state.m + offset
-  lse = jnp.where(empty, EMPTY_ROW_LSE, m + jnp.log(l_safe))
+  m = stats.m if offset is None else stats.m + offset
+  lse = m * LN2 + jnp.log(l_safe) if base2 else m + jnp.log(l_safe)
+  lse = jnp.where(empty, EMPTY_ROW_LSE, lse)
   # The fp32 residual skips the output rounding: delta then sees O before it is rounded.
-  residual = o_exact if dt.residual_o == jnp.float32 else o
+  residual = o_exact if jnp.dtype(dt.residual_o) == jnp.float32 else o
   return o, residual.astype(dt.residual_o), lse
 
 
 # ---------------------------------------------------------------------------------------------
-# Backward tile math (flash backward: delta pre-pass, then dK/dV and dQ)
+# Backward (flash backward: delta pre-pass, then dK/dV and dQ)
 # ---------------------------------------------------------------------------------------------
 
 def delta(do, o_residual) -> jax.Array:
-  """delta = rowsum(dO * O): fp32 [bq] from dO [bq, H] and the saved O residual."""
+  """delta = rowsum(dO * O): fp32 per row, from dO [..., H] and the saved O residual."""
   return jnp.sum(do.astype(f32) * o_residual.astype(f32), axis=-1)
 
 
-def probabilities(s, lse, ok) -> jax.Array:
-  """Normalised P = exp(S - LSE), fp32 [bq, bk], zero where not visible."""
-  p = jnp.exp(s - lse[:, None])
-  return p if ok is None else jnp.where(ok, p, 0.0)
+class TileGrads(NamedTuple):
+  p: jax.Array      # P in the input dtype: the operand of dV += P^T dO
+  ds: jax.Array     # dS = P * (dP - delta) in fp32: the gradient of the logits (dbias)
+  ds_op: jax.Array  # dS in the input dtype: the operand of dQ += dS K and dK += dS^T Q
 
 
-def score_grad(p, dp, delta_rows) -> jax.Array:
-  """dS = P * (dP - delta): fp32 [bq, bk] (the gradient w.r.t. the scaled, biased scores)."""
-  return p * (dp - delta_rows[:, None])
+def backward_p(s: Scores, lse, *, in_dtype, round_fn: RoundFn = round_convert, base2: bool = False,
+               q_axis: int = 0):
+  """P = exp(S - LSE) of one tile from masked scores (`scores`, the forward's units) and the saved
+  LSE (per query, fp32, natural units) -> (P fp32, P in the input dtype: the dV operand)."""
+  exp = jnp.exp2 if base2 else jnp.exp
+  p = exp(s.minus(_rows(lse * LOG2E if base2 else lse, s.values, q_axis)))
+  return p, operand(p, in_dtype, round_fn)
+
+
+def backward_ds(p, dp, delta_rows, *, in_dtype, round_fn: RoundFn = round_convert, q_axis: int = 0):
+  """dS = P * (dP - delta) from `backward_p`'s fp32 P, dP = dO V^T (fp32, same orientation) and
+  delta (per query) -> (dS fp32: the logits' gradient, dS in the input dtype: the dQ/dK operand)."""
+  ds = p * (dp - _rows(delta_rows, dp, q_axis))
+  return ds, operand(ds, in_dtype, round_fn)
+
+
+def backward_tile(s: Scores, lse, dp, delta_rows, *, in_dtype, round_fn: RoundFn = round_convert,
+                  base2: bool = False, q_axis: int = 0) -> TileGrads:
+  """One tile of the flash backward: `backward_p` then `backward_ds` (kernels that issue the dV
+  product between the two call them separately).
+
+  dQ and dK are then scale * (dS K) and scale * (dS^T Q), accumulated in fp32.
+  """
+  p, p_op = backward_p(s, lse, in_dtype=in_dtype, round_fn=round_fn, base2=base2, q_axis=q_axis)
+  ds, ds_op = backward_ds(p, dp, delta_rows, in_dtype=in_dtype, round_fn=round_fn, q_axis=q_axis)
+  return TileGrads(p_op, ds, ds_op)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,8 +340,9 @@ def score_grad(p, dp, delta_rows) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 def tied_rows(s, ok, dtype) -> jax.Array:
-  """bool [bq]: rows where two or more P_bar = exp(S - max) round to exactly 1 in `dtype`.
+  """bool [..., rows]: rows where two or more P_bar = exp(S - max) round to exactly 1 in `dtype`.
 
+  s: scores [..., rows, cols] in natural units; ok: visibility of the same shape (or None).
   That is what the PV product sees under max_adjust="off" (in bf16 anything within ~0.002 of the
   max becomes 1.0), the trigger of the paper's biased rounding.
   """

@@ -71,14 +71,14 @@ def relative_error(x, ref) -> float:
 
 
 def run_case(implementation, case, dtype, max_adjust, numerics, *, interpret=False, seed=0,
-             jit=True):
+             jit=True, config=None):
   """-> (out, grads, exact) where exact = (O, dQ, dK, dV, dBias) in float64."""
   (q, k, v, bias, mask), kwargs, d_out = make_inputs(case, dtype, seed)
 
   def f(q, k, v, bias):
     return stable_attn.dot_product_attention(
         q, k, v, bias, mask, implementation=implementation, max_adjust=max_adjust,
-        numerics=numerics, interpret=interpret, **kwargs)
+        numerics=numerics, interpret=interpret, config=config, **kwargs)
 
   if jit:
     f = jax.jit(f)
@@ -89,10 +89,10 @@ def run_case(implementation, case, dtype, max_adjust, numerics, *, interpret=Fal
 
 
 def check_case(implementation, case, dtype, max_adjust, numerics, *, interpret=False, seed=0,
-               jit=True):
+               jit=True, config=None):
   """Asserts values and gradients match the exact reference within the dtype's tolerance."""
   out, grads, exact = run_case(implementation, case, dtype, max_adjust, numerics,
-                               interpret=interpret, seed=seed, jit=jit)
+                               interpret=interpret, seed=seed, jit=jit, config=config)
   chex.assert_shape(out, exact[0].shape)
   chex.assert_tree_all_finite((out, [g for g in grads if g is not None]))
   assert out.dtype == dtype
@@ -108,3 +108,19 @@ def check_case(implementation, case, dtype, max_adjust, numerics, *, interpret=F
     np.testing.assert_array_equal(np.asarray(out[:, rows], np.float32), 0.0)
     np.testing.assert_array_equal(np.asarray(grads[0][:, rows], np.float32), 0.0)
   return errors
+
+
+def lower_vjp_for_cuda(flash, ops) -> str:
+  """HLO text of a kernel's forward and backward (flash: canonical Operands -> O) lowered for CUDA
+  on this host -- the whole Pallas lowering, short of the GPU compiler; skips the calling test
+  where this jaxlib cannot lower for CUDA."""
+  import pytest
+
+  def f(ops):
+    o, vjp = jax.vjp(flash, ops)
+    return o, vjp(o)
+
+  try:
+    return jax.jit(f).trace(ops).lower(lowering_platforms=("cuda",)).as_text()
+  except NotImplementedError as e:
+    pytest.skip(f"no CUDA lowering here: {e}")

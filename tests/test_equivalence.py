@@ -2,11 +2,10 @@
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import stable_attn
-from tests.cases import CASE_NAMES, CASES, case_by_name, check_case, make_inputs
+from tests.cases import CASE_NAMES, case_by_name, check_case, make_inputs
 
 IMPLS = ("reference", "xla")
 MODES = ("off", "paper", "safe")
@@ -52,11 +51,9 @@ class TestJitVariants(chex.TestCase):
 
 def test_block_sizes_do_not_change_the_result():
   from stable_attn.reference import blockwise_attention
-  from stable_attn.api import _canonicalize
+  from stable_attn.api import canonicalize
   (q, k, v, bias, mask), kwargs, _ = make_inputs(case_by_name("window_lengths"), jnp.float32, 5)
-  spec, ops, _ = _canonicalize(q, k, v, bias, mask, None, kwargs["is_causal"],
-                               kwargs["query_seq_lengths"], kwargs["key_value_seq_lengths"],
-                               kwargs["local_window_size"], "safe", 2.0, "fast", False)
+  spec, ops, _ = canonicalize(q, k, v, bias, mask, max_adjust="safe", **kwargs)
   outs = [blockwise_attention(spec, ops, block_q=bq, block_k=bk)
           for bq, bk in ((16, 16), (8, 32), (64, 64), (128, 16))]
   for o in outs[1:]:

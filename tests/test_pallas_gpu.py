@@ -89,12 +89,18 @@ def test_interpret_matches_exact(name, dtype, max_adjust, numerics):
 
 
 def test_interpret_other_tiles():
-  """A different tiling (a single key block per query block, larger dK/dV tiles) agrees too."""
+  """A different tiling (a single key block per query block, larger dK/dV tiles), passed as the
+  static config, agrees too."""
   K = tuning.KernelConfig
   config = tuning.Config(fwd=K(32, 64, 4, 1), dkv=K(32, 16, 4, 1), dq=K(16, 64, 4, 1))
-  with tuning.override(config):
-    cases.check_case(IMPL, cases.case_by_name("window_lengths"), bf16, "safe", "fast",
-                     interpret=True, seed=4)
+  cases.check_case(IMPL, cases.case_by_name("window_lengths"), bf16, "safe", "fast",
+                   interpret=True, seed=4, config=config)
+  q = jnp.ones((1, 16, 2, 32), bf16)
+  with pytest.raises(ValueError, match="tuning.Config"):
+    stable_attn.dot_product_attention(q, q, q, implementation=IMPL, interpret=True,
+                                      config=(16, 16))
+  with pytest.raises(ValueError, match="explicit implementation"):
+    stable_attn.dot_product_attention(q, q, q, config=config)
 
 
 def test_not_available_on_cpu():
@@ -123,7 +129,6 @@ def test_bad_input_raises(interpret):
 
 def test_full_block_ranges():
   """The unmasked sub-ranges lie inside the block ranges and hold only fully visible tiles."""
-  from pallas_kernels.gpu.kernels import _full_kv_range, _full_q_range
   from stable_attn import blocks, tile
   rng = np.random.default_rng(0)
   for _ in range(60):
@@ -139,7 +144,7 @@ def test_full_block_ranges():
     for i in range(Tp // bq):
       lo, hi = blocks.kv_block_range(i * bq, bq, bk, Sp // bk, causal=causal, window=window,
                                      kv_len=kv_len)
-      flo, fhi = (int(x) for x in _full_kv_range(i * bq, bq, bk, lo, hi, causal=causal,
+      flo, fhi = (int(x) for x in blocks.full_kv_range(i * bq, bq, bk, lo, hi, causal=causal,
                                                  window=window, q_len=q_len, kv_len=kv_len,
                                                  has_mask=False))
       assert int(lo) <= flo <= fhi <= int(hi)
@@ -148,7 +153,7 @@ def test_full_block_ranges():
     for j in range(Sp // bk):
       lo, hi = blocks.q_block_range(j * bk, bk, bq, Tp // bq, causal=causal, window=window,
                                     q_len=q_len)
-      flo, fhi = (int(x) for x in _full_q_range(j * bk, bk, bq, lo, hi, causal=causal,
+      flo, fhi = (int(x) for x in blocks.full_q_range(j * bk, bk, bq, lo, hi, causal=causal,
                                                 window=window, q_len=q_len, kv_len=kv_len,
                                                 has_mask=False))
       assert int(lo) <= flo <= fhi <= int(hi)
@@ -202,11 +207,17 @@ def test_gpu_matches_exact(name, dtype, max_adjust, numerics):
 @pytest.mark.gpu
 @on_gpu
 def test_gpu_default_implementation():
+  """pallas_gpu is what implementation=None runs for calls the Hopper kernel does not take (a
+  bias here), and for every call on GPUs other than Hopper."""
+  from pallas_kernels import mosaic_gpu
   assert pallas_gpu.is_available()
-  assert stable_attn.default_implementation() == IMPL
+  hopper = mosaic_gpu.is_available()
+  assert stable_attn.default_implementation() == ("pallas_mosaic_gpu" if hopper else IMPL)
   (q, k, v, _, _), kwargs, _ = cases.make_inputs(GPU["gpt2_causal"], bf16, 0)
-  a = stable_attn.dot_product_attention(q, k, v, **kwargs)
-  b = stable_attn.dot_product_attention(q, k, v, implementation=IMPL, **kwargs)
+  bias = jnp.asarray(np.random.default_rng(0).standard_normal((1, 1, 1, q.shape[1])), f32)
+  assert stable_attn.choose_implementation(q, k, v, bias, **kwargs).name == IMPL
+  a = stable_attn.dot_product_attention(q, k, v, bias, **kwargs)
+  b = stable_attn.dot_product_attention(q, k, v, bias, implementation=IMPL, **kwargs)
   np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
@@ -227,3 +238,17 @@ def test_gpu_backward_deterministic(name):
   second = jax.device_get(grads(q, k, v, bias))
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_lowers_for_cuda(bias):
+  """The compiled kernels (Triton lowering, not interpret mode) lower on a CPU host for CUDA:
+  forward, delta, dK/dV and dQ, with and without the dS output of a bias."""
+  from stable_attn.api import canonicalize
+  q = jnp.zeros((2, 300, 4, 64), bf16)
+  kv = jnp.zeros((2, 300, 2, 64), bf16)
+  b = jnp.zeros((1, 1, 1, 300), f32) if bias else None
+  spec, ops, _ = canonicalize(q, kv, kv, b, is_causal=True)
+  config = tuning.resolve(64, bf16, 300, 300, writes_ds=bias)
+  text = cases.lower_vjp_for_cuda(lambda o: pallas_gpu._flash(spec, config, o), ops)
+  assert text.count("triton") >= 4

@@ -1,7 +1,6 @@
 """The bias-probe expectations of the Foundation issue (reference implementation, bf16).
 
 With 4 x 128 rows the probe's noise floor is ~0.01 ulp (its no-tie control shows it)."""
-import numpy as np
 import pytest
 
 from stable_attn.diagnostics import PLACEMENTS, REGIMES, measure

@@ -79,6 +79,38 @@ def test_time_limit_checkpoints_and_the_same_run_resumes(tmp_path):
         run(cfg, tmp_path / "other", time_limit=0)
 
 
+def test_interrupt_checkpoints_and_resume_refusals(tmp_path, monkeypatch):
+    """Ctrl-C during a run leaves a resumable checkpoint; --no-resume and incompatible runs refuse it."""
+    import train.data as data_lib
+    cfg = micro(max_steps=5)
+    batch = data_lib.train_batch
+
+    def interrupted_at_3(data, step, **kw):
+        if step == 3:
+            raise KeyboardInterrupt
+        return batch(data, step, **kw)
+
+    monkeypatch.setattr(data_lib, "train_batch", interrupted_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, tmp_path)
+    monkeypatch.setattr(data_lib, "train_batch", batch)
+    # Steps 0-2 completed: their records are written and a checkpoint holds them.
+    assert [s for s, _ in losses(tmp_path)] == [0, 1, 2]
+    assert (tmp_path / "checkpoints" / "3").is_dir()
+    assert "interrupted; checkpoint at step 3" in (tmp_path / "train.log").read_text()
+    # A checkpoint of another run is never silently reused.
+    with pytest.raises(ValueError, match="--no-resume"):
+        run(cfg, tmp_path, resume=False)
+    with pytest.raises(ValueError, match="same seed"):
+        run(cfg.replace(seed=1), tmp_path)
+    with pytest.raises(ValueError, match="another shape"):
+        run(micro(max_steps=5, model=dict(n_layer=2, n_head=2, n_embd=64, block_size=32, attention="jax_xla",
+                                          max_adjust="off")), tmp_path)
+    summary = run(cfg, tmp_path)
+    assert summary["start_step"] == 3 and summary["end_step"] == 5
+    assert [s for s, _ in losses(tmp_path)] == list(range(5))
+
+
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
     # A learning rate of 1e30 overflows the weights after one update: the next loss is NaN.
     cfg = micro(max_steps=6, ckpt_every=1, lr=1e30, min_lr=1e30, warmup_steps=0, grad_clip=0.0)
@@ -92,18 +124,19 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 def test_spike_detection():
-    from train.loop import _check_loss
+    from train.loop import RunState, _check_loss
     cfg = micro(spike_factor=1.5, warmup_steps=0)
-    state = {"ema": None}
+    state = RunState(last_good=100)
     for step in range(150):
-        _check_loss(step, 4.0 + 0.1 * (step % 3), 1.0, cfg, state, 100, Path("out"))
-    _check_loss(150, 5.9, 1.0, cfg, state, 100, Path("out"))  # below 1.5 x ~4.1
+        _check_loss(step, 4.0 + 0.1 * (step % 3), 1.0, cfg, state, Path("out"))
+    _check_loss(150, 5.9, 1.0, cfg, state, Path("out"))  # below 1.5 x ~4.1
     with pytest.raises(TrainingStopped, match=r"step 151: loss spike 7\.000 > 1\.5 x running mean"):
-        _check_loss(151, 7.0, 1.0, cfg, state, 100, Path("out"))
+        _check_loss(151, 7.0, 1.0, cfg, state, Path("out"))
     with pytest.raises(TrainingStopped, match="grad norm inf"):
-        _check_loss(152, 4.0, float("inf"), cfg, state, 100, Path("out"))
-    early = {"ema": 4.0}
-    _check_loss(50, 9.0, 1.0, cfg, early, None, Path("out"))  # before step 100: not judged
+        _check_loss(152, 4.0, float("inf"), cfg, state, Path("out"))
+    early = RunState(loss_ema=4.0)
+    _check_loss(50, 9.0, 1.0, cfg, early, Path("out"))  # before step 100: not judged
+    assert early.loss_ema == pytest.approx(0.95 * 4.0 + 0.05 * 9.0)
 
 
 SHARDED = """
@@ -161,6 +194,17 @@ def test_cli_defaults_and_flags():
     assert (cfg.max_steps, cfg.batch_size, cfg.model.attention, cfg.model.max_adjust, cfg.model.numerics) == (
         10, 4, "reference", "paper", "paper")
     assert not cfg.model.bias and cfg.lr == 1e-3 and cfg.tokens_per_step == 4 * 16 * 1024
+
+
+def test_cli_choices_follow_stable_attn():
+    """--attention / --max-adjust / --numerics accept exactly what stable_attn offers, plus jax.nn's peers."""
+    import stable_attn
+    from train.config import ATTENTION_CHOICES, MAX_ADJUST_CHOICES, NUMERICS_CHOICES
+    assert ATTENTION_CHOICES == ("auto",) + stable_attn.IMPLEMENTATIONS + ("cudnn", "jax_xla")
+    assert MAX_ADJUST_CHOICES == stable_attn.MAX_ADJUST_MODES
+    assert set(NUMERICS_CHOICES) == set(stable_attn.PRESETS)
+    for impl in stable_attn.IMPLEMENTATIONS:
+        assert build_config(build_parser().parse_args(["--attention", impl])).model.attention == impl
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from train.attention import JAX_NN
 from train.config import ATTENTION_CHOICES, MAX_ADJUST_CHOICES, NUMERICS_CHOICES, CONFIGS, TrainConfig, get_config
 
 DEFAULT_CONFIG = "tiny"
@@ -80,7 +81,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     cfg = get_config(args.config)
     model = {f: getattr(args, k) for k, f in _MODEL_FLAGS.items() if getattr(args, k) is not None}
     impl = model.get("attention", cfg.model.attention)
-    if impl in ("cudnn", "jax_xla"):
+    if impl in JAX_NN:
         # jax.nn's attention has neither a max adjustment nor our rounding presets.
         if model.get("max_adjust", "off") != "off":
             raise ValueError(f"--max-adjust {model['max_adjust']} does not apply to --attention {impl} "

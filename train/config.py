@@ -10,9 +10,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-ATTENTION_CHOICES = ("auto", "reference", "pallas_gpu", "pallas_tpu", "xla", "cudnn", "jax_xla")
-MAX_ADJUST_CHOICES = ("off", "paper", "safe")
-NUMERICS_CHOICES = ("fast", "paper", "fast+fp32o", "paper+fp32o")  # stable_attn presets
+import stable_attn
+from train.attention import JAX_NN, OURS
+
+# Ours ("auto" and stable_attn.IMPLEMENTATIONS), then jax.nn's peers "cudnn" and "jax_xla".
+ATTENTION_CHOICES = OURS + tuple(JAX_NN)
+MAX_ADJUST_CHOICES = stable_attn.MAX_ADJUST_MODES
+NUMERICS_CHOICES = tuple(stable_attn.PRESETS)
 DTYPE_CHOICES = ("bfloat16", "float32", "float16")
 
 

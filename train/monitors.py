@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from stable_attn.tile import tied_rows
 from train.config import ModelConfig
 
 
@@ -27,12 +28,9 @@ def attention_stats(q, k, *, scale: float, paper_numerics: bool):
     if paper_numerics:
         s = s.astype(jnp.bfloat16).astype(jnp.float32)  # the paper's kernel keeps scores in bf16
     T = q.shape[1]
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    s = jnp.where(causal, s, -jnp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    ones = (jnp.exp(s - m).astype(jnp.bfloat16) == 1) & causal
-    tied = ones.sum(axis=-1) >= 2
-    return m.max(), tied.mean(dtype=jnp.float32)
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)  # [B, N, T, S], causal window
+    tied = tied_rows(s, None, jnp.bfloat16)  # [B, N, T]; no row is all -inf: each sees its own key
+    return s.max(), tied.mean(dtype=jnp.float32)
 
 
 def make_monitor_fn(graphdef, cfg: ModelConfig):

@@ -5,10 +5,14 @@
 
 Forward, delta pre-pass, dK/dV and dQ kernels live in `kernels.py`; their tile math is
 `stable_attn.tile` and their block ranges `stable_attn.blocks`. Block sizes, warps and stages come
-from `tuning.py` (a table per head dim and dtype; `tuning.override` for benchmarks).
+from `tuning.py` (a table per head dim and dtype), or from a `tuning.Config` passed as `config`.
 spec.interpret=True runs the same kernels with pallas_call(interpret=True), e.g. on a CPU.
+It covers every call stable_attn accepts with head dims up to 256: it is the fallback of the
+Hopper kernel and the kernel of other NVIDIA GPUs.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 
@@ -18,7 +22,7 @@ from stable_attn.spec import AttentionSpec, Operands
 from pallas_kernels.gpu import tuning
 from pallas_kernels.gpu.kernels import backward, forward
 
-__all__ = ["attention", "is_available", "tuning"]
+__all__ = ["attention", "is_available", "covers", "tuning"]
 
 _flash = make_flash_attention(forward, backward)
 
@@ -39,16 +43,22 @@ def is_available() -> bool:
     return False
 
 
-def attention(spec: AttentionSpec, ops: Operands) -> jax.Array:
-  """O [B, T, N, H] in the input dtype; differentiable in q, k, v and bias (flash backward)."""
-  B, T, N, H = ops.q.shape
-  S = ops.k.shape[1]
+def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
+  H = ops.q.shape[-1]
   if H > tuning.MAX_HEAD_DIM:
-    raise ValueError(f"pallas_gpu supports head dims up to {tuning.MAX_HEAD_DIM}, got query "
-                     f"{tuple(ops.q.shape)}")
+    return f"pallas_gpu supports head dims up to {tuning.MAX_HEAD_DIM}, got query {tuple(ops.q.shape)}"
+  return None
+
+
+def attention(spec: AttentionSpec, ops: Operands, config: Optional[tuning.Config] = None):
+  """O [B, T, N, H] in the input dtype; differentiable in q, k, v and bias (flash backward)."""
+  reason = covers(spec, ops)
+  if reason is not None:
+    raise ValueError(reason)
   if not spec.interpret and not is_available():
     raise ValueError("implementation='pallas_gpu' needs an NVIDIA GPU backend (or interpret=True); "
                      f"the default backend is {jax.default_backend()!r}")
-  config = tuning.resolve(H, ops.q.dtype, T, S, interpret=spec.interpret,
-                          writes_ds=ops.bias is not None)
+  B, T, N, H = ops.q.shape
+  config = tuning.resolve(H, ops.q.dtype, T, ops.k.shape[1], interpret=spec.interpret,
+                          writes_ds=ops.bias is not None, config=config)
   return _flash(spec, config, ops)

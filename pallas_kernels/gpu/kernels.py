@@ -4,7 +4,8 @@ Layout: q/o/dO [B, Tp, N, Hp], k/v [B, Sp, K, Hp] stay in the caller's [B, T, he
 transpose); Tp, Sp, Hp are the lengths padded to the block sizes and the head dim padded to a power
 of two (only when needed). GQA: the kv head of query head n is n // G (G = N // K), chosen by the
 index maps, so K/V are never repeated. bias/mask keep their broadcast shape [Bb, Nb, Tb, Sb] (each
-dim 1 or full) and are read tile by tile with per-dim indices; the mask travels as int8.
+dim 1 or full) and are read tile by tile with per-dim indices; the mask travels as int8. Absent
+optional operands are a None ref with a None BlockSpec.
 
 Kernels (all math from stable_attn.tile, all block ranges from stable_attn.blocks):
   forward  grid (query blocks, B*N): online softmax over visible key blocks -> O, O residual, LSE.
@@ -18,7 +19,9 @@ calls with ok=None, which skips the masking arithmetic; the results are identica
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +31,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from stable_attn import blocks, tile
 from stable_attn.flash import reduce_to_shape
+from stable_attn.layout import Geometry, Padded, lengths, pad_axis, pad_pairwise, pad_seq_head, unpad
+from stable_attn.numerics import Dtypes
 from stable_attn.spec import AttentionSpec, Operands
 
 from pallas_kernels.gpu import tuning
@@ -37,214 +42,158 @@ i32 = jnp.int32
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers: padding, broadcast operands, fully visible sub-ranges
+# The static description of one call
 # ---------------------------------------------------------------------------------------------
 
-def _round_up(n: int, m: int) -> int:
-  return blocks.cdiv(n, m) * m
+@dataclasses.dataclass(frozen=True)
+class _Pairwise:
+  """Which dims of a bias or mask [Bb, Nb, Tb, Sb] are full (the others are 1, broadcast)."""
+  full: tuple[bool, bool, bool, bool]
 
-
-def _pad_axis(x, axis: int, size: int):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
-def _pad_seq_head(x, seq: int, head: int):
-  """[B, L, heads, H] -> [B, seq, heads, head] (zeros)."""
-  return _pad_axis(_pad_axis(x, 1, seq), 3, head)
-
-
-class _Bcast:
-  """A bias or mask operand [Bb, Nb, Tb, Sb] and how to read its [bq, bk] tile for (b, n)."""
-
-  def __init__(self, x, Tp: int, Sp: int):
-    Bb, Nb, Tb, Sb = x.shape
-    self.full_b, self.full_n, self.full_t, self.full_s = Bb > 1, Nb > 1, Tb > 1, Sb > 1
-    if self.full_t:
-      x = _pad_axis(x, 2, Tp)
-    if self.full_s:
-      x = _pad_axis(x, 3, Sp)
-    self.array = x
-
-  def spec(self):
-    zeros = (0, 0, 0, 0)
-    return pl.BlockSpec(self.array.shape, lambda *_: zeros)
+  def spec(self, shape) -> pl.BlockSpec:
+    return pl.BlockSpec(shape, lambda *_: (0, 0, 0, 0))
 
   def tile(self, ref, b, n, q_start, bq: int, k_start, bk: int):
-    bi = b if self.full_b else 0
-    ni = n if self.full_n else 0
-    ti = pl.ds(q_start, bq) if self.full_t else 0
-    si = pl.ds(k_start, bk) if self.full_s else 0
-    x = ref[bi, ni, ti, si]
-    if self.full_t and self.full_s:
+    """The [bq, bk] tile for batch b and query head n (broadcastable)."""
+    fb, fn, ft, fs = self.full
+    x = ref[b if fb else 0, n if fn else 0, pl.ds(q_start, bq) if ft else 0,
+            pl.ds(k_start, bk) if fs else 0]
+    if ft and fs:
       return x
-    if self.full_t:
+    if ft:
       return x[:, None]
-    if self.full_s:
+    if fs:
       return x[None, :]
     return x  # a scalar broadcasts
 
 
-def _full_kv_range(q_start, bq: int, bk: int, lo, hi, *, causal: bool, window, q_len, kv_len,
-                   has_mask: bool):
-  """Sub-range [flo, fhi) of the key blocks [lo, hi) that every row of the query block sees whole.
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """Everything static about one call: shapes, padding, dtypes, optional operands."""
+  spec: AttentionSpec
+  geo: Geometry
+  pad: Padded
+  dt: Dtypes
+  bias: Optional[_Pairwise]
+  mask: Optional[_Pairwise]
 
-  Such blocks need no visibility mask (ok is all True there): same tile calls with ok=None.
-  """
-  if has_mask:
-    return lo, lo
-  flo = lo
-  fhi = kv_len // bk                               # key blocks entirely before kv_len
-  if causal:
-    fhi = jnp.minimum(fhi, (q_start + 1) // bk)    # (j + 1) * bk - 1 <= q_start
-  if window is not None:
-    left, right = window
-    flo = jnp.maximum(flo, blocks.cdiv(q_start + bq - 1 - left, bk))
-    fhi = jnp.minimum(fhi, (q_start + right + 1) // bk)
-  fhi = jnp.where(q_start + bq <= q_len, fhi, flo)  # padded query rows need the mask
-  return _clamp_subrange(lo, hi, flo, fhi)
+  @property
+  def round_fn(self):
+    return tile.rounding(self.spec.interpret)
+
+  def visible(self, mask_ref, b, n, q_start, bq: int, k_start, bk: int, q_len, kv_len):
+    m = None
+    if mask_ref is not None:
+      m = self.mask.tile(mask_ref, b, n, q_start, bq, k_start, bk) != 0
+    return tile.visible(q_start + lax.iota(i32, bq), k_start + lax.iota(i32, bk), q_len, kv_len,
+                        causal=self.spec.is_causal, window=self.spec.window, mask=m)
+
+  def scores(self, qk, ok, bias_ref, b, n, q_start, bq: int, k_start, bk: int):
+    bias = None
+    if bias_ref is not None:
+      bias = self.bias.tile(bias_ref, b, n, q_start, bq, k_start, bk)
+    return tile.scores(qk, ok, scale=self.spec.scale, bias=bias, dt=self.dt,
+                       round_fn=self.round_fn)
+
+  def key_block(self, q, k_ref, v_ref, bias_ref, mask_ref, rows: "_Rows", j, bk: int, masked):
+    """Key block j for a program's query rows: (K tile, V tile, masked scores)."""
+    k_start = j * bk
+    k = k_ref[pl.ds(k_start, bk), :]
+    v = v_ref[pl.ds(k_start, bk), :]
+    b, n, q_start, bq, q_len, kv_len = rows
+    ok = self.visible(mask_ref, b, n, q_start, bq, k_start, bk, q_len, kv_len) if masked else None
+    s = self.scores(tile.matmul(q, k, transpose_b=True), ok, bias_ref, b, n, q_start, bq, k_start,
+                    bk)
+    return k, v, s
+
+  def kv_ranges(self, q_start, bq: int, bk: int, q_len, kv_len):
+    """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections)."""
+    return blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
+                              window=self.spec.window, q_len=q_len, kv_len=kv_len,
+                              has_mask=self.mask is not None)
+
+  def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len):
+    """(lo, flo, fhi, hi) of the query blocks that see key columns [k_start, +bk)."""
+    return blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
+                             window=self.spec.window, q_len=q_len, kv_len=kv_len,
+                             has_mask=self.mask is not None)
 
 
-def _full_q_range(k_start, bk: int, bq: int, lo, hi, *, causal: bool, window, q_len, kv_len,
-                  has_mask: bool):
-  """Sub-range [flo, fhi) of the query blocks [lo, hi) whose rows all see the whole key block."""
-  if has_mask:
-    return lo, lo
-  flo = lo
-  fhi = q_len // bq                                # query blocks entirely before q_len
-  k_last = k_start + bk - 1
-  if causal:
-    flo = jnp.maximum(flo, blocks.cdiv(k_last, bq))      # i * bq >= k_last
-  if window is not None:
-    left, right = window
-    flo = jnp.maximum(flo, blocks.cdiv(k_last - right, bq))
-    fhi = jnp.minimum(fhi, (k_start + left + 1) // bq)   # (i + 1) * bq - 1 <= k_start + left
-  fhi = jnp.where(k_start + bk <= kv_len, fhi, flo)      # padded keys need the mask
-  return _clamp_subrange(lo, hi, flo, fhi)
+class _Rows(NamedTuple):
+  """The query rows one program owns: batch, query head, first row, rows, and the lengths."""
+  b: jax.Array
+  n: jax.Array
+  start: jax.Array
+  size: int
+  q_len: jax.Array
+  kv_len: jax.Array
 
 
-def _clamp_subrange(lo, hi, flo, fhi):
-  """Clamps [flo, fhi) into [lo, hi) (empty where they do not overlap)."""
-  flo = jnp.minimum(jnp.maximum(flo, lo), hi)
-  fhi = jnp.minimum(jnp.maximum(fhi, flo), hi)
-  return flo, fhi
+def _pairwise(x) -> Optional[_Pairwise]:
+  return None if x is None else _Pairwise(tuple(d > 1 for d in x.shape))
 
 
-def _split_loop(lo, flo, fhi, hi, body, carry):
-  """Runs body(j, carry, masked) over [lo, flo) masked, [flo, fhi) unmasked, [fhi, hi) masked."""
-  carry = lax.fori_loop(lo, flo, functools.partial(body, masked=True), carry)
-  carry = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), carry)
-  return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
+def _prepare(spec: AttentionSpec, config: tuning.Config, ops: Operands):
+  """-> (call, padded arrays dict) for one call."""
+  geo = Geometry.of(ops)
+  qb = max(config.fwd.block_q, config.dkv.block_q, config.dq.block_q)
+  kb = max(config.fwd.block_k, config.dkv.block_k, config.dq.block_k)
+  pad = geo.padded(qb, kb, tuning.padded_head_dim(geo.H))
+  mask = None if ops.mask is None else ops.mask.astype(jnp.int8)
+  call = _Call(spec, geo, pad, spec.numerics.dtypes(ops.q.dtype), _pairwise(ops.bias),
+               _pairwise(mask))
+  q_lens, kv_lens = lengths(ops, geo)
+  arrays = dict(q=pad_seq_head(ops.q, pad.T, pad.H), k=pad_seq_head(ops.k, pad.S, pad.H),
+                v=pad_seq_head(ops.v, pad.S, pad.H), q_lens=q_lens, kv_lens=kv_lens,
+                bias=pad_pairwise(ops.bias, geo, pad), mask=pad_pairwise(mask, geo, pad))
+  return call, arrays
+
+
+def _optional_specs(call: _Call, arrays):
+  """BlockSpecs of bias and mask (None for an absent operand)."""
+  return [None if arrays[name] is None else getattr(call, name).spec(arrays[name].shape)
+          for name in ("bias", "mask")]
+
+
+def _lens_spec(B: int):
+  return pl.BlockSpec((B,), lambda *_: (0,))
 
 
 def _params(kc: tuning.KernelConfig):
   return plgpu.CompilerParams(num_warps=kc.num_warps, num_stages=kc.num_stages)
 
 
-class _Layout:
-  """Static shapes of one call and the padded operands."""
-
-  def __init__(self, spec: AttentionSpec, config: tuning.Config, ops: Operands):
-    B, T, N, H = ops.q.shape
-    S, K = ops.k.shape[1], ops.k.shape[2]
-    self.B, self.T, self.N, self.H, self.S, self.K = B, T, N, H, S, K
-    self.G = N // K
-    self.Hp = tuning.padded_head_dim(H)
-    qb = max(config.fwd.block_q, config.dkv.block_q, config.dq.block_q)
-    kb = max(config.fwd.block_k, config.dkv.block_k, config.dq.block_k)
-    self.Tp, self.Sp = _round_up(T, qb), _round_up(S, kb)
-    self.dt = spec.numerics.dtypes(ops.q.dtype)
-    # Positions at or past T / S are padding: clamp the lengths so padding is never visible.
-    self.q_lens = jnp.minimum(ops.q_lens, T).astype(i32)
-    self.kv_lens = jnp.minimum(ops.kv_lens, S).astype(i32)
-    self.bias = None if ops.bias is None else _Bcast(ops.bias, self.Tp, self.Sp)
-    self.mask = None if ops.mask is None else _Bcast(ops.mask.astype(jnp.int8), self.Tp, self.Sp)
-
-  def q_like(self, x):
-    return _pad_seq_head(x, self.Tp, self.Hp)
-
-  def kv_like(self, x):
-    return _pad_seq_head(x, self.Sp, self.Hp)
-
-  def lens_spec(self):
-    return pl.BlockSpec((self.B,), lambda *_: (0,))
-
-  def optional_inputs(self):
-    """(arrays, specs) of bias and mask, in that order, present ones only."""
-    arrays, specs = [], []
-    for op in (self.bias, self.mask):
-      if op is not None:
-        arrays.append(op.array)
-        specs.append(op.spec())
-    return arrays, specs
-
-
-def _tile_visible(spec, lay: _Layout, mask_ref, b, n, q_pos, k_pos, q_start, bq, k_start, bk,
-                  q_len, kv_len):
-  m = None
-  if mask_ref is not None:
-    m = lay.mask.tile(mask_ref, b, n, q_start, bq, k_start, bk) != 0
-  return tile.visible(q_pos, k_pos, q_len, kv_len, causal=spec.is_causal, window=spec.window,
-                      mask=m)
-
-
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
 
-def _key_tile(spec, lay, dt, q, q_pos, j, bk, k_ref, v_ref, bias_ref, mask_ref, b, n, q_start,
-              bq, q_len, kv_len, masked):
-  """Key block j for a query block: (K, V tiles, scores, visibility or None when fully visible)."""
-  k_start = j * bk
-  k = k_ref[pl.ds(k_start, bk), :]
-  v = v_ref[pl.ds(k_start, bk), :]
-  bias = None
-  if bias_ref is not None:
-    bias = lay.bias.tile(bias_ref, b, n, q_start, bq, k_start, bk)
-  s = tile.scores(q, k, spec.scale, bias, dt)
-  ok = None
-  if masked:
-    ok = _tile_visible(spec, lay, mask_ref, b, n, q_pos, k_start + lax.iota(i32, bk), q_start,
-                       bq, k_start, bk, q_len, kv_len)
-  return k, v, s, ok
-
-
-def _forward_kernel(*refs, spec: AttentionSpec, lay: _Layout, kc: tuning.KernelConfig,
-                    write_residual: bool):
-  q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, *rest = refs
-  bias_ref = rest.pop(0) if lay.bias is not None else None
-  mask_ref = rest.pop(0) if lay.mask is not None else None
-  o_ref, *rest = rest
-  res_ref = rest.pop(0) if write_residual else None
-  (lse_ref,) = rest
-
+def _forward_kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, bias_ref, mask_ref, o_ref, res_ref,
+                    lse_ref, *, call: _Call, kc: tuning.KernelConfig):
+  spec, dt, round_fn = call.spec, call.dt, call.round_fn
   bq, bk = kc.block_q, kc.block_k
-  dt = lay.dt
-  nq = lay.Tp // bq
-  qi = nq - 1 - pl.program_id(0)      # heaviest causal blocks first
+  qi = call.pad.T // bq - 1 - pl.program_id(0)      # heaviest causal blocks first
   bh = pl.program_id(1)
-  b, n = bh // lay.N, bh % lay.N
+  b, n = bh // call.geo.N, bh % call.geo.N
   q_start = qi * bq
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
   q = q_ref[...]
-  q_pos = q_start + lax.iota(i32, bq)
-  offset = tile.safe_offset(q_pos, n, dt.p) if spec.max_adjust == "safe" else None
-  lo, hi = blocks.kv_block_range(q_start, bq, bk, lay.Sp // bk, causal=spec.is_causal,
-                                 window=spec.window, kv_len=kv_len)
-  flo, fhi = _full_kv_range(q_start, bq, bk, lo, hi, causal=spec.is_causal, window=spec.window,
-                            q_len=q_len, kv_len=kv_len, has_mask=mask_ref is not None)
+  offset = None
+  if spec.max_adjust == "safe":
+    offset = tile.safe_offset(q_start + lax.iota(i32, bq), n, dt.p)
 
-  def body(j, state, *, masked):
-    k, v, s, ok = _key_tile(spec, lay, dt, q, q_pos, j, bk, k_ref, v_ref, bias_ref, mask_ref,
-                            b, n, q_start, bq, q_len, kv_len, masked)
-    return tile.online_softmax_step(state, s, ok, v, dt=dt, max_adjust=spec.max_adjust,
-                                    beta=spec.beta, offset=offset)
+  rows = _Rows(b, n, q_start, bq, q_len, kv_len)
 
-  state = _split_loop(lo, flo, fhi, hi, body, tile.init_state(bq, lay.Hp, dt))
-  o, residual, lse = tile.finalize(state, dt=dt, offset=offset)
+  def body(j, carry, *, masked):
+    acc, stats = carry
+    _, v, s = call.key_block(q, k_ref, v_ref, bias_ref, mask_ref, rows, j, bk, masked)
+    p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
+                                   offset=offset, round_fn=round_fn)
+    pv = tile.matmul(p, v.astype(dt.p))
+    return tile.accumulate(acc, alpha, pv, dt=dt, round_fn=round_fn), stats
+
+  init = (jnp.zeros((bq, call.pad.H), f32), tile.init_stats(bq, dt))
+  acc, stats = blocks.split_loop(*call.kv_ranges(q_start, bq, bk, q_len, kv_len), body, init)
+  o, residual, lse = tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=round_fn)
   o_ref[...] = o.astype(o_ref.dtype)
   if res_ref is not None:
     res_ref[...] = residual.astype(res_ref.dtype)
@@ -253,44 +202,34 @@ def _forward_kernel(*refs, spec: AttentionSpec, lay: _Layout, kc: tuning.KernelC
 
 def forward(spec: AttentionSpec, config: tuning.Config, ops: Operands):
   """-> (O [B,T,N,H], O residual [B,T,N,H] in dt.residual_o, LSE fp32 [B,N,T])."""
-  lay = _Layout(spec, config, ops)
+  call, x = _prepare(spec, config, ops)
+  geo, pad, dt = call.geo, call.pad, call.dt
   kc = config.fwd
   bq = kc.block_q
-  B, N, G, Tp, Sp, Hp = lay.B, lay.N, lay.G, lay.Tp, lay.Sp, lay.Hp
-  nq = Tp // bq
-  dt = lay.dt
+  nq = pad.T // bq
+  N, G = geo.N, geo.G
   # The residual equals O unless it is kept in a wider dtype than the input.
   write_residual = dt.residual_o != dt.input
 
   q_map = lambda i, bh: (bh // N, nq - 1 - i, bh % N, 0)
   kv_map = lambda i, bh: (bh // N, 0, (bh % N) // G, 0)
-  opt_arrays, opt_specs = lay.optional_inputs()
-  in_specs = [pl.BlockSpec((None, bq, None, Hp), q_map),
-              pl.BlockSpec((None, Sp, None, Hp), kv_map),
-              pl.BlockSpec((None, Sp, None, Hp), kv_map),
-              lay.lens_spec(), lay.lens_spec(), *opt_specs]
-  out_shape = [jax.ShapeDtypeStruct((B, Tp, N, Hp), ops.q.dtype)]
-  out_specs = [pl.BlockSpec((None, bq, None, Hp), q_map)]
-  if write_residual:
-    out_shape.append(jax.ShapeDtypeStruct((B, Tp, N, Hp), dt.residual_o))
-    out_specs.append(pl.BlockSpec((None, bq, None, Hp), q_map))
-  out_shape.append(jax.ShapeDtypeStruct((B, N, Tp), f32))
-  out_specs.append(pl.BlockSpec((None, None, bq), lambda i, bh: (bh // N, bh % N, nq - 1 - i)))
-
-  kernel = functools.partial(_forward_kernel, spec=spec, lay=lay, kc=kc,
-                             write_residual=write_residual)
-  outs = pl.pallas_call(
-      kernel, grid=(nq, B * N), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params(kc), interpret=spec.interpret, name="stable_attn_fwd",
-  )(lay.q_like(ops.q), lay.kv_like(ops.k), lay.kv_like(ops.v), lay.q_lens, lay.kv_lens,
-    *opt_arrays)
-  o, lse = outs[0], outs[-1]
-  residual = outs[1] if write_residual else o
-  T, H = lay.T, lay.H
-  unpad = lambda x: x[:, :T, :, :H] if (Tp, Hp) != (T, H) else x
-  o = unpad(o)
-  residual = o if not write_residual else unpad(residual)
-  return o, residual, lse[:, :, :T] if Tp != T else lse
+  rows = pl.BlockSpec((None, bq, None, pad.H), q_map)
+  kv = pl.BlockSpec((None, pad.S, None, pad.H), kv_map)
+  out_shape = [jax.ShapeDtypeStruct((geo.B, pad.T, N, pad.H), ops.q.dtype),
+               jax.ShapeDtypeStruct((geo.B, pad.T, N, pad.H), dt.residual_o)
+               if write_residual else None,
+               jax.ShapeDtypeStruct((geo.B, N, pad.T), f32)]
+  out_specs = [rows, rows if write_residual else None,
+               pl.BlockSpec((None, None, bq), lambda i, bh: (bh // N, bh % N, nq - 1 - i))]
+  o, residual, lse = pl.pallas_call(
+      functools.partial(_forward_kernel, call=call, kc=kc), grid=(nq, geo.B * N),
+      in_specs=[rows, kv, kv, _lens_spec(geo.B), _lens_spec(geo.B), *_optional_specs(call, x)],
+      out_specs=out_specs, out_shape=out_shape, compiler_params=_params(kc),
+      interpret=spec.interpret, name="stable_attn_fwd",
+  )(x["q"], x["k"], x["v"], x["q_lens"], x["kv_lens"], x["bias"], x["mask"])
+  o = unpad(o, geo.T, geo.H)
+  residual = o if residual is None else unpad(residual, geo.T, geo.H)
+  return o, residual, lse[:, :, :geo.T]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,30 +240,20 @@ def _delta_kernel(do_ref, o_ref, delta_ref):
   delta_ref[...] = tile.delta(do_ref[...], o_ref[...])
 
 
-def _dkv_kernel(*refs, spec: AttentionSpec, lay: _Layout, kc: tuning.KernelConfig):
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, *rest = refs
-  bias_ref = rest.pop(0) if lay.bias is not None else None
-  mask_ref = rest.pop(0) if lay.mask is not None else None
-  dk_ref, dv_ref = rest
-
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, bias_ref,
+                mask_ref, dk_ref, dv_ref, *, call: _Call, kc: tuning.KernelConfig):
+  spec = call.spec
   bq, bk = kc.block_q, kc.block_k
-  dt = lay.dt
-  in_dtype = dt.input
-  kblk = pl.program_id(0)
-  bkh = pl.program_id(1)
-  b, kvh = bkh // lay.K, bkh % lay.K
+  kblk, bkh = pl.program_id(0), pl.program_id(1)
+  b, kvh = bkh // call.geo.K, bkh % call.geo.K
   k_start = kblk * bk
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
   k = k_ref[...]
   v = v_ref[...]
-  k_pos = k_start + lax.iota(i32, bk)
-  lo, hi = blocks.q_block_range(k_start, bk, bq, lay.Tp // bq, causal=spec.is_causal,
-                                window=spec.window, q_len=q_len)
-  flo, fhi = _full_q_range(k_start, bk, bq, lo, hi, causal=spec.is_causal, window=spec.window,
-                           q_len=q_len, kv_len=kv_len, has_mask=mask_ref is not None)
+  ranges = call.q_ranges(k_start, bk, bq, q_len, kv_len)
 
   def head_body(g, carry):
-    n = kvh * lay.G + g
+    n = kvh * call.geo.G + g
 
     def body(i, carry, *, masked):
       dk, dv = carry
@@ -332,160 +261,119 @@ def _dkv_kernel(*refs, spec: AttentionSpec, lay: _Layout, kc: tuning.KernelConfi
       rows = pl.ds(q_start, bq)
       q = q_ref[rows, g, :]
       do = do_ref[rows, g, :]
-      lse = lse_ref[g, rows]
-      delta = delta_ref[g, rows]
-      bias = None
-      if bias_ref is not None:
-        bias = lay.bias.tile(bias_ref, b, n, q_start, bq, k_start, bk)
-      s = tile.scores(q, k, spec.scale, bias, dt)
-      ok = None
-      if masked:
-        ok = _tile_visible(spec, lay, mask_ref, b, n, q_start + lax.iota(i32, bq), k_pos, q_start,
-                           bq, k_start, bk, q_len, kv_len)
-      p = tile.probabilities(s, lse, ok)
-      dp = tile.matmul(do, v, transpose_b=True)
-      ds = tile.score_grad(p, dp, delta)
-      dv = dv + tile.matmul(p.astype(in_dtype), do, transpose_a=True)
-      dk = dk + tile.matmul(ds.astype(in_dtype), q, transpose_a=True) * spec.scale
+      ok = call.visible(mask_ref, b, n, q_start, bq, k_start, bk, q_len, kv_len) if masked else None
+      s = call.scores(tile.matmul(q, k, transpose_b=True), ok, bias_ref, b, n, q_start, bq,
+                      k_start, bk)
+      grads = tile.backward_tile(s, lse_ref[g, rows], tile.matmul(do, v, transpose_b=True),
+                                 delta_ref[g, rows], in_dtype=call.dt.input,
+                                 round_fn=call.round_fn)
+      dv = dv + tile.matmul(grads.p, do, transpose_a=True)
+      dk = dk + tile.matmul(grads.ds_op, q, transpose_a=True) * spec.scale
       return dk, dv
 
-    return _split_loop(lo, flo, fhi, hi, body, carry)
+    return blocks.split_loop(*ranges, body, carry)
 
-  zeros = jnp.zeros((bk, lay.Hp), f32)
-  dk, dv = lax.fori_loop(0, lay.G, head_body, (zeros, zeros))
+  zeros = jnp.zeros((bk, call.pad.H), f32)
+  dk, dv = lax.fori_loop(0, call.geo.G, head_body, (zeros, zeros))
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, spec: AttentionSpec, lay: _Layout, kc: tuning.KernelConfig,
-               write_ds: bool):
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, *rest = refs
-  bias_ref = rest.pop(0) if lay.bias is not None else None
-  mask_ref = rest.pop(0) if lay.mask is not None else None
-  if write_ds:
-    _, dq_ref, ds_ref = rest    # rest[0] is the zeros input aliased to ds_ref
-  else:
-    (dq_ref,) = rest
-    ds_ref = None
-
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, bias_ref,
+               mask_ref, ds_in_ref, dq_ref, ds_ref, *, call: _Call, kc: tuning.KernelConfig):
+  del ds_in_ref  # the zeros input aliased to ds_ref: blocks never visited keep dS = 0
+  spec = call.spec
   bq, bk = kc.block_q, kc.block_k
-  dt = lay.dt
-  in_dtype = dt.input
-  nq = lay.Tp // bq
-  qi = nq - 1 - pl.program_id(0)
+  qi = call.pad.T // bq - 1 - pl.program_id(0)
   bh = pl.program_id(1)
-  b, n = bh // lay.N, bh % lay.N
+  b, n = bh // call.geo.N, bh % call.geo.N
   q_start = qi * bq
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
   q = q_ref[...]
   do = do_ref[...]
   lse = lse_ref[...]
   delta = delta_ref[...]
-  q_pos = q_start + lax.iota(i32, bq)
-  lo, hi = blocks.kv_block_range(q_start, bq, bk, lay.Sp // bk, causal=spec.is_causal,
-                                 window=spec.window, kv_len=kv_len)
-  flo, fhi = _full_kv_range(q_start, bq, bk, lo, hi, causal=spec.is_causal, window=spec.window,
-                            q_len=q_len, kv_len=kv_len, has_mask=mask_ref is not None)
+
+  rows = _Rows(b, n, q_start, bq, q_len, kv_len)
 
   def body(j, dq, *, masked):
-    k, v, s, ok = _key_tile(spec, lay, dt, q, q_pos, j, bk, k_ref, v_ref, bias_ref, mask_ref,
-                            b, n, q_start, bq, q_len, kv_len, masked)
-    p = tile.probabilities(s, lse, ok)
-    dp = tile.matmul(do, v, transpose_b=True)
-    ds = tile.score_grad(p, dp, delta)
+    k, v, s = call.key_block(q, k_ref, v_ref, bias_ref, mask_ref, rows, j, bk, masked)
+    grads = tile.backward_tile(s, lse, tile.matmul(do, v, transpose_b=True), delta,
+                               in_dtype=call.dt.input, round_fn=call.round_fn)
     if ds_ref is not None:
-      ds_ref[b, n, pl.ds(q_start, bq), pl.ds(j * bk, bk)] = ds
-    return dq + tile.matmul(ds.astype(in_dtype), k) * spec.scale
+      ds_ref[b, n, pl.ds(q_start, bq), pl.ds(j * bk, bk)] = grads.ds
+    return dq + tile.matmul(grads.ds_op, k) * spec.scale
 
-  dq = _split_loop(lo, flo, fhi, hi, body, jnp.zeros((bq, lay.Hp), f32))
+  dq = blocks.split_loop(*call.kv_ranges(q_start, bq, bk, q_len, kv_len), body,
+                         jnp.zeros((bq, call.pad.H), f32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def backward(spec: AttentionSpec, config: tuning.Config, ops: Operands, o_res, lse, do):
   """-> (dq, dk, dv, dbias or None)."""
-  lay = _Layout(spec, config, ops)
-  B, N, K, G, Tp, Sp, Hp = lay.B, lay.N, lay.K, lay.G, lay.Tp, lay.Sp, lay.Hp
-  T, S, H = lay.T, lay.S, lay.H
-  q, k, v = lay.q_like(ops.q), lay.kv_like(ops.k), lay.kv_like(ops.v)
-  do_p = lay.q_like(do.astype(ops.q.dtype))
-  lse_p = _pad_axis(lse, 2, Tp)
-  opt_arrays, opt_specs = lay.optional_inputs()
+  call, x = _prepare(spec, config, ops)
+  geo, pad = call.geo, call.pad
+  B, N, K, G = geo.B, geo.N, geo.K, geo.G
+  do_p = pad_seq_head(do.astype(ops.q.dtype), pad.T, pad.H)
+  lse_p = pad_axis(lse, 2, pad.T)
+  # Lengths, bias and mask: the inputs every backward kernel shares after its own.
+  extras = [x["q_lens"], x["kv_lens"], x["bias"], x["mask"]]
+  extra_specs = [_lens_spec(B), _lens_spec(B), *_optional_specs(call, x)]
 
   # delta pre-pass.
   rows = config.dq.block_q
   row_map = lambda i, bh: (bh // N, i, bh % N, 0)
   delta = pl.pallas_call(
-      _delta_kernel, grid=(Tp // rows, B * N),
-      in_specs=[pl.BlockSpec((None, rows, None, Hp), row_map)] * 2,
+      _delta_kernel, grid=(pad.T // rows, B * N),
+      in_specs=[pl.BlockSpec((None, rows, None, pad.H), row_map)] * 2,
       out_specs=pl.BlockSpec((None, None, rows), lambda i, bh: (bh // N, bh % N, i)),
-      out_shape=jax.ShapeDtypeStruct((B, N, Tp), f32),
+      out_shape=jax.ShapeDtypeStruct((B, N, pad.T), f32),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=spec.interpret, name="stable_attn_delta",
-  )(do_p, lay.q_like(o_res))
+  )(do_p, pad_seq_head(o_res, pad.T, pad.H))
 
   # dK, dV: one program per (key block, batch, kv head); loops over the G query heads.
   kc = config.dkv
-  bq, bk = kc.block_q, kc.block_k
-  kv_blk = lambda j, bkh: (bkh // K, j, bkh % K, 0)
-  heads_all = lambda j, bkh: (bkh // K, 0, bkh % K, 0)
-  stats_all = lambda j, bkh: (bkh // K, bkh % K, 0)
+  bk = kc.block_k
+  kv_blk = pl.BlockSpec((None, bk, None, pad.H), lambda j, bkh: (bkh // K, j, bkh % K, 0))
+  heads_all = pl.BlockSpec((None, pad.T, G, pad.H), lambda j, bkh: (bkh // K, 0, bkh % K, 0))
+  stats_all = pl.BlockSpec((None, G, pad.T), lambda j, bkh: (bkh // K, bkh % K, 0))
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, spec=spec, lay=lay, kc=kc),
-      grid=(Sp // bk, B * K),
-      in_specs=[pl.BlockSpec((None, Tp, G, Hp), heads_all),
-                pl.BlockSpec((None, bk, None, Hp), kv_blk),
-                pl.BlockSpec((None, bk, None, Hp), kv_blk),
-                pl.BlockSpec((None, Tp, G, Hp), heads_all),
-                pl.BlockSpec((None, G, Tp), stats_all),
-                pl.BlockSpec((None, G, Tp), stats_all),
-                lay.lens_spec(), lay.lens_spec(), *opt_specs],
-      out_specs=[pl.BlockSpec((None, bk, None, Hp), kv_blk)] * 2,
-      out_shape=[jax.ShapeDtypeStruct(k.shape, ops.k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, ops.v.dtype)],
+      functools.partial(_dkv_kernel, call=call, kc=kc), grid=(pad.S // bk, B * K),
+      in_specs=[heads_all, kv_blk, kv_blk, heads_all, stats_all, stats_all, *extra_specs],
+      out_specs=[kv_blk, kv_blk],
+      out_shape=[jax.ShapeDtypeStruct(x["k"].shape, ops.k.dtype),
+                 jax.ShapeDtypeStruct(x["v"].shape, ops.v.dtype)],
       compiler_params=_params(kc), interpret=spec.interpret, name="stable_attn_dkv",
-  )(q, k, v, do_p, lse_p, delta, lay.q_lens, lay.kv_lens, *opt_arrays)
+  )(x["q"], x["k"], x["v"], do_p, lse_p, delta, *extras)
 
   # dQ (and dS for dbias): one program per (query block, batch, head).
   kc = config.dq
   bq = kc.block_q
-  nq = Tp // bq
-  write_ds = ops.bias is not None
+  nq = pad.T // bq
   q_map = lambda i, bh: (bh // N, nq - 1 - i, bh % N, 0)
   kv_map = lambda i, bh: (bh // N, 0, (bh % N) // G, 0)
   stats_map = lambda i, bh: (bh // N, bh % N, nq - 1 - i)
-  in_specs = [pl.BlockSpec((None, bq, None, Hp), q_map),
-              pl.BlockSpec((None, Sp, None, Hp), kv_map),
-              pl.BlockSpec((None, Sp, None, Hp), kv_map),
-              pl.BlockSpec((None, bq, None, Hp), q_map),
-              pl.BlockSpec((None, None, bq), stats_map),
-              pl.BlockSpec((None, None, bq), stats_map),
-              lay.lens_spec(), lay.lens_spec(), *opt_specs]
-  args = [q, k, v, do_p, lse_p, delta, lay.q_lens, lay.kv_lens, *opt_arrays]
-  out_specs = [pl.BlockSpec((None, bq, None, Hp), q_map)]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, ops.q.dtype)]
-  aliases = {}
-  if write_ds:
-    ds_shape = (B, N, Tp, Sp)
-    full = pl.BlockSpec(ds_shape, lambda *_: (0, 0, 0, 0))
-    aliases = {len(args): 1}
-    in_specs.append(full)
-    args.append(jnp.zeros(ds_shape, f32))   # blocks never visited keep dS = 0
-    out_specs.append(full)
-    out_shape.append(jax.ShapeDtypeStruct(ds_shape, f32))
-  outs = pl.pallas_call(
-      functools.partial(_dq_kernel, spec=spec, lay=lay, kc=kc, write_ds=write_ds),
-      grid=(nq, B * N), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      input_output_aliases=aliases, compiler_params=_params(kc), interpret=spec.interpret,
-      name="stable_attn_dq",
+  q_rows = pl.BlockSpec((None, bq, None, pad.H), q_map)
+  kv_all = pl.BlockSpec((None, pad.S, None, pad.H), kv_map)
+  stats = pl.BlockSpec((None, None, bq), stats_map)
+  write_ds = ops.bias is not None
+  ds_shape = (B, N, pad.T, pad.S)
+  ds_spec = pl.BlockSpec(ds_shape, lambda *_: (0, 0, 0, 0)) if write_ds else None
+  ds_zeros = jnp.zeros(ds_shape, f32) if write_ds else None
+  args = [x["q"], x["k"], x["v"], do_p, lse_p, delta, *extras, ds_zeros]
+  ds_input = sum(a is not None for a in args) - 1   # its index among the present inputs
+  dq, ds = pl.pallas_call(
+      functools.partial(_dq_kernel, call=call, kc=kc), grid=(nq, B * N),
+      in_specs=[q_rows, kv_all, kv_all, q_rows, stats, stats, *extra_specs, ds_spec],
+      out_specs=[q_rows, ds_spec],
+      out_shape=[jax.ShapeDtypeStruct(x["q"].shape, ops.q.dtype),
+                 jax.ShapeDtypeStruct(ds_shape, f32) if write_ds else None],
+      input_output_aliases={ds_input: 1} if write_ds else {},
+      compiler_params=_params(kc), interpret=spec.interpret, name="stable_attn_dq",
   )(*args)
-  dq = outs[0]
 
-  unpad_q = lambda x: x[:, :T, :, :H] if (Tp, Hp) != (T, H) else x
-  unpad_kv = lambda x: x[:, :S, :, :H] if (Sp, Hp) != (S, H) else x
   dbias = None
   if write_ds:
-    ds = outs[1]
-    if (Tp, Sp) != (T, S):
-      ds = ds[:, :, :T, :S]
-    dbias = reduce_to_shape(ds, ops.bias.shape).astype(ops.bias.dtype)
-  return unpad_q(dq), unpad_kv(dk), unpad_kv(dv), dbias
+    dbias = reduce_to_shape(ds[:, :, :geo.T, :geo.S], ops.bias.shape).astype(ops.bias.dtype)
+  return (unpad(dq, geo.T, geo.H), unpad(dk, geo.S, geo.H), unpad(dv, geo.S, geo.H), dbias)

@@ -1,20 +1,18 @@
-"""Block sizes, warps and pipeline stages of the GPU kernels: one small table, one override.
+"""Block sizes, warps and pipeline stages of the GPU kernels: one small table.
 
 The table is keyed by (head dim bucket, dtype class) and was chosen on an H100/H200 with JAX's
 Triton lowering (see docs/gpu_kernel_notes.md for the measurements behind it). Every config is
 clamped to the problem (a block never exceeds the next power of two of the sequence, and never goes
 below 16, Triton's smallest dot).
 
-Override for benchmarking or tests:
+Another tiling for benchmarking or tests is a `Config` passed as a static argument:
 
-    with tuning.override(fwd=tuning.KernelConfig(128, 64, 4, 3)):
-      ...trace / call the attention here...
-
-The override is read when the attention call is traced, so wrap the tracing (jit) of the call.
+    stable_attn.dot_product_attention(q, k, v, implementation="pallas_gpu",
+                                      config=tuning.table_config(64, q.dtype).replace(
+                                          fwd=tuning.KernelConfig(128, 64, 4, 3)))
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Optional
 
@@ -67,9 +65,6 @@ MAX_HEAD_DIM = 256
 # the block skipping and the masked/full split are all exercised.
 INTERPRET = Config(fwd=_K(16, 16, 4, 1), dkv=_K(16, 32, 4, 1), dq=_K(32, 16, 4, 1))
 
-_override: dict = {}
-
-
 def next_pow2(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
@@ -79,7 +74,7 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def table_config(head_dim: int, dtype, *, interpret: bool = False) -> Config:
-  """The table's config for a head dim and dtype (before the override and clamping)."""
+  """The table's config for a head dim and dtype (before clamping)."""
   if head_dim > MAX_HEAD_DIM:
     raise ValueError(f"pallas_gpu supports head dims up to {MAX_HEAD_DIM}, got H={head_dim}")
   if interpret:
@@ -90,19 +85,6 @@ def table_config(head_dim: int, dtype, *, interpret: bool = False) -> Config:
     if k == kind and hp <= max_h:
       return config
   raise ValueError(f"no tuning entry for head dim {head_dim}, dtype {np.dtype(dtype).name}")
-
-
-@contextlib.contextmanager
-def override(config: Optional[Config] = None, **kernels: KernelConfig):
-  """Within the block, every traced pallas_gpu call uses `config` (or the table's config with the
-  named kernels, fwd=/dkv=/dq=, replaced)."""
-  global _override
-  saved = _override
-  _override = dict(config=config, **kernels)
-  try:
-    yield
-  finally:
-    _override = saved
 
 
 def _clamp(kc: KernelConfig, q_len: int, kv_len: int) -> KernelConfig:
@@ -118,12 +100,13 @@ _DS_TILE_LIMIT = 64 * 128
 
 
 def resolve(head_dim: int, dtype, q_len: int, kv_len: int, *, interpret: bool = False,
-            writes_ds: bool = False) -> Config:
-  """The config a call uses: override, else table; clamped to the sequence lengths."""
-  config = _override.get("config") or table_config(head_dim, dtype, interpret=interpret)
-  changes = {k: v for k, v in _override.items() if k != "config" and v is not None}
-  if changes:
-    config = config.replace(**changes)
+            writes_ds: bool = False, config: Optional[Config] = None) -> Config:
+  """The config a call uses: `config`, else the table's; clamped to the sequence lengths."""
+  if config is None:
+    config = table_config(head_dim, dtype, interpret=interpret)
+  elif not isinstance(config, Config):
+    raise ValueError(f"config for implementation='pallas_gpu' must be a "
+                     f"pallas_kernels.gpu.tuning.Config, got {config!r}")
   dq = config.dq
   while writes_ds and dq.block_k > MIN_BLOCK and dq.block_k * padded_head_dim(head_dim) > \
       _DS_TILE_LIMIT:

@@ -14,7 +14,7 @@ import jax
 from pallas_kernels.tpu.kernels import BlockSizes, flash_attention
 from stable_attn.spec import AttentionSpec, Operands
 
-__all__ = ["attention", "is_available", "BlockSizes"]
+__all__ = ["attention", "is_available", "covers", "BlockSizes"]
 
 
 def is_available() -> bool:
@@ -25,11 +25,17 @@ def is_available() -> bool:
     return False
 
 
+def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
+  """Every call stable_attn accepts."""
+  return None
+
+
 def attention(spec: AttentionSpec, ops: Operands,
-              block_sizes: Optional[BlockSizes] = None) -> jax.Array:
-  """O [B, T, N, H] in the input dtype; differentiable in q, k, v and bias (flash backward)."""
+              config: Optional[BlockSizes] = None) -> jax.Array:
+  """O [B, T, N, H] in the input dtype; differentiable in q, k, v and bias (flash backward).
+  config: the kernels' BlockSizes (None = defaults)."""
   if not spec.interpret and not is_available():
     raise ValueError("implementation='pallas_tpu' needs a TPU backend (default backend is "
                      f"{jax.default_backend()!r}); pass interpret=True to run it in TPU "
                      "interpret mode on CPU")
-  return flash_attention(spec, ops, block_sizes)
+  return flash_attention(spec, ops, config)

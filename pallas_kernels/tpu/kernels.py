@@ -54,6 +54,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from stable_attn import blocks, tile
 from stable_attn.flash import make_flash_attention, reduce_to_shape
+from stable_attn.layout import (Geometry, Padded, from_heads_major, heads_major, lengths,
+                                pad_pairwise, round_up)
 from stable_attn.spec import AttentionSpec, Operands
 
 LANES = 128
@@ -81,10 +83,6 @@ class BlockSizes:
 DEFAULT_BLOCK = 128
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
 def _sublane_multiple(*dtypes) -> int:
   """Rows of a native (sublane) tile: 8 for 32-bit, 16 for 16-bit data."""
   return max(SUBLANES * max(1, 4 // np.dtype(d).itemsize) for d in dtypes)
@@ -94,7 +92,7 @@ def _resolve(name: str, requested: Optional[int], length: int, multiple: int) ->
   size = DEFAULT_BLOCK if requested is None else requested
   if not isinstance(size, (int, np.integer)) or size < 1 or size % multiple:
     raise ValueError(f"{name} must be a positive multiple of {multiple} on TPU, got {requested!r}")
-  return int(min(size, _round_up(length, multiple)))
+  return int(min(size, round_up(length, multiple)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +108,9 @@ class _Config:
 
 def resolve_block_sizes(sizes: Optional[BlockSizes], ops: Operands) -> _Config:
   sizes = sizes or BlockSizes()
+  if not isinstance(sizes, BlockSizes):
+    raise ValueError(f"config for implementation='pallas_tpu' must be a "
+                     f"pallas_kernels.tpu.BlockSizes, got {sizes!r}")
   T, S = ops.q.shape[1], ops.k.shape[1]
   sub = _sublane_multiple(ops.q.dtype, *(() if ops.bias is None else (ops.bias.dtype,)))
   q_side = lambda name: _resolve(name, getattr(sizes, name), T, sub)
@@ -122,29 +123,9 @@ def resolve_block_sizes(sizes: Optional[BlockSizes], ops: Operands) -> _Config:
 # Layout helpers (outside the kernels)
 # ---------------------------------------------------------------------------------------------
 
-def _heads_major(x, padded_len: int, padded_dim: int):
-  """[B, L, heads, H] -> [B, heads, Lp, Hp], zero padded."""
-  x = jnp.swapaxes(x, 1, 2)
-  return jnp.pad(x, ((0, 0), (0, 0), (0, padded_len - x.shape[2]),
-                     (0, padded_dim - x.shape[3])))
-
-
-def _from_heads_major(x, length: int, dim: int):
-  return jnp.swapaxes(x[:, :, :length, :dim], 1, 2)
-
-
 def _lane_broadcast(x):
   """[..., L] -> [..., L, 128] (row statistics as Mosaic keeps them)."""
   return jnp.broadcast_to(x[..., None], (*x.shape, LANES))
-
-
-def _pad_pairwise(x, T: int, S: int, Tp: int, Sp: int, fill):
-  """Pads the T / S dims of a broadcastable [b, n, t, s] bias or mask, keeping size-1 dims."""
-  if x is None:
-    return None
-  pad_t = Tp - T if x.shape[2] != 1 else 0
-  pad_s = Sp - S if x.shape[3] != 1 else 0
-  return jnp.pad(x, ((0, 0), (0, 0), (0, pad_t), (0, pad_s)), constant_values=fill)
 
 
 def _pairwise_spec(x, bq: int, bk: int, index):
@@ -181,9 +162,8 @@ def _pallas_call(kernel, spec: AttentionSpec, *, grid, in_specs, out_specs, out_
     if s is not None:
       _check_tpu_block(s, a.shape, name)
   for s, a in zip(out_specs, out_shape):
-    _check_tpu_block(s, a.shape, name)
-  in_specs = [s for s in in_specs if s is not None]
-  args = [a for a in args if a is not None]
+    if s is not None:
+      _check_tpu_block(s, a.shape, name)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=in_specs,
@@ -211,8 +191,8 @@ def _clamp(idx, lo, hi, count: int):
 def _rows(ref):
   """Row statistics -> (rows,). A (rows, 128) lane-broadcast ref gives them by an exact lane
   reduction; a lane-major (1, rows) ref (the backward's, when rows is a multiple of 128) by
-  indexing, and the tile function's `x[:, None]` then moves them to sublanes (as splash's dQ
-  kernel does with its log-sum-exp)."""
+  indexing, and the tile function's broadcast then moves them to sublanes (as splash's dQ kernel
+  does with its log-sum-exp)."""
   if ref.shape[0] == 1:
     return ref[0]
   return jnp.max(ref[...], axis=-1)
@@ -254,208 +234,175 @@ def _visible(spec: AttentionSpec, q_start, bq: int, k_start, bk: int, q_len, kv_
 
 
 def _round_fn(spec: AttentionSpec):
-  """The rounding of the tile functions. On a TPU a conversion is a conversion; interpreted on CPU,
-  the kernel body is compiled by XLA, whose default excess-precision simplification may drop an
-  f32 -> bf16 -> f32 pair, so interpret mode rounds with reduce_precision, which it never drops."""
-  return tile.round_exact if spec.interpret else tile.round_convert
-
-
-def _cast(spec: AttentionSpec, x, dtype):
-  """x.astype(dtype) for a matmul operand, rounded for certain in interpret mode (see above)."""
-  return _round_fn(spec)(x, dtype).astype(dtype)
-
-
-def _unpack(refs, flags):
-  """Splits the kernel's refs: flags is a list of (name, present)."""
-  out, pos = {}, 0
-  for name, present in flags:
-    if present:
-      out[name] = refs[pos]
-      pos += 1
-    else:
-      out[name] = None
-  assert pos == len(refs), (pos, len(refs))
-  return out
+  """Compiled, a conversion is a conversion; interpreted on CPU, the body is XLA code that may drop
+  an f32 -> bf16 -> f32 pair, so interpret mode rounds with reduce_precision (tile.rounding)."""
+  return tile.rounding(spec.interpret)
 
 
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
 
-def _forward_kernel(q_lens_ref, kv_lens_ref, *refs, spec: AttentionSpec, dt, bq: int, bk: int,
-                    nk: int, has_bias: bool, has_mask: bool, separate_residual: bool):
-  r = _unpack(refs, [("q", True), ("k", True), ("v", True), ("bias", has_bias),
-                     ("mask", has_mask), ("o", True), ("res", separate_residual), ("lse", True),
-                     ("m", True), ("l", True), ("acc", True)])
+def _forward_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, bias_ref, mask_ref, o_ref,
+                    res_ref, lse_ref, m_ref, l_ref, acc_ref, *, spec: AttentionSpec, dt, bq: int,
+                    bk: int, nk: int):
   b, n, i, j = (pl.program_id(a) for a in range(4))
   q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
   q_start = i * bq
   lo, hi = blocks.kv_block_range(q_start, bq, bk, nk, causal=spec.is_causal, window=spec.window,
                                  kv_len=kv_len)
-  head_dim = r["acc"].shape[-1]
+  round_fn = _round_fn(spec)
+  offset = _safe_offset(spec, dt, q_start, bq, n)
 
   @pl.when(j == 0)
   def _init():
-    state = tile.init_state(bq, head_dim, dt)
-    _store_rows(r["m"], state.m)
-    _store_rows(r["l"], state.l)
-    r["acc"][...] = state.acc
+    stats = tile.init_stats(bq, dt)
+    _store_rows(m_ref, stats.m)
+    _store_rows(l_ref, stats.l)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
 
   @pl.when((j >= lo) & (j < hi) & (q_start < q_len))
   def _step():
-    k_start = j * bk
-    state = tile.SoftmaxState(_rows(r["m"]), _rows(r["l"]), r["acc"][...])
-    s = tile.scores(r["q"][...], r["k"][...], spec.scale, _pairwise_tile(r["bias"], bq, bk), dt,
-                    _round_fn(spec))
-    ok = _visible(spec, q_start, bq, k_start, bk, q_len, kv_len, r["mask"])
-    state = tile.online_softmax_step(state, s, ok, r["v"][...], dt=dt, max_adjust=spec.max_adjust,
-                                     beta=spec.beta, offset=_safe_offset(spec, dt, q_start, bq, n),
-                                     round_fn=_round_fn(spec))
-    _store_rows(r["m"], state.m)
-    _store_rows(r["l"], state.l)
-    r["acc"][...] = state.acc
+    ok = _visible(spec, q_start, bq, j * bk, bk, q_len, kv_len, mask_ref)
+    s = tile.scores(tile.matmul(q_ref[...], k_ref[...], transpose_b=True), ok, scale=spec.scale,
+                    bias=_pairwise_tile(bias_ref, bq, bk), dt=dt, round_fn=round_fn)
+    p, alpha, stats = tile.rescale(tile.RowStats(_rows(m_ref), _rows(l_ref)), s, dt=dt,
+                                   max_adjust=spec.max_adjust, beta=spec.beta, offset=offset,
+                                   round_fn=round_fn)
+    pv = tile.matmul(p, v_ref[...].astype(dt.p))
+    acc_ref[...] = tile.accumulate(acc_ref[...], alpha, pv, dt=dt, round_fn=round_fn)
+    _store_rows(m_ref, stats.m)
+    _store_rows(l_ref, stats.l)
 
   @pl.when(j == nk - 1)
   def _finish():
-    state = tile.SoftmaxState(_rows(r["m"]), _rows(r["l"]), r["acc"][...])
-    o, residual, lse = tile.finalize(state, dt=dt, offset=_safe_offset(spec, dt, q_start, bq, n),
-                                     round_fn=_round_fn(spec))
-    r["o"][...] = o.astype(r["o"].dtype)
-    if r["res"] is not None:
-      r["res"][...] = residual.astype(r["res"].dtype)
-    _store_rows(r["lse"], lse)
+    o, residual, lse = tile.finalize(acc_ref[...], tile.RowStats(_rows(m_ref), _rows(l_ref)),
+                                     dt=dt, offset=offset, round_fn=round_fn)
+    o_ref[...] = o.astype(o_ref.dtype)
+    if res_ref is not None:
+      res_ref[...] = residual.astype(res_ref.dtype)
+    _store_rows(lse_ref, lse)
 
 
 def _forward(spec: AttentionSpec, config: _Config, ops: Operands):
   dt = spec.numerics.dtypes(ops.q.dtype)
-  B, T, N, H = ops.q.shape
-  S, K = ops.k.shape[1], ops.k.shape[2]
-  G = N // K
+  geo = Geometry.of(ops)
+  G = geo.G
   bq, bk = config.bq, config.bk
-  Tp, Sp, Hp = _round_up(T, bq), _round_up(S, bk), _round_up(H, LANES)
-  nq, nk = Tp // bq, Sp // bk
-  q = _heads_major(ops.q, Tp, Hp)
-  k = _heads_major(ops.k, Sp, Hp)
-  v = _heads_major(ops.v, Sp, Hp)
-  bias = _pad_pairwise(ops.bias, T, S, Tp, Sp, 0)
-  mask = _pad_pairwise(ops.mask, T, S, Tp, Sp, False)
-  q_lens = jnp.minimum(ops.q_lens, T).astype(jnp.int32)
-  kv_lens = jnp.minimum(ops.kv_lens, S).astype(jnp.int32)
+  pad = geo.padded(bq, bk, round_up(geo.H, LANES))
+  nq, nk = pad.T // bq, pad.S // bk
+  q, k, v = (heads_major(x, n, pad.H) for x, n in ((ops.q, pad.T), (ops.k, pad.S), (ops.v, pad.S)))
+  bias = pad_pairwise(ops.bias, geo, pad, 0)
+  mask = pad_pairwise(ops.mask, geo, pad, False)
+  q_lens, kv_lens = lengths(ops, geo)
 
   def kv_block(b, n, i, j, q_lens_ref, kv_lens_ref):
     lo, hi = blocks.kv_block_range(i * bq, bq, bk, nk, causal=spec.is_causal,
                                    window=spec.window, kv_len=kv_lens_ref[b])
     return _clamp(j, lo, hi, nk)
 
-  q_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, Hp), lambda b, n, i, j, *_: (b, n, i, 0))
-  kv_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bk, Hp),
+  q_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, pad.H), lambda b, n, i, j, *_: (b, n, i, 0))
+  kv_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bk, pad.H),
                          lambda b, n, i, j, *p: (b, n // G, kv_block(b, n, i, j, *p), 0))
   pair_index = lambda b, n, i, j, *p: (b, n, i, kv_block(b, n, i, j, *p))
   in_specs = [q_spec, kv_spec, kv_spec, _pairwise_spec(bias, bq, bk, pair_index),
               _pairwise_spec(mask, bq, bk, pair_index)]
 
   separate_residual = np.dtype(dt.residual_o) != np.dtype(ops.q.dtype)
-  row_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, Hp), lambda b, n, i, j, *_: (b, n, i, 0))
-  stat_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, LANES),
-                           lambda b, n, i, j, *_: (b, n, i, 0))
-  out_specs = [row_spec] + ([row_spec] if separate_residual else []) + [stat_spec]
-  out_shape = [jax.ShapeDtypeStruct((B, N, Tp, Hp), ops.q.dtype)]
-  if separate_residual:
-    out_shape.append(jax.ShapeDtypeStruct((B, N, Tp, Hp), dt.residual_o))
-  out_shape.append(jax.ShapeDtypeStruct((B, N, Tp, LANES), f32))
-
-  kernel = functools.partial(_forward_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nk=nk,
-                             has_bias=bias is not None, has_mask=mask is not None,
-                             separate_residual=separate_residual)
-  outs = _pallas_call(
-      kernel, spec, grid=(B, N, nq, nk), in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape,
+  rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, pad.H), lambda b, n, i, j, *_: (b, n, i, 0))
+  stats = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, LANES), lambda b, n, i, j, *_: (b, n, i, 0))
+  heads_rows = (geo.B, geo.N, pad.T, pad.H)
+  out_shape = [jax.ShapeDtypeStruct(heads_rows, ops.q.dtype),
+               jax.ShapeDtypeStruct(heads_rows, dt.residual_o) if separate_residual else None,
+               jax.ShapeDtypeStruct((geo.B, geo.N, pad.T, LANES), f32)]
+  kernel = functools.partial(_forward_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nk=nk)
+  o, residual, lse = _pallas_call(
+      kernel, spec, grid=(geo.B, geo.N, nq, nk), in_specs=in_specs,
+      out_specs=[rows, rows if separate_residual else None, stats], out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((bq, LANES), f32), pltpu.VMEM((bq, LANES), f32),
-                      pltpu.VMEM((bq, Hp), f32)],
+                      pltpu.VMEM((bq, pad.H), f32)],
       args=[q_lens, kv_lens, q, k, v, bias, mask],
       semantics=("parallel", "parallel", "parallel", "arbitrary"), name="stable_attn_tpu_fwd")
-  o = _from_heads_major(outs[0], T, H)
-  residual = _from_heads_major(outs[1], T, H) if separate_residual else o
-  return o, residual, outs[-1][:, :, :T, 0]
+  o = from_heads_major(o, geo.T, geo.H)
+  residual = o if residual is None else from_heads_major(residual, geo.T, geo.H)
+  return o, residual, lse[:, :, :geo.T, 0]
 
 
 # ---------------------------------------------------------------------------------------------
 # Backward: dK/dV (innermost: the group's query heads x query blocks) and dQ (innermost: key blocks)
 # ---------------------------------------------------------------------------------------------
 
-def _tile_grads(r, spec: AttentionSpec, dt, q_start, bq: int, k_start, bk: int, q_len, kv_len):
-  """Recomputes one tile's P and dS = P * (dP - delta): -> (q, k, dO, P, dS), fp32 P and dS."""
-  q, k, v, do = r["q"][...], r["k"][...], r["v"][...], r["do"][...]
-  s = tile.scores(q, k, spec.scale, _pairwise_tile(r["bias"], bq, bk), dt, _round_fn(spec))
-  ok = _visible(spec, q_start, bq, k_start, bk, q_len, kv_len, r["mask"])
-  p = tile.probabilities(s, _rows(r["lse"]), ok)
-  ds = tile.score_grad(p, tile.matmul(do, v, transpose_b=True), _rows(r["delta"]))
-  return q, k, do, p, ds
+def _tile_grads(spec: AttentionSpec, dt, refs, q_start, bq: int, k_start, bk: int, q_len, kv_len):
+  """Recomputes one tile's P and dS from refs (q, k, v, dO, lse, delta, bias, mask)."""
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref = refs
+  round_fn = _round_fn(spec)
+  ok = _visible(spec, q_start, bq, k_start, bk, q_len, kv_len, mask_ref)
+  s = tile.scores(tile.matmul(q_ref[...], k_ref[...], transpose_b=True), ok, scale=spec.scale,
+                  bias=_pairwise_tile(bias_ref, bq, bk), dt=dt, round_fn=round_fn)
+  dp = tile.matmul(do_ref[...], v_ref[...], transpose_b=True)
+  return tile.backward_tile(s, _rows(lse_ref), dp, _rows(delta_ref), in_dtype=dt.input,
+                            round_fn=round_fn)
 
 
-def _dkv_kernel(q_lens_ref, kv_lens_ref, *refs, spec: AttentionSpec, dt, bq: int, bk: int,
-                nq: int, group: int, has_bias: bool, has_mask: bool):
-  r = _unpack(refs, [("q", True), ("k", True), ("v", True), ("do", True), ("lse", True),
-                     ("delta", True), ("bias", has_bias), ("mask", has_mask), ("dk_out", True),
-                     ("dv_out", True), ("dk", True), ("dv", True)])
+def _dkv_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                bias_ref, mask_ref, dk_out_ref, dv_out_ref, dk_ref, dv_ref, *,
+                spec: AttentionSpec, dt, bq: int, bk: int, nq: int, group: int):
   b, kh, j, t = (pl.program_id(a) for a in range(4))
   i = t % nq
   q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
   q_start, k_start = i * bq, j * bk
   lo, hi = blocks.q_block_range(k_start, bk, bq, nq, causal=spec.is_causal, window=spec.window,
                                 q_len=q_len)
-  in_dtype = r["q"].dtype
 
   @pl.when(t == 0)
   def _init():
-    r["dk"][...] = jnp.zeros(r["dk"].shape, f32)
-    r["dv"][...] = jnp.zeros(r["dv"].shape, f32)
+    dk_ref[...] = jnp.zeros(dk_ref.shape, f32)
+    dv_ref[...] = jnp.zeros(dv_ref.shape, f32)
 
   @pl.when((i >= lo) & (i < hi) & (k_start < kv_len))
   def _step():
-    q, k, do, p, ds = _tile_grads(r, spec, dt, q_start, bq, k_start, bk, q_len, kv_len)
-    r["dv"][...] = r["dv"][...] + tile.matmul(_cast(spec, p, in_dtype), do, transpose_a=True)
-    r["dk"][...] = r["dk"][...] + (tile.matmul(_cast(spec, ds, in_dtype), q, transpose_a=True)
-                                   * spec.scale)
+    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref)
+    grads = _tile_grads(spec, dt, refs, q_start, bq, k_start, bk, q_len, kv_len)
+    dv_ref[...] = dv_ref[...] + tile.matmul(grads.p, do_ref[...], transpose_a=True)
+    dk_ref[...] = dk_ref[...] + (tile.matmul(grads.ds_op, q_ref[...], transpose_a=True)
+                                 * spec.scale)
 
   @pl.when(t == group * nq - 1)
   def _finish():
-    r["dk_out"][...] = r["dk"][...].astype(r["dk_out"].dtype)
-    r["dv_out"][...] = r["dv"][...].astype(r["dv_out"].dtype)
+    dk_out_ref[...] = dk_ref[...].astype(dk_out_ref.dtype)
+    dv_out_ref[...] = dv_ref[...].astype(dv_out_ref.dtype)
 
 
-def _dq_kernel(q_lens_ref, kv_lens_ref, *refs, spec: AttentionSpec, dt, bq: int, bk: int, nk: int,
-               has_bias: bool, has_mask: bool):
-  r = _unpack(refs, [("q", True), ("k", True), ("v", True), ("do", True), ("lse", True),
-                     ("delta", True), ("bias", has_bias), ("mask", has_mask), ("dq_out", True),
-                     ("ds_out", has_bias), ("dq", True)])
+def _dq_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref,
+               mask_ref, dq_out_ref, ds_out_ref, dq_ref, *, spec: AttentionSpec, dt, bq: int,
+               bk: int, nk: int):
   b, n, i, j = (pl.program_id(a) for a in range(4))
   q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
   q_start, k_start = i * bq, j * bk
   lo, hi = blocks.kv_block_range(q_start, bq, bk, nk, causal=spec.is_causal, window=spec.window,
                                  kv_len=kv_len)
   run = (j >= lo) & (j < hi) & (q_start < q_len)
-  in_dtype = r["q"].dtype
 
   @pl.when(j == 0)
   def _init():
-    r["dq"][...] = jnp.zeros(r["dq"].shape, f32)
+    dq_ref[...] = jnp.zeros(dq_ref.shape, f32)
 
   @pl.when(run)
   def _step():
-    q, k, do, p, ds = _tile_grads(r, spec, dt, q_start, bq, k_start, bk, q_len, kv_len)
-    r["dq"][...] = r["dq"][...] + tile.matmul(_cast(spec, ds, in_dtype), k) * spec.scale
-    if r["ds_out"] is not None:
-      r["ds_out"][...] = ds
+    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref)
+    grads = _tile_grads(spec, dt, refs, q_start, bq, k_start, bk, q_len, kv_len)
+    dq_ref[...] = dq_ref[...] + tile.matmul(grads.ds_op, k_ref[...]) * spec.scale
+    if ds_out_ref is not None:
+      ds_out_ref[...] = grads.ds
 
-  if r["ds_out"] is not None:
+  if ds_out_ref is not None:
     @pl.when(jnp.logical_not(run))
     def _skipped():
-      r["ds_out"][...] = jnp.zeros(r["ds_out"].shape, f32)
+      ds_out_ref[...] = jnp.zeros(ds_out_ref.shape, f32)
 
   @pl.when(j == nk - 1)
   def _finish():
-    r["dq_out"][...] = r["dq"][...].astype(r["dq_out"].dtype)
+    dq_out_ref[...] = dq_ref[...].astype(dq_out_ref.dtype)
 
 
 def _stats_spec(bq: int, q_rows_index):
@@ -468,37 +415,51 @@ def _stats_spec(bq: int, q_rows_index):
   return pl.BlockSpec((pl.squeezed, pl.squeezed, bq, LANES), q_rows_index)
 
 
-def _backward(spec: AttentionSpec, config: _Config, ops: Operands, o_residual, lse, do):
-  dt = spec.numerics.dtypes(ops.q.dtype)
-  B, T, N, H = ops.q.shape
-  S, K = ops.k.shape[1], ops.k.shape[2]
-  G = N // K
-  Hp = _round_up(H, LANES)
-  q_lens = jnp.minimum(ops.q_lens, T).astype(jnp.int32)
-  kv_lens = jnp.minimum(ops.kv_lens, S).astype(jnp.int32)
-  # The delta pre-pass is one fused elementwise + row-sum pass (XLA), with the shared tile.delta.
-  delta = tile.delta(jnp.swapaxes(do, 1, 2), jnp.swapaxes(o_residual, 1, 2))      # [B, N, T]
+@dataclasses.dataclass(frozen=True)
+class _BackwardLayout:
+  """The padded, heads-major operands of one backward kernel (its own block sizes)."""
+  pad: Padded
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  do: jax.Array
+  lse: jax.Array
+  delta: jax.Array
+  bias: Optional[jax.Array]
+  mask: Optional[jax.Array]
 
-  def layout(bq, bk):
-    Tp, Sp = _round_up(T, bq), _round_up(S, bk)
+  @classmethod
+  def make(cls, ops: Operands, geo: Geometry, bq: int, bk: int, do, lse, delta):
+    pad = geo.padded(bq, bk, round_up(geo.H, LANES))
 
     def rows(x, fill):
-      x = jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T)), constant_values=fill)
+      x = jnp.pad(x, ((0, 0), (0, 0), (0, pad.T - geo.T)), constant_values=fill)
       # Lane-major [B, N, 1, Tp] (4 bytes a row) when a (1, bq) block is lane aligned, else
       # lane-broadcast [B, N, Tp, 128] (512 bytes a row, re-read for every key block).
       return x[:, :, None, :] if bq % LANES == 0 else _lane_broadcast(x)
 
-    return dict(
-        Tp=Tp, Sp=Sp, q=_heads_major(ops.q, Tp, Hp), k=_heads_major(ops.k, Sp, Hp),
-        v=_heads_major(ops.v, Sp, Hp), do=_heads_major(do.astype(ops.q.dtype), Tp, Hp),
-        lse=rows(lse, tile.EMPTY_ROW_LSE), delta=rows(delta, 0.0),
-        bias=_pad_pairwise(ops.bias, T, S, Tp, Sp, 0),
-        mask=_pad_pairwise(ops.mask, T, S, Tp, Sp, False))
+    return cls(pad, heads_major(ops.q, pad.T, pad.H), heads_major(ops.k, pad.S, pad.H),
+               heads_major(ops.v, pad.S, pad.H), heads_major(do.astype(ops.q.dtype), pad.T, pad.H),
+               rows(lse, tile.EMPTY_ROW_LSE), rows(delta, 0.0),
+               pad_pairwise(ops.bias, geo, pad, 0), pad_pairwise(ops.mask, geo, pad, False))
+
+  def args(self, q_lens, kv_lens):
+    return [q_lens, kv_lens, self.q, self.k, self.v, self.do, self.lse, self.delta, self.bias,
+            self.mask]
+
+
+def _backward(spec: AttentionSpec, config: _Config, ops: Operands, o_residual, lse, do):
+  dt = spec.numerics.dtypes(ops.q.dtype)
+  geo = Geometry.of(ops)
+  B, N, K, G = geo.B, geo.N, geo.K, geo.G
+  q_lens, kv_lens = lengths(ops, geo)
+  # The delta pre-pass is one fused elementwise + row-sum pass (XLA), with the shared tile.delta.
+  delta = tile.delta(jnp.swapaxes(do, 1, 2), jnp.swapaxes(o_residual, 1, 2))      # [B, N, T]
 
   # dK, dV: grid (B, K, k blocks, G * q blocks).
   bq, bk = config.bq_dkv, config.bk_dkv
-  x = layout(bq, bk)
-  nq, nk = x["Tp"] // bq, x["Sp"] // bk
+  x = _BackwardLayout.make(ops, geo, bq, bk, do, lse, delta)
+  nq, nk = x.pad.T // bq, x.pad.S // bk
 
   def q_block(b, j, t, q_lens_ref):
     lo, hi = blocks.q_block_range(j * bk, bk, bq, nq, causal=spec.is_causal, window=spec.window,
@@ -511,64 +472,60 @@ def _backward(spec: AttentionSpec, config: _Config, ops: Operands, o_residual, l
   def pair_index(b, kh, j, t, q_lens_ref, kv_lens_ref):
     return (b, kh * G + t // nq, q_block(b, j, t, q_lens_ref), j)
 
-  q_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, Hp), q_rows_index)
+  q_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, x.pad.H), q_rows_index)
   stats = _stats_spec(bq, q_rows_index)
-  kv_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bk, Hp), lambda b, kh, j, t, *_: (b, kh, j, 0))
-  kernel = functools.partial(_dkv_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nq=nq, group=G,
-                             has_bias=x["bias"] is not None, has_mask=x["mask"] is not None)
+  kv_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bk, x.pad.H),
+                         lambda b, kh, j, t, *_: (b, kh, j, 0))
+  kernel = functools.partial(_dkv_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nq=nq, group=G)
+  kv_shape = (B, K, x.pad.S, x.pad.H)
   dk, dv = _pallas_call(
       kernel, spec, grid=(B, K, nk, G * nq),
       in_specs=[q_rows, kv_rows, kv_rows, q_rows, stats, stats,
-                _pairwise_spec(x["bias"], bq, bk, pair_index),
-                _pairwise_spec(x["mask"], bq, bk, pair_index)],
+                _pairwise_spec(x.bias, bq, bk, pair_index),
+                _pairwise_spec(x.mask, bq, bk, pair_index)],
       out_specs=[kv_rows, kv_rows],
-      out_shape=[jax.ShapeDtypeStruct((B, K, x["Sp"], Hp), ops.k.dtype),
-                 jax.ShapeDtypeStruct((B, K, x["Sp"], Hp), ops.v.dtype)],
-      scratch_shapes=[pltpu.VMEM((bk, Hp), f32), pltpu.VMEM((bk, Hp), f32)],
-      args=[q_lens, kv_lens, x["q"], x["k"], x["v"], x["do"], x["lse"], x["delta"], x["bias"],
-            x["mask"]],
+      out_shape=[jax.ShapeDtypeStruct(kv_shape, ops.k.dtype),
+                 jax.ShapeDtypeStruct(kv_shape, ops.v.dtype)],
+      scratch_shapes=[pltpu.VMEM((bk, x.pad.H), f32), pltpu.VMEM((bk, x.pad.H), f32)],
+      args=x.args(q_lens, kv_lens),
       semantics=("parallel", "parallel", "parallel", "arbitrary"), name="stable_attn_tpu_dkv")
 
   # dQ (and dS for dbias): grid (B, N, q blocks, k blocks).
   bq, bk = config.bq_dq, config.bk_dq
-  x = layout(bq, bk)
-  nq, nk = x["Tp"] // bq, x["Sp"] // bk
+  x = _BackwardLayout.make(ops, geo, bq, bk, do, lse, delta)
+  nq, nk = x.pad.T // bq, x.pad.S // bk
 
   def kv_block(b, n, i, j, q_lens_ref, kv_lens_ref):
     lo, hi = blocks.kv_block_range(i * bq, bq, bk, nk, causal=spec.is_causal,
                                    window=spec.window, kv_len=kv_lens_ref[b])
     return _clamp(j, lo, hi, nk)
 
-  q_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, Hp), lambda b, n, i, j, *_: (b, n, i, 0))
+  q_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, x.pad.H),
+                        lambda b, n, i, j, *_: (b, n, i, 0))
   stats = _stats_spec(bq, lambda b, n, i, j, *_: (b, n, i, 0))
-  kv_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bk, Hp),
+  kv_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bk, x.pad.H),
                          lambda b, n, i, j, *p: (b, n // G, kv_block(b, n, i, j, *p), 0))
   pair_index = lambda b, n, i, j, *p: (b, n, i, kv_block(b, n, i, j, *p))
-  has_bias = x["bias"] is not None
-  out_specs = [q_rows]
-  out_shape = [jax.ShapeDtypeStruct((B, N, x["Tp"], Hp), ops.q.dtype)]
-  if has_bias:
-    out_specs.append(pl.BlockSpec((pl.squeezed, pl.squeezed, bq, bk),
-                                  lambda b, n, i, j, *_: (b, n, i, j)))
-    out_shape.append(jax.ShapeDtypeStruct((B, N, x["Tp"], x["Sp"]), f32))
-  kernel = functools.partial(_dq_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nk=nk,
-                             has_bias=has_bias, has_mask=x["mask"] is not None)
-  outs = _pallas_call(
+  has_bias = x.bias is not None
+  ds_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, bk), lambda b, n, i, j, *_: (b, n, i, j))
+  kernel = functools.partial(_dq_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nk=nk)
+  dq, ds = _pallas_call(
       kernel, spec, grid=(B, N, nq, nk),
       in_specs=[q_rows, kv_rows, kv_rows, q_rows, stats, stats,
-                _pairwise_spec(x["bias"], bq, bk, pair_index),
-                _pairwise_spec(x["mask"], bq, bk, pair_index)],
-      out_specs=out_specs, out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((bq, Hp), f32)],
-      args=[q_lens, kv_lens, x["q"], x["k"], x["v"], x["do"], x["lse"], x["delta"], x["bias"],
-            x["mask"]],
+                _pairwise_spec(x.bias, bq, bk, pair_index),
+                _pairwise_spec(x.mask, bq, bk, pair_index)],
+      out_specs=[q_rows, ds_spec if has_bias else None],
+      out_shape=[jax.ShapeDtypeStruct((B, N, x.pad.T, x.pad.H), ops.q.dtype),
+                 jax.ShapeDtypeStruct((B, N, x.pad.T, x.pad.S), f32) if has_bias else None],
+      scratch_shapes=[pltpu.VMEM((bq, x.pad.H), f32)],
+      args=x.args(q_lens, kv_lens),
       semantics=("parallel", "parallel", "parallel", "arbitrary"), name="stable_attn_tpu_dq")
 
   dbias = None
   if has_bias:
-    dbias = reduce_to_shape(outs[1][:, :, :T, :S], ops.bias.shape).astype(ops.bias.dtype)
-  return (_from_heads_major(outs[0], T, H), _from_heads_major(dk, S, H),
-          _from_heads_major(dv, S, H), dbias)
+    dbias = reduce_to_shape(ds[:, :, :geo.T, :geo.S], ops.bias.shape).astype(ops.bias.dtype)
+  return (from_heads_major(dq, geo.T, geo.H), from_heads_major(dk, geo.S, geo.H),
+          from_heads_major(dv, geo.S, geo.H), dbias)
 
 
 _flash = make_flash_attention(_forward, _backward)

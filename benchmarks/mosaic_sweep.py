@@ -1,0 +1,80 @@
+"""Tiling sweep of the Hopper kernels (pallas_mosaic_gpu): one line per variant, same process.
+
+    PYTHONPATH=. python benchmarks/mosaic_sweep.py [--shapes targets] [--kernels fwd,dkv,dq]
+
+Each variant replaces one kernel's Tiles in the table's TuningConfig; "fwd" variants are timed
+forward only, the others forward+backward, against cuDNN timed in the same run. Protocol of
+benchmarks/attention.py (loops of back-to-back calls, median of blocks).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import stable_attn  # noqa: E402
+from benchmarks import attention as bench  # noqa: E402
+from pallas_kernels.mosaic_gpu import tuning  # noqa: E402
+
+T = tuning.Tiles
+VARIANTS = {
+    "fwd": [T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(64, 128, 2), T(64, 128, 3),
+            T(64, 192, 2), T(64, 256, 2)],
+    "dkv": [T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(128, 64, 2)],
+    "dq": [T(64, 64, 2), T(64, 64, 3), T(64, 128, 2), T(64, 128, 3)],
+}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--shapes", default="targets2", choices=("targets2", "targets"))
+  p.add_argument("--kernels", default="fwd,dkv,dq")
+  p.add_argument("--max-adjust", default="safe")
+  p.add_argument("--calls", type=int, default=20)
+  p.add_argument("--blocks", type=int, default=3)
+  args = p.parse_args(argv)
+  shapes = bench.TARGETS[:2] if args.shapes == "targets2" else bench.TARGETS
+  for shape in shapes:
+    B, T_, N, K, H, causal = shape
+    q, k, v, do = bench.make_inputs(*shape[:5], jnp.bfloat16)
+    flops = bench.fwd_flops(*shape)
+
+    def timed(fn, forward_only):
+      f = jax.jit(fn) if forward_only else jax.jit(
+          lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
+      a = (q, k, v) if forward_only else (q, k, v, do)
+      ms = 1e3 * bench.time_calls(f, a, args.calls, args.blocks)
+      return ms, flops * (1 if forward_only else 3.5) / ms / 1e9
+
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                         implementation="cudnn")
+    base = tuning.table_config(H)
+    for forward_only in (True, False):
+      ms, tf = timed(cudnn, forward_only)
+      print(f"sweep {bench.shape_name(shape)} cudnn {'fwd' if forward_only else 'f+b'}: "
+            f"{ms:.3f} ms {tf:.0f} TF", flush=True)
+    for kernel in args.kernels.split(","):
+      for tiles in VARIANTS[kernel]:
+        config = base.replace(**{kernel: tiles})
+        tag = " (table)" if getattr(base, kernel) == tiles else ""
+        try:
+          config.check_smem(H, 2)
+          fn = functools.partial(
+              lambda q, k, v, config: stable_attn.dot_product_attention(
+                  q, k, v, is_causal=causal, implementation="pallas_mosaic_gpu",
+                  max_adjust=args.max_adjust, config=config), config=config)
+          ms, tf = timed(fn, kernel == "fwd")
+          line = f"{ms:.3f} ms {tf:.0f} TF{tag}"
+        except Exception as e:
+          line = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        print(f"sweep {bench.shape_name(shape)} {kernel} bq{tiles.block_q} bkv{tiles.block_kv} "
+              f"s{tiles.stages}: {line}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,113 @@
+"""implementation="pallas_mosaic_gpu": flash attention for Hopper (sm_90) in Pallas Mosaic GPU.
+
+TMA loads through multi-stage shared-memory pipelines, wgmma, warp specialisation (a producer
+warpgroup and two compute warpgroups that ping-pong in the forward), exp2 with log2(e) folded
+into the softmax scale, the max adjustment of stable_attn.tile; a deterministic backward (dK/dV and
+dQ kernels, no atomics). See forward.py, backward.py and docs/dispatch.md.
+
+What it covers (`covers`): bf16/fp16 on an sm_90 GPU, head dims 64 and 128, numerics "fast", every
+max_adjust mode, causal, local windows, lengths, GQA/MQA, T != S and lengths that are not block
+multiples (padded). Everything else -- bias or mask operands, other numerics presets, fp32, other
+head dims -- is implementation="pallas_gpu" (implementation=None picks it; naming this backend
+for such a call raises ValueError with the reason).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from stable_attn import numerics as numerics_lib
+from stable_attn import tile
+from stable_attn.flash import make_flash_attention
+from stable_attn.layout import Geometry, lengths, pad_axis, pad_seq_head, unpad
+from stable_attn.spec import AttentionSpec, Operands
+
+from pallas_kernels.mosaic_gpu import tuning
+from pallas_kernels.mosaic_gpu.common import Call
+
+__all__ = ["attention", "is_available", "covers", "tuning"]
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def is_available() -> bool:
+  """True on a CUDA backend whose first device is a Hopper GPU (compute capability 9.x)."""
+  try:
+    if jax.default_backend() != "gpu":
+      return False
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    return capability.split(".")[0] == "9"
+  except Exception:  # any backend probing failure means "not available"
+    return False
+
+
+def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
+  """None if the Hopper kernels run this call, else why not (docs/dispatch.md)."""
+  H = ops.q.shape[-1]
+  if spec.interpret:
+    return "Mosaic GPU kernels have no interpret mode here (use pallas_gpu or reference)"
+  if jnp.dtype(ops.q.dtype) not in _DTYPES:
+    return f"dtype {jnp.dtype(ops.q.dtype).name}: the Hopper kernels take bfloat16 and float16"
+  if H not in tuning.HEAD_DIMS:
+    return f"head dim {H}: the Hopper kernels cover {tuning.HEAD_DIMS}"
+  if ops.bias is not None or ops.mask is not None:
+    return "bias and mask operands run on pallas_gpu"
+  if spec.numerics.dtypes(ops.q.dtype) != numerics_lib.FAST.dtypes(ops.q.dtype):
+    return (f"numerics {spec.numerics.name!r}: the Hopper kernels compute the 'fast' rounding "
+            f"(fp32 scores and statistics, P in the input dtype)")
+  return None
+
+
+def _call(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands) -> Call:
+  geo = Geometry.of(ops)
+  return Call(spec, geo, geo.padded(config.q_multiple, config.kv_multiple),
+              spec.numerics.dtypes(ops.q.dtype), config)
+
+
+def _padded(call: Call, ops: Operands):
+  q_lens, kv_lens = lengths(ops, call.geo)
+  return (pad_seq_head(ops.q, call.pad.T, call.pad.H), pad_seq_head(ops.k, call.pad.S, call.pad.H),
+          pad_seq_head(ops.v, call.pad.S, call.pad.H), q_lens, kv_lens)
+
+
+def _forward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands):
+  from pallas_kernels.mosaic_gpu.forward import forward_call
+  call = _call(spec, config, ops)
+  o, lse = forward_call(call, *_padded(call, ops))
+  o = unpad(o, call.geo.T, call.geo.H)
+  return o, o, lse[:, :, :call.geo.T]
+
+
+def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o_res, lse, do):
+  from pallas_kernels.mosaic_gpu.backward import backward_call
+  call = _call(spec, config, ops)
+  q, k, v, q_lens, kv_lens = _padded(call, ops)
+  rows = lambda x: pad_seq_head(x.astype(ops.q.dtype), call.pad.T, call.pad.H)
+  lse = pad_axis(lse, 2, call.pad.T, tile.EMPTY_ROW_LSE)
+  dq, dk, dv = backward_call(call, q, k, v, rows(o_res), lse, rows(do), q_lens, kv_lens)
+  geo = call.geo
+  return unpad(dq, geo.T, geo.H), unpad(dk, geo.S, geo.H), unpad(dv, geo.S, geo.H), None
+
+
+_flash = make_flash_attention(_forward, _backward)
+
+
+def attention(spec: AttentionSpec, ops: Operands,
+              config: Optional[tuning.TuningConfig] = None) -> jax.Array:
+  """O [B, T, N, H] in the input dtype; differentiable in q, k and v (flash backward)."""
+  reason = covers(spec, ops)
+  if reason is not None:
+    raise ValueError(f"implementation='pallas_mosaic_gpu' does not cover this call: {reason}")
+  if not is_available():
+    raise ValueError("implementation='pallas_mosaic_gpu' needs a Hopper (sm_90) GPU; the default "
+                     f"backend is {jax.default_backend()!r}")
+  H = ops.q.shape[-1]
+  if config is None:
+    config = tuning.table_config(H)
+  elif not isinstance(config, tuning.TuningConfig):
+    raise ValueError(f"config for implementation='pallas_mosaic_gpu' must be a "
+                     f"pallas_kernels.mosaic_gpu.tuning.TuningConfig, got {config!r}")
+  config.check_smem(H, jnp.dtype(ops.q.dtype).itemsize)
+  return _flash(spec, config, ops)

@@ -1,0 +1,261 @@
+"""Backward kernels: delta pre-pass (XLA), dK/dV and dQ in Pallas Mosaic GPU. No atomics: the
+result is bitwise deterministic.
+
+dK/dV  one CTA per (batch, kv head, 2 * block_kv key rows). Each compute warpgroup keeps its K and
+       V tiles and its dK, dV accumulators; the producer streams Q, dO, LSE and delta blocks of
+       every query head of the kv head's group (GQA is summed here, in registers) over the query
+       blocks that see the CTA's keys. The tile is computed transposed (S^T = K Q^T, FA3's
+       SwapAB), so P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers.
+dQ     one CTA per (batch, query head, 2 * block_q query rows), like the forward: Q, dO, LSE and
+       delta resident, K and V streamed; dQ += dS K.
+Both use stable_attn.tile.backward_tile and the block ranges of stable_attn.blocks (causal and
+window blocks skipped, edge blocks masked), with the pipelines of common.py.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from stable_attn import tile
+
+from pallas_kernels.mosaic_gpu import common
+from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
+
+COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
+
+
+def _scores_then_p(qk_product, dp_product, shape, p_of_scores):
+  """Issues the QK^T and dO V^T products into fresh fp32 accumulators of `shape`, computes P from
+  the first while the second still runs, then waits for it -> (p_of_scores(qk), dP)."""
+  def body(acc_qk, acc_dp):
+    qk_product(acc_qk)
+    dp_product(acc_dp)
+    p = p_of_scores(plgpu.wgmma_accumulator_load(acc_qk, wait_n=1))
+    return p, plgpu.wgmma_accumulator_load(acc_dp, wait_n=0)
+  return pl.run_scoped(body, plgpu.ACC(shape, f32), plgpu.ACC(shape, f32))
+
+
+def _store(smem, value, gmem):
+  smem[...] = value
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, gmem)
+
+
+# ---------------------------------------------------------------------------------------------
+# dK, dV
+# ---------------------------------------------------------------------------------------------
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, dk_ref,
+                dv_ref, scratch, *, call: Call):
+  (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem), (kv_loaded, loaded), free = scratch
+  spec, tiles, G = call.spec, call.config.dkv, call.geo.G
+  bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
+  b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  cta_k = lax.axis_index("kv_seq") * (2 * bk)
+  q_len, kv_len = call.lengths(qlen_ref, kvlen_ref, b)
+  lo, hi = common.union_range(call.q_ranges(cta_k, bk, bq, q_len, kv_len),
+                              call.q_ranges(cta_k + bk, bk, bq, q_len, kv_len))
+  per_head = hi - lo
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    k_start = cta_k + wg * bk
+    rows = (b, pl.ds(k_start, bk), kvh)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_loaded.at[wg])
+    plgpu.barrier_wait(kv_loaded.at[wg])
+    mine = common.clamp_ranges(call.q_ranges(k_start, bk, bq, q_len, kv_len), lo, hi)
+
+    def head(g, carry):
+      def step(i, carry, kind):
+        dk, dv = carry
+        slot = common.slot_of(g * per_head + i - lo, stages)
+        plgpu.barrier_wait(loaded.at[slot])
+        if kind == "skip":
+          plgpu.barrier_arrive(free.at[slot])
+          return carry
+        q, do = q_smem.at[slot], do_smem.at[slot]
+        ok = None
+        if kind == "masked":
+          ok = call.visible((bk, bq), i * bq, k_start, q_len, kv_len, q_axis=1)
+
+        def p_of_scores(qk_t):
+          s_t = tile.scores(qk_t, ok, scale=spec.scale, dt=call.dt, base2=True)
+          return tile.backward_p(s_t, common.load_vector(lse_smem.at[slot], COLS),
+                                 in_dtype=call.dt.input, base2=True, q_axis=1)
+
+        (p_t, p_op), dp_t = _scores_then_p(
+            lambda acc: plgpu.wgmma(acc, k_smem.at[wg], q.transpose((1, 0))),
+            lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do.transpose((1, 0))),
+            (bk, bq), p_of_scores)
+
+        def update(accs):
+          dk_acc, dv_acc = accs
+          plgpu.wgmma(dv_acc, p_op, do)   # runs while dS is computed
+          _, ds_op = tile.backward_ds(p_t, dp_t, common.load_vector(delta_smem.at[slot], COLS),
+                                      in_dtype=call.dt.input, q_axis=1)
+          plgpu.wgmma(dk_acc, ds_op, q)
+
+        dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+        plgpu.barrier_arrive(free.at[slot])
+        return dk, dv
+
+      return common.sections(lo, mine, hi, step, carry)
+
+    zeros = common.zeros((bk, call.pad.H), plgpu.Layout.WGMMA)
+    dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
+    _store(k_smem.at[wg], (dk * spec.scale).astype(k_smem.dtype), dk_ref.at[rows])
+    _store(v_smem.at[wg], dv.astype(v_smem.dtype), dv_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _produce():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    def load(t, slot):
+      g = lax.div(t, per_head)
+      n = kvh * G + g
+      q_start = (lo + t - g * per_head) * bq
+      rows = (b, pl.ds(q_start, bq), n)
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(q_start, bq)], lse_smem.at[slot],
+                              loaded.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
+                              loaded.at[slot])
+
+    common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)])
+
+
+def _dkv_call(call: Call, q, k, v, do, lse, delta, q_lens, kv_lens):
+  tiles = call.config.dkv
+  bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
+  B, K, H = call.geo.B, call.geo.K, call.pad.H
+  dtype = q.dtype
+  mma = common.mma_transforms(dtype)
+
+  smem = (plgpu.SMEM((2, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((2, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
+          plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
+          plgpu.SMEM((stages, bq), f32), plgpu.SMEM((stages, bq), f32))
+  barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+              plgpu.Barrier(num_arrivals=4, num_barriers=stages))
+  return common.launch(
+      functools.partial(_dkv_kernel, call=call),
+      (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
+      out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+      grid=(B, K, call.pad.S // (2 * bk)), grid_names=("batch", "heads", "kv_seq"),
+  )(q, k, v, do, lse, delta, q_lens, kv_lens)
+
+
+# ---------------------------------------------------------------------------------------------
+# dQ
+# ---------------------------------------------------------------------------------------------
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, dq_ref,
+               scratch, *, call: Call):
+  (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem), (q_loaded, loaded), free = scratch
+  spec, tiles = call.spec, call.config.dq
+  bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
+  num_tiles = call.pad.T // (2 * bq)
+  b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  cta_q = (num_tiles - 1 - lax.axis_index("q_seq")) * (2 * bq)
+  q_len, kv_len = call.lengths(qlen_ref, kvlen_ref, b)
+  lo, hi = common.union_range(call.kv_ranges(cta_q, bq, bk, q_len, kv_len),
+                              call.kv_ranges(cta_q + bq, bq, bk, q_len, kv_len))
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    q_start = cta_q + wg * bq
+    rows = (b, pl.ds(q_start, bq), n)
+    q, do = q_smem.at[wg], do_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q, q_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do, q_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(q_start, bq)], lse_smem.at[wg],
+                            q_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(q_start, bq)], delta_smem.at[wg],
+                            q_loaded.at[wg])
+    plgpu.barrier_wait(q_loaded.at[wg])
+    lse = common.load_vector(lse_smem.at[wg], ROWS)
+    delta = common.load_vector(delta_smem.at[wg], ROWS)
+
+    def step(j, dq, kind):
+      slot = common.slot_of(j - lo, stages)
+      plgpu.barrier_wait(loaded.at[slot])
+      if kind == "skip":
+        plgpu.barrier_arrive(free.at[slot])
+        return dq
+      k = k_smem.at[slot]
+      ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len) if kind == "masked" else None
+
+      def p_of_scores(qk):
+        s = tile.scores(qk, ok, scale=spec.scale, dt=call.dt, base2=True)
+        return tile.backward_p(s, lse, in_dtype=call.dt.input, base2=True)[0]
+
+      p, dp = _scores_then_p(
+          lambda acc: plgpu.wgmma(acc, q, k.transpose((1, 0))),
+          lambda acc: plgpu.wgmma(acc, do, v_smem.at[slot].transpose((1, 0))),
+          (bq, bk), p_of_scores)
+      _, ds_op = tile.backward_ds(p, dp, delta, in_dtype=call.dt.input)
+
+      def update(acc):
+        plgpu.wgmma(acc, ds_op, k)
+
+      dq = pl.run_state(update)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(free.at[slot])
+      return dq
+
+    mine = common.clamp_ranges(call.kv_ranges(q_start, bq, bk, q_len, kv_len), lo, hi)
+    dq = common.sections(lo, mine, hi, step, common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA))
+    _store(q, (dq * spec.scale).astype(q_smem.dtype), dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _produce():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
+
+    def load(j, slot):
+      rows = (b, pl.ds(j * bk, bk), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], loaded.at[slot])
+
+    common.stream(lo, hi, stages, [(free, load)])
+
+
+def _dq_call(call: Call, q, k, v, do, lse, delta, q_lens, kv_lens):
+  tiles = call.config.dq
+  bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
+  B, N, H = call.geo.B, call.geo.N, call.pad.H
+  dtype = q.dtype
+  mma = common.mma_transforms(dtype)
+
+  smem = (plgpu.SMEM((2, bq, H), dtype, transforms=mma),
+          plgpu.SMEM((2, bq, H), dtype, transforms=mma),
+          plgpu.SMEM((2, bq), f32), plgpu.SMEM((2, bq), f32),
+          plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((stages, bk, H), dtype, transforms=mma))
+  barriers = (plgpu.Barrier(num_arrivals=4, num_barriers=2),
+              plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+  return common.launch(
+      functools.partial(_dq_kernel, call=call),
+      (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      grid=(B, N, call.pad.T // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
+  )(q, k, v, do, lse, delta, q_lens, kv_lens)
+
+
+def backward_call(call: Call, q, k, v, o, lse, do, q_lens, kv_lens):
+  """Padded operands ([B, Tp|Sp, heads, H]; lse [B, N, Tp] natural units) -> (dq, dk, dv)."""
+  delta = jnp.swapaxes(tile.delta(do, o), 1, 2)                         # [B, N, Tp], fp32
+  dk, dv = _dkv_call(call, q, k, v, do, lse, delta, q_lens, kv_lens)
+  dq = _dq_call(call, q, k, v, do, lse, delta, q_lens, kv_lens)
+  return dq, dk, dv

@@ -1,0 +1,172 @@
+"""What the Hopper kernels share: the call's static description, padding, pipeline bookkeeping.
+
+Pipelines. Each CTA has two compute warpgroups and one producer warpgroup. The producer streams
+blocks through `stages` shared-memory slots with TMA: a "loaded" barrier per slot (the copy
+engine arrives) and a "free" barrier per slot (both compute warpgroups arrive when they are done
+with it). The two compute warpgroups own different rows, so under causal or window masking they
+need different block ranges; the producer streams the union, and a warpgroup steps over a block
+outside its own range by waiting for it and releasing it (a "skip" step). Every warpgroup thus
+waits on every barrier phase once, in order, which is what Mosaic GPU's per-thread phase
+tracking requires.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from stable_attn import blocks, tile
+from stable_attn.layout import Geometry, Padded
+from stable_attn.numerics import Dtypes
+from stable_attn.spec import AttentionSpec
+
+from pallas_kernels.mosaic_gpu import tuning
+
+f32 = jnp.float32
+i32 = jnp.int32
+
+ROWS = plgpu.Layout.WGMMA.reduce(1)   # a per-row vector of a [rows, cols] WGMMA tile
+COLS = plgpu.Layout.WGMMA.reduce(0)   # a per-column vector
+# Shared-memory tiles that wgmma and TMA read: 8-row tiles 128 bytes wide, 128-byte swizzle.
+SWIZZLE = 128
+
+
+def mma_transforms(dtype):
+  return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(SWIZZLE))
+
+
+# JAX 0.11 takes `plgpu.load(ref, layout=...)` and deprecates the index argument that 0.10 needs.
+_LOAD_NEEDS_INDEX = (inspect.signature(plgpu.load).parameters["idx"].default
+                     is inspect.Parameter.empty)
+
+
+def load_vector(ref, layout):
+  """A 1-D SMEM ref as an array in `layout`."""
+  if _LOAD_NEEDS_INDEX:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
+def zeros(shape, layout):
+  return plgpu.layout_cast(jnp.zeros(shape, f32), layout)
+
+
+def init_stats(rows: int, dt: Dtypes) -> tile.RowStats:
+  return tile.RowStats(*(plgpu.layout_cast(x, ROWS) for x in tile.init_stats(rows, dt)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """Everything static about one call."""
+  spec: AttentionSpec
+  geo: Geometry
+  pad: Padded
+  dt: Dtypes
+  config: tuning.TuningConfig
+
+  @property
+  def safe(self) -> bool:
+    return self.spec.max_adjust == "safe"
+
+  def lengths(self, qlen_ref, kvlen_ref, b):
+    """The batch row's query and key lengths: static T and S unless lengths were given (a CTA
+    then starts its TMA loads without waiting for two scalar loads from global memory)."""
+    if self.spec.has_lengths:
+      return qlen_ref[b], kvlen_ref[b]
+    return self.geo.T, self.geo.S
+
+  def iota_positions(self, shape, q_start, k_start, *, q_axis: int):
+    """int32 query and key positions of a tile, in the WGMMA layout."""
+    q = plgpu.broadcasted_iota(i32, shape, q_axis, layout=plgpu.Layout.WGMMA) + q_start
+    k = plgpu.broadcasted_iota(i32, shape, 1 - q_axis, layout=plgpu.Layout.WGMMA) + k_start
+    return q, k
+
+  def visible(self, shape, q_start, k_start, q_len, kv_len, *, q_axis: int = 0):
+    q, k = self.iota_positions(shape, q_start, k_start, q_axis=q_axis)
+    return tile.visible(q, k, q_len, kv_len, causal=self.spec.is_causal, window=self.spec.window)
+
+  def kv_ranges(self, q_start, bq: int, bk: int, q_len, kv_len):
+    """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections)."""
+    return blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
+                              window=self.spec.window, q_len=q_len, kv_len=kv_len,
+                              has_mask=False)
+
+  def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len):
+    """(lo, flo, fhi, hi) of the query blocks that see key columns [k_start, +bk)."""
+    return blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
+                             window=self.spec.window, q_len=q_len, kv_len=kv_len,
+                             has_mask=False)
+
+
+def union_range(ranges_0, ranges_1):
+  """The blocks the producer streams for two warpgroups' (lo, flo, fhi, hi) ranges.
+
+  Ranges are monotone in the rows a warpgroup owns, and warpgroup 1 owns the later rows, so the
+  union is [lo_0, max(hi_0, hi_1)) -- except where a range is empty (then it is the other one).
+  """
+  lo0, hi0 = ranges_0[0], ranges_0[3]
+  lo1, hi1 = ranges_1[0], ranges_1[3]
+  empty0, empty1 = hi0 <= lo0, hi1 <= lo1
+  lo = jnp.where(empty0, lo1, jnp.where(empty1, lo0, jnp.minimum(lo0, lo1)))
+  hi = jnp.where(empty0, hi1, jnp.where(empty1, hi0, jnp.maximum(hi0, hi1)))
+  return lo, jnp.maximum(hi, lo)
+
+
+def clamp_ranges(ranges, lo, hi):
+  """A warpgroup's (lo, flo, fhi, hi) clamped into the union [lo, hi), in order."""
+  clamp = lambda x: jnp.minimum(jnp.maximum(x, lo), hi)
+  a, b, c, d = (clamp(x) for x in ranges)
+  b = jnp.maximum(b, a)
+  c = jnp.maximum(c, b)
+  d = jnp.maximum(d, c)
+  return a, b, c, d
+
+
+def sections(lo, my_ranges, hi, step, carry):
+  """Runs step(j, carry, kind) over the union [lo, hi): "skip" outside this warpgroup's range,
+  "masked" on its edge blocks and "full" on the blocks all its rows see whole."""
+  a, b, c, d = my_ranges
+  for start, stop, kind in ((lo, a, "skip"), (a, b, "masked"), (b, c, "full"), (c, d, "masked"),
+                            (d, hi, "skip")):
+    carry = lax.fori_loop(start, stop, lambda j, x, kind=kind: step(j, x, kind), carry)
+  return carry
+
+
+def launch(kernel, scratch, *, out_type, grid, grid_names):
+  """A warp-specialised Mosaic GPU kernel: two compute warpgroups and a producer ("wg" 0, 1, 2)
+  per CTA over `grid`. kernel(*refs, scratch) gets the operand and output refs, then `scratch`
+  (a tuple of SMEM / barrier types) allocated collectively for the three warpgroups."""
+  def entry(*refs):
+    pl.run_scoped(lambda *allocated: kernel(*refs, allocated), *scratch, collective_axes="wg")
+
+  return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=3,
+                      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
+
+
+def stream(first, stop, stages: int, loads):
+  """The producer warpgroup's loop: blocks first .. stop-1 go to slots (j - first) % stages.
+
+  loads: (free barrier, load(j, slot)) pairs, issued in order; the first `stages` blocks load at
+  once, a later one waits until both compute warpgroups freed its slot (per pair).
+  """
+  for i in range(stages):
+    @pl.when(first + i < stop)
+    def _first():
+      for _, load in loads:
+        load(first + i, i)
+
+  @pl.loop(first + stages, stop)
+  def _refill(j):
+    slot = slot_of(j - first, stages)
+    for free, load in loads:
+      plgpu.barrier_wait(free.at[slot])
+      load(j, slot)
+
+
+def slot_of(step, stages: int):
+  return lax.rem(step, jnp.asarray(stages, step.dtype))

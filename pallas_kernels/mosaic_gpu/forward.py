@@ -1,0 +1,170 @@
+"""Forward kernel: FlashAttention-3's structure in Pallas Mosaic GPU, with stable_attn's tile math.
+
+One CTA per (batch, query head, 2 * block_q query rows), three warpgroups:
+  compute 0, 1  each owns block_q query rows (Q resident in shared memory) and runs the online
+                softmax over the union of the two warpgroups' key blocks; QK^T and PV are wgmma
+                (PV with P from registers), scores in log2 units so P = exp2(s - m) is one FMA
+                per element. A schedule barrier makes the two warpgroups ping-pong: one's softmax
+                runs while the other's matmuls occupy the tensor cores.
+  producer      streams K and V blocks through `stages` slots with TMA (common.py: pipelines).
+Causal and window masks: blocks outside a warpgroup's range are skipped, blocks every row sees
+whole run without the mask, edge blocks with it (stable_attn.blocks). GQA: the kv head of query
+head n is n // G in the TMA index; K/V are never repeated. Lengths mask padding at the end.
+max_adjust "safe" reads its per-row offsets (stable_attn.tile.safe_offset, precomputed per head
+and position) and folds them into the row max; "paper" runs the paper's rule per block.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from stable_attn import tile
+
+from pallas_kernels.mosaic_gpu import common
+from pallas_kernels.mosaic_gpu.common import ROWS, Call, f32
+
+COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
+
+
+def safe_offsets(call: Call) -> jax.Array:
+  """[N, Tp] fp32: max_adjust="safe"'s per-row offsets in log2 units (tile.safe_offset).
+
+  They depend on static sizes only, so they are computed once, when the call is traced, and
+  enter the program as a constant: no extra kernel per call (a few microseconds, which is several
+  per cent of a short forward).
+  """
+  with jax.ensure_compile_time_eval():
+    positions = jnp.arange(call.pad.T, dtype=jnp.int32)[None, :]
+    heads = jnp.arange(call.geo.N, dtype=jnp.int32)[:, None]
+    return tile.safe_offset(positions, heads, call.dt.p, base2=True)
+
+
+def _kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, off_ref, o_ref, lse_ref, scratch, *,
+            call: Call):
+  (q_smem, k_smem, v_smem, off_smem, lse_smem), loaded, free, schedule = scratch
+  q_loaded, k_loaded, v_loaded = loaded
+  k_free, v_free = free
+  spec, dt, tiles = call.spec, call.dt, call.config.fwd
+  bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
+  num_tiles = call.pad.T // (2 * bq)
+  b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+  cta_q = (num_tiles - 1 - lax.axis_index("q_seq")) * (2 * bq)   # heaviest causal tiles first
+  q_len, kv_len = call.lengths(qlen_ref, kvlen_ref, b)
+  lo, hi = common.union_range(call.kv_ranges(cta_q, bq, bk, q_len, kv_len),
+                              call.kv_ranges(cta_q + bq, bq, bk, q_len, kv_len))
+
+  def rendezvous():
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    q_start = cta_q + wg * bq
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, bq), n], q_smem.at[wg], q_loaded.at[wg])
+    if call.safe:
+      plgpu.copy_gmem_to_smem(off_ref.at[n, pl.ds(q_start, bq)], off_smem.at[wg],
+                              q_loaded.at[wg])
+    plgpu.barrier_wait(q_loaded.at[wg])
+    offset = common.load_vector(off_smem.at[wg], ROWS) if call.safe else None
+
+    def wait_k(j):
+      """Waits for block j's K; each step waits for the next one's while its PV product runs."""
+      @pl.when(j < hi)
+      def _wait():
+        plgpu.barrier_wait(k_loaded.at[common.slot_of(j - lo, stages)])
+
+    def step(j, carry, kind):
+      acc, stats = carry
+      slot = common.slot_of(j - lo, stages)
+      if kind == "skip":
+        plgpu.barrier_arrive(k_free.at[slot])
+        rendezvous()
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        wait_k(j + 1)
+        rendezvous()
+        return carry
+
+      def qk_product(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+        rendezvous()   # the other warpgroup's softmax runs while this product does
+        return acc_ref[...]
+
+      qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      ok = None
+      if kind == "masked":
+        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len)
+      s = tile.scores(qk, ok, scale=spec.scale, dt=dt, base2=True)
+      p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
+                                     offset=offset, base2=True)
+      acc = tile.scale_acc(acc, alpha, dt=dt)
+      # Finish the softmax before handing the tensor cores over (as JAX's attention_mgpu does).
+      acc, stats, p = lax.optimization_barrier((acc, stats, p))
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_wait(schedule)
+
+      def pv_product(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+        wait_k(j + 1)
+
+      acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, stats
+
+    mine = common.clamp_ranges(call.kv_ranges(q_start, bq, bk, q_len, kv_len), lo, hi)
+    pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
+    wait_k(lo)
+    init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
+    acc, stats = common.sections(lo, mine, hi, step, init)
+    pl.when(wg == 0)(rendezvous)
+    o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True)
+    q_smem.at[wg][...] = o
+    lse_smem.at[wg][...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, pl.ds(q_start, bq), n])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(q_start, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _produce():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
+
+    def loader(ref, smem, barrier):
+      return lambda j, slot: plgpu.copy_gmem_to_smem(
+          ref.at[b, pl.ds(j * bk, bk), kv_head], smem.at[slot], barrier.at[slot])
+
+    common.stream(lo, hi, stages, [(k_free, loader(k_ref, k_smem, k_loaded)),
+                                   (v_free, loader(v_ref, v_smem, v_loaded))])
+
+
+def forward_call(call: Call, q, k, v, q_lens, kv_lens):
+  """Padded operands -> (O [B, Tp, N, H] in the input dtype, LSE fp32 [B, N, Tp])."""
+  tiles = call.config.fwd
+  bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
+  B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
+  dtype = q.dtype
+  mma = common.mma_transforms(dtype)
+  offsets = safe_offsets(call) if call.safe else None
+
+  smem = (plgpu.SMEM((2, bq, H), dtype, transforms=mma),
+          plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((2, bq), f32) if call.safe else None,
+          plgpu.SMEM((2, bq), f32))
+  loaded = (plgpu.Barrier(num_arrivals=2 if call.safe else 1, num_barriers=2),
+            plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages))
+  free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+  return common.launch(
+      functools.partial(_kernel, call=call), (smem, loaded, free, plgpu.Barrier(num_arrivals=2)),
+      out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)),
+      grid=(B, N, Tp // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
+  )(q, k, v, q_lens, kv_lens, offsets)

@@ -1,0 +1,90 @@
+"""Tiles and pipeline depths of the Hopper kernels: small frozen configs that validate themselves.
+
+Every kernel runs one CTA of three warpgroups: two compute warpgroups (each owning `block_q`
+query rows, or `block_kv` key rows in the dK/dV kernel) and one producer warpgroup that streams
+the other operand through `stages` shared-memory slots with TMA.
+
+    config = tuning.TuningConfig(fwd=tuning.Tiles(64, 128, 2), dkv=..., dq=...)
+    stable_attn.dot_product_attention(..., implementation="pallas_mosaic_gpu", config=config)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+COMPUTE_WGS = 2        # compute warpgroups per CTA
+WGMMA_M = 64           # rows of one warpgroup's wgmma
+SMEM_BYTES = 227 * 1024
+SMEM_RESERVE = 4 * 1024   # barriers and alignment, beyond the tiles counted in check_smem
+HEAD_DIMS = (64, 128)  # head dims the kernels cover (the tiling of K/V rows is 128 bytes wide)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """One kernel's tiling: block_q query rows x block_kv key rows per step, `stages` slots."""
+  block_q: int
+  block_kv: int
+  stages: int
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv"):
+      v = getattr(self, name)
+      if not isinstance(v, (int, np.integer)) or v < WGMMA_M or v % WGMMA_M or v > 256:
+        raise ValueError(f"{name} must be 64, 128, 192 or 256 (a multiple of the wgmma M of 64, "
+                         f"at most 256), got {v!r}")
+    if not isinstance(self.stages, (int, np.integer)) or not 2 <= self.stages <= 8:
+      raise ValueError(f"stages must be between 2 and 8, got {self.stages!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Forward, dK/dV and dQ tilings.
+
+  fwd: each compute warpgroup owns block_q query rows; K/V blocks of block_kv rows stream in.
+  dkv: each compute warpgroup owns block_kv key rows; Q/dO blocks of block_q rows stream in.
+  dq:  each compute warpgroup owns block_q query rows; K/V blocks of block_kv rows stream in.
+  """
+  fwd: Tiles
+  dkv: Tiles
+  dq: Tiles
+
+  def replace(self, **changes) -> "TuningConfig":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def q_multiple(self) -> int:
+    """T is padded to a multiple of this (every kernel's rows per CTA or per step)."""
+    return math.lcm(COMPUTE_WGS * self.fwd.block_q, self.dkv.block_q, COMPUTE_WGS * self.dq.block_q)
+
+  @property
+  def kv_multiple(self) -> int:
+    return math.lcm(self.fwd.block_kv, COMPUTE_WGS * self.dkv.block_kv, self.dq.block_kv)
+
+  def check_smem(self, head_dim: int, itemsize: int) -> None:
+    """ValueError when a kernel's shared memory would not fit (227 KB per CTA on Hopper)."""
+    row = head_dim * itemsize
+    need = {
+        "fwd": COMPUTE_WGS * self.fwd.block_q * (row + 8) + 2 * self.fwd.stages * self.fwd.block_kv * row,
+        "dkv": 2 * COMPUTE_WGS * self.dkv.block_kv * row + self.dkv.stages * self.dkv.block_q * (2 * row + 8),
+        "dq": 2 * COMPUTE_WGS * self.dq.block_q * (row + 4) + 2 * self.dq.stages * self.dq.block_kv * row,
+    }
+    for kernel, nbytes in need.items():
+      if nbytes + SMEM_RESERVE > SMEM_BYTES:
+        raise ValueError(f"{kernel} tiling {getattr(self, kernel)} needs {nbytes} bytes of shared "
+                         f"memory at head dim {head_dim}; Hopper has {SMEM_BYTES}")
+
+
+_T = Tiles
+TABLE = {
+    # Chosen by benchmarks/mosaic_sweep.py on an H100 (docs/hopper_kernel.md).
+    64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2)),
+    128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2)),
+}
+
+
+def table_config(head_dim: int) -> TuningConfig:
+  if head_dim not in TABLE:
+    raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
+  return TABLE[head_dim]

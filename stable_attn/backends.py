@@ -1,0 +1,103 @@
+"""The backend registry: every implementation by name, and what implementation=None picks.
+
+A backend is a module with three functions (the `Backend` protocol):
+
+    attention(spec, ops, config=None) -> O     # config: the backend's own frozen tuning object
+    is_available() -> bool                     # can it compile for the default JAX backend?
+    covers(spec, ops) -> str | None            # None if it runs this call, else why not
+
+`implementation=None` takes the first registered backend with `auto=True` that is available and
+covers the call (the registry's order is the priority order), so a call the fastest kernel does
+not cover runs on the next one -- by this table, never silently: `choose_implementation` says
+what runs and why the others did not. An explicitly named backend that does not cover a call
+raises ValueError with its reason. Adding a backend is its own module plus one line below.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import NamedTuple, Optional, Protocol
+
+import jax
+
+from stable_attn.spec import AttentionSpec, Operands
+
+
+class Backend(Protocol):
+  def attention(self, spec: AttentionSpec, ops: Operands, config=None) -> jax.Array: ...
+  def is_available(self) -> bool: ...
+  def covers(self, spec: AttentionSpec, ops: Operands) -> Optional[str]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+  name: str
+  module: str
+  auto: bool = True   # may implementation=None pick it?
+
+
+REGISTRY = (
+    Registration("pallas_mosaic_gpu", "pallas_kernels.mosaic_gpu"),
+    Registration("pallas_gpu", "pallas_kernels.gpu"),
+    Registration("pallas_tpu", "pallas_kernels.tpu"),
+    Registration("reference", "stable_attn.reference"),
+    Registration("xla", "stable_attn.xla", auto=False),
+)
+IMPLEMENTATIONS = tuple(r.name for r in REGISTRY)
+_BY_NAME = {r.name: r for r in REGISTRY}
+
+
+def load(name: str) -> Backend:
+  """The backend module named `name`; ValueError for unknown or unimportable ones."""
+  if name not in _BY_NAME:
+    raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {name!r}")
+  try:
+    return importlib.import_module(_BY_NAME[name].module)
+  except ImportError as e:
+    raise ValueError(f"implementation={name!r} is not available: {e}") from e
+
+
+def _available(name: str) -> bool:
+  try:
+    return load(name).is_available()
+  except ValueError:
+    return False
+
+
+class Choice(NamedTuple):
+  """What implementation=None runs for a call, and why each backend before it was passed over."""
+  name: str
+  passed_over: dict  # name -> reason
+
+
+def choose(spec: AttentionSpec, ops: Operands) -> Choice:
+  passed_over = {}
+  for reg in REGISTRY:
+    if not reg.auto:
+      continue
+    if not _available(reg.name):
+      passed_over[reg.name] = f"not available on the {jax.default_backend()!r} backend"
+      continue
+    reason = load(reg.name).covers(spec, ops)
+    if reason is None:
+      return Choice(reg.name, passed_over)
+    passed_over[reg.name] = reason
+  raise AssertionError(f"no backend covers this call: {passed_over}")  # reference covers all
+
+
+def default_implementation() -> str:
+  """The first available backend implementation=None would try on this JAX backend."""
+  return next(r.name for r in REGISTRY if r.auto and _available(r.name))
+
+
+def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, config=None):
+  """Dispatches one canonical call."""
+  if implementation is None:
+    if config is not None:
+      raise ValueError("config needs an explicit implementation (it belongs to one backend)")
+    implementation = choose(spec, ops).name
+  backend = load(implementation)
+  reason = backend.covers(spec, ops)
+  if reason is not None:
+    raise ValueError(f"implementation={implementation!r} does not cover this call: {reason}")
+  return backend.attention(spec, ops, config)

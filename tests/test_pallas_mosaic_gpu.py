@@ -1,0 +1,282 @@
+"""implementation="pallas_mosaic_gpu" (Hopper): dispatch, pipeline bookkeeping and lowering on the CPU;
+values, gradients, hazards and determinism compiled on a Hopper GPU (`-m gpu`).
+
+JAX has no CPU interpret mode that runs wgmma, so on a CPU the kernels are lowered for CUDA
+(`jit(...).trace(...).lower(lowering_platforms=("cuda",))`: the whole Pallas -> Mosaic GPU
+lowering, short of ptxas) and their block bookkeeping is checked in plain Python.
+
+    python -m pytest -m gpu tests/test_pallas_mosaic_gpu.py     # on the GPU machine
+"""
+from __future__ import annotations
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stable_attn
+from stable_attn import blocks, tile
+from stable_attn.api import canonicalize
+from stable_attn.layout import Padded
+from stable_attn.diagnostics import REGIMES, tie_inputs
+from stable_attn.reference import exact_attention
+from tests import cases
+
+IMPL = "pallas_mosaic_gpu"
+bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+mosaic = pytest.importorskip("pallas_kernels.mosaic_gpu")
+from pallas_kernels.mosaic_gpu import common, tuning  # noqa: E402
+
+on_hopper = pytest.mark.skipif(not mosaic.is_available(), reason="needs a Hopper (sm_90) GPU")
+
+
+def _spec_ops(shape=(2, 128, 4, 64), kv_heads=2, dtype=bf16, **kwargs):
+  B, T, N, H = shape
+  q = jnp.zeros((B, T, N, H), dtype)
+  kv = jnp.zeros((B, T, kv_heads, H), dtype)
+  bias, mask = kwargs.pop("bias", None), kwargs.pop("mask", None)
+  spec, ops, _ = canonicalize(q, kv, kv, bias, mask, **kwargs)
+  return spec, ops
+
+
+# --- the dispatch table (CPU) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(), None),
+    (dict(is_causal=True, local_window_size=(16, 0), max_adjust="paper"), None),
+    (dict(shape=(1, 64, 2, 128), kv_heads=1, dtype=f16, max_adjust="off"), None),
+    (dict(dtype=f32), "float32"),
+    (dict(shape=(1, 64, 2, 96), kv_heads=1), "head dim 96"),
+    (dict(shape=(1, 64, 2, 256), kv_heads=1), "head dim 256"),
+    (dict(bias=jnp.zeros((1, 1, 128, 128), f32)), "bias"),
+    (dict(mask=jnp.ones((1, 1, 128, 128), bool)), "mask"),
+    (dict(numerics="paper"), "numerics 'paper'"),
+    (dict(numerics="fast+fp32o"), "numerics 'fast\\+fp32o'"),
+    (dict(interpret=True), "interpret"),
+])
+def test_covers(kwargs, reason):
+  spec, ops = _spec_ops(**kwargs)
+  got = mosaic.covers(spec, ops)
+  if reason is None:
+    assert got is None
+  else:
+    assert got is not None and re.search(reason, got), got
+
+
+def test_dispatch_off_hopper():
+  if mosaic.is_available():
+    pytest.skip("checks the dispatch where no Hopper GPU is present")
+  q = jnp.ones((1, 64, 2, 64), bf16)
+  choice = stable_attn.choose_implementation(q, q, q, is_causal=True)
+  assert "pallas_mosaic_gpu" in choice.passed_over
+  assert choice.name in ("pallas_gpu", "reference")
+  with pytest.raises(ValueError, match="pallas_mosaic_gpu"):
+    stable_attn.dot_product_attention(q, q, q, implementation=IMPL)
+  with pytest.raises(ValueError, match="does not cover.*interpret"):
+    stable_attn.dot_product_attention(q, q, q, implementation=IMPL, interpret=True)
+
+
+def test_tuning_config_validates():
+  T = tuning.Tiles
+  with pytest.raises(ValueError, match="block_q"):
+    T(32, 64, 2)
+  with pytest.raises(ValueError, match="block_kv"):
+    T(64, 96, 2)
+  with pytest.raises(ValueError, match="stages"):
+    T(64, 64, 1)
+  with pytest.raises(ValueError, match="shared memory"):
+    tuning.table_config(128).replace(fwd=T(64, 256, 3)).check_smem(128, 2)
+  with pytest.raises(ValueError, match="head dims"):
+    tuning.table_config(96)
+  for h in tuning.HEAD_DIMS:
+    tuning.table_config(h).check_smem(h, 2)
+
+
+# --- pipeline bookkeeping (CPU) ------------------------------------------------------------------
+
+def test_union_ranges_and_sections():
+  """For random shapes and masks: each warpgroup computes exactly its own visible blocks (masked
+  where needed), skips the rest of the union, and the union holds both warpgroups' blocks."""
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    bq, bk = 64, int(rng.choice([64, 128]))
+    T, S = (int(x) * 64 for x in rng.integers(1, 12, 2))
+    Tp, Sp = blocks.cdiv(T, 2 * bq) * 2 * bq, blocks.cdiv(S, bk) * bk
+    q_len, kv_len = int(rng.integers(0, T + 1)), int(rng.integers(0, S + 1))
+    causal = bool(rng.integers(2))
+    window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 300, 2))
+    spec, _ = _spec_ops(is_causal=causal, local_window_size=window)
+    call = common.Call(spec, None, Padded(Tp, Sp, 64), None, None)
+    for cta in range(0, Tp, 2 * bq):
+      ranges = [call.kv_ranges(cta + w * bq, bq, bk, q_len, kv_len) for w in (0, 1)]
+      lo, hi = (int(x) for x in common.union_range(*ranges))
+      for w in (0, 1):
+        a, b, c, d = (int(x) for x in common.clamp_ranges(ranges[w], lo, hi))
+        assert lo <= a <= b <= c <= d <= hi
+        kinds = {j: "skip" for j in range(lo, hi)}
+        kinds.update({j: "masked" for j in list(range(a, b)) + list(range(c, d))})
+        kinds.update({j: "full" for j in range(b, c)})
+        vis = np.asarray(tile.visible(cta + w * bq + np.arange(bq), np.arange(Sp), q_len, kv_len,
+                                      causal=causal, window=window))
+        for j in range(Sp // bk):
+          block = vis[:, j * bk:(j + 1) * bk]
+          if block.any():
+            assert kinds.get(j) in ("masked", "full"), (cta, w, j, kinds.get(j))
+          if kinds.get(j) == "full":
+            assert block.all(), (cta, w, j)
+
+
+def test_sections_run_in_order():
+  visited = []
+
+  def step(j, carry, kind):
+    jax.debug.callback(lambda j, kind=kind: visited.append((int(j), kind)), j)
+    return carry
+
+  jax.block_until_ready(common.sections(2, (3, 4, 6, 7), 9, step, jnp.zeros(())))
+  assert visited == [(2, "skip"), (3, "masked"), (4, "full"), (5, "full"), (6, "masked"),
+                     (7, "skip"), (8, "skip")]
+
+
+# --- lowering for CUDA on the CPU --------------------------------------------------------------
+
+LOWER_CASES = [
+    dict(shape=(2, 256, 4, 64), kv_heads=2, is_causal=True, max_adjust="safe"),
+    dict(shape=(1, 300, 2, 128), kv_heads=1, max_adjust="off"),
+    dict(shape=(2, 200, 2, 128), kv_heads=2, dtype=f16, is_causal=True,
+         local_window_size=(100, 0), max_adjust="paper"),
+]
+
+
+@pytest.mark.parametrize("kwargs", LOWER_CASES, ids=lambda k: f"H{k['shape'][-1]}")
+def test_lowers_for_cuda(kwargs):
+  """Forward and backward lower to three Mosaic GPU kernels (fwd, dK/dV, dQ)."""
+  spec, ops = _spec_ops(**kwargs)
+  assert mosaic.covers(spec, ops) is None
+  config = tuning.table_config(ops.q.shape[-1])
+  text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+  assert text.count("mosaic_gpu") >= 3
+
+
+# --- compiled on a Hopper GPU ----------------------------------------------------------------------
+
+GPU_CASES = {
+    "gpt2": dict(B=2, T=512, S=512, N=4, K=4, H=64, is_causal=True),
+    "gqa_h128_lens": dict(B=2, T=300, S=333, N=8, K=2, H=128, is_causal=True,
+                          q_lens=(300, 217), kv_lens=(333, 190)),
+    "cross_window": dict(B=1, T=257, S=513, N=4, K=1, H=64, window=(64, 32)),
+    "T_gt_S": dict(B=1, T=320, S=130, N=2, K=2, H=128, is_causal=True),
+    "empty_rows": dict(B=2, T=160, S=130, N=2, K=1, H=64, q_lens=(160, 90), kv_lens=(0, 130)),
+}
+GPU_CHECKS = ([(name, bf16, mode) for name in GPU_CASES for mode in ("off", "paper", "safe")]
+              + [(name, f16, "safe") for name in GPU_CASES])
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("name,dtype,max_adjust", GPU_CHECKS,
+                         ids=[f"{n}-{jnp.dtype(d).name}-{m}" for n, d, m in GPU_CHECKS])
+def test_gpu_matches_exact(name, dtype, max_adjust):
+  cases.check_case(IMPL, dict(name=name, **GPU_CASES[name]), dtype, max_adjust, "fast", seed=5)
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_gpu_default_and_fallback():
+  assert stable_attn.default_implementation() == IMPL
+  (q, k, v, _, _), kwargs, _ = cases.make_inputs(dict(GPU_CASES["gpt2"]), bf16, 0)
+  a = stable_attn.dot_product_attention(q, k, v, **kwargs)
+  b = stable_attn.dot_product_attention(q, k, v, implementation=IMPL, **kwargs)
+  np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  bias = jnp.zeros((1, 1, 1, q.shape[1]), f32)
+  choice = stable_attn.choose_implementation(q, k, v, bias, **kwargs)
+  assert choice.name == "pallas_gpu" and "bias" in choice.passed_over[IMPL]
+  with pytest.raises(ValueError, match="does not cover.*bias"):
+    stable_attn.dot_product_attention(q, k, v, bias, implementation=IMPL, **kwargs)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("name", ["gqa_h128_lens", "cross_window"])
+def test_gpu_backward_bitwise_deterministic(name):
+  (q, k, v, _, _), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 1)
+
+  @jax.jit
+  def grads(q, k, v):
+    f = lambda q, k, v: stable_attn.dot_product_attention(q, k, v, implementation=IMPL, **kwargs)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(do)
+
+  first = jax.device_get(grads(q, k, v))
+  for _ in range(3):
+    again = jax.device_get(grads(q, k, v))
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _value_and_grads(mode, q, k, v, **kw):
+  f = lambda q, k, v: stable_attn.dot_product_attention(q, k, v, implementation=IMPL,
+                                                        max_adjust=mode, **kw)
+  out, vjp = jax.vjp(jax.jit(f), q, k, v)
+  return out, vjp(jnp.ones_like(out))
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("mode", ["off", "safe"])
+@pytest.mark.parametrize("logit_scale", [1e2, 1e4])
+def test_gpu_huge_logits(mode, logit_scale):
+  rng = np.random.default_rng(int(logit_scale))
+  q, k, v = (jnp.asarray(rng.standard_normal(s), bf16)
+             for s in ((1, 128, 2, 64), (1, 256, 2, 64), (1, 256, 2, 64)))
+  out, grads = _value_and_grads(mode, q, k, v, scale=logit_scale, is_causal=True)
+  chex.assert_tree_all_finite((out, grads))
+  want = exact_attention(q, k, v, scale=logit_scale, is_causal=True)
+  assert np.abs(np.asarray(out, np.float64) - want).max() < 0.05 * np.abs(want).max()
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("regime", REGIMES)
+def test_gpu_exact_ties_never_nan(regime):
+  q, k, v = tie_inputs(regime, "split", batch=1, rows=128, keys=256, seed=4)
+  modes = ["off", "safe"] + (["paper"] if regime != "large" else [])
+  for mode in modes:  # the paper's rule at large maxima is the documented hole (test_probe)
+    chex.assert_tree_all_finite(_value_and_grads(mode, q, k, v))
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_gpu_fully_masked_rows_are_zero():
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(rng.standard_normal(s), bf16)
+             for s in ((2, 128, 2, 64), (2, 192, 2, 64), (2, 192, 2, 64)))
+  out, grads = _value_and_grads("safe", q, k, v, query_seq_lengths=jnp.array([128, 70]),
+                                key_value_seq_lengths=jnp.array([0, 192]))
+  chex.assert_tree_all_finite((out, grads))
+  np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+  np.testing.assert_array_equal(np.asarray(out[1, 70:], np.float32), 0.0)
+  np.testing.assert_array_equal(np.asarray(grads[0][0], np.float32), 0.0)
+
+
+def test_safe_offsets_are_trace_time_constants():
+  """max_adjust="safe" adds no per-call XLA work: its offsets are computed when the call is traced
+  (equal to tile.safe_offset in log2 units) and enter the program as a constant."""
+  from pallas_kernels.mosaic_gpu.forward import safe_offsets
+  spec, ops = _spec_ops(shape=(2, 200, 4, 64), is_causal=True)
+  config = tuning.table_config(64)
+  call = mosaic._call(spec, config, ops)
+  got = safe_offsets(call)
+  assert got.shape == (4, call.pad.T) and isinstance(got, jax.Array)
+  want = tile.safe_offset(jnp.arange(call.pad.T)[None, :], jnp.arange(4)[:, None], bf16,
+                          base2=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_allclose(np.exp2(-np.asarray(got)), np.exp(-np.asarray(
+      tile.safe_offset(jnp.arange(call.pad.T)[None, :], jnp.arange(4)[:, None], bf16))), rtol=1e-6)
+  text = jax.jit(lambda o: mosaic._flash(spec, config, o)).trace(ops).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.log" not in text and "stablehlo.floor" not in text
