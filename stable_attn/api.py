@@ -32,6 +32,9 @@ def dot_product_attention(
     numerics: Union[str, Numerics] = "fast",
     interpret: bool = False,
     config=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    logits_soft_cap: Optional[float] = None,
 ) -> jax.Array:
   """Scaled dot-product attention with the max adjustment; a drop-in for jax.nn's.
 
@@ -58,6 +61,12 @@ def dot_product_attention(
     interpret: run Pallas implementations in interpret mode (CPU).
     config: the named implementation's tuning object (e.g. pallas_kernels.gpu.tuning.Config,
       pallas_kernels.tpu.BlockSizes); None uses its defaults.
+    q_segment_ids, kv_segment_ids: int [B, T] and [B, S] (or [T], [S]) document ids of packed
+      sequences: query t sees key s only if their ids are equal (combined with everything else;
+      causal stays relative to positions in the row). kv_segment_ids may be omitted when T == S.
+      A query whose segment has no visible key returns 0 with zero gradients.
+    logits_soft_cap: None or a float > 0: the logits scale * QK^T + bias become
+      cap * tanh(logits / cap) before masking and the max adjustment (Gemma-style).
 
   Returns:
     [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
@@ -67,7 +76,8 @@ def dot_product_attention(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, max_adjust=max_adjust, beta=beta, numerics=numerics,
-      interpret=interpret)
+      interpret=interpret, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+      logits_soft_cap=logits_soft_cap)
   out = backends.run(implementation, spec, ops, config)
   return out[0] if unbatched else out
 
@@ -117,6 +127,43 @@ def _lengths(x, name, batch, default):
   return x.astype(jnp.int32)
 
 
+def _segment_ids(q_segment_ids, kv_segment_ids, batch, T, S, unbatched):
+  if q_segment_ids is None:
+    if kv_segment_ids is not None:
+      raise ValueError("kv_segment_ids was given without q_segment_ids; pass both (or only "
+                       "q_segment_ids when T == S)")
+    return None, None
+  if kv_segment_ids is None:
+    if T != S:
+      raise ValueError(f"kv_segment_ids is required when the key length S={S} differs from the "
+                       f"query length T={T}")
+    kv_segment_ids = q_segment_ids
+
+  def check(x, name, dim, length):
+    x = jnp.asarray(x)
+    if unbatched and x.ndim == 1:
+      x = x[None]
+    if x.shape != (batch, length) or not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{name} must be an integer array of shape [B, {dim}]=({batch}, {length}), "
+                       f"got {x.dtype}{list(x.shape)}")
+    return x.astype(jnp.int32)
+
+  return (check(q_segment_ids, "q_segment_ids", "T", T),
+          check(kv_segment_ids, "kv_segment_ids", "S", S))
+
+
+def _soft_cap(cap):
+  if cap is None:
+    return None
+  try:
+    cap = float(cap)
+  except (TypeError, ValueError):
+    raise ValueError(f"logits_soft_cap must be None or a number > 0, got {cap!r}") from None
+  if not np.isfinite(cap) or cap <= 0:
+    raise ValueError(f"logits_soft_cap must be a finite number > 0, got {cap!r}")
+  return cap
+
+
 def _window(local_window_size):
   if local_window_size is None:
     return None
@@ -134,7 +181,8 @@ def _window(local_window_size):
 
 def canonicalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                 max_adjust="safe", beta=2.0, numerics="fast", interpret=False):
+                 max_adjust="safe", beta=2.0, numerics="fast", interpret=False,
+                 q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None):
   """Checks the arguments of dot_product_attention -> (AttentionSpec, Operands, unbatched)."""
   unbatched = jnp.ndim(query) == 3
   q = _as_4d(query, "query", True)
@@ -181,8 +229,10 @@ def canonicalize(query, key, value, bias=None, mask=None, *, scale=None, is_caus
     scale = 1.0 / float(np.sqrt(H))
   elif not np.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale!r}")
+  q_seg, kv_seg = _segment_ids(q_segment_ids, kv_segment_ids, B, T, S, unbatched)
   spec = AttentionSpec(scale=float(scale), is_causal=bool(is_causal),
                        window=_window(local_window_size), max_adjust=max_adjust, beta=float(beta),
                        numerics=numerics_lib.resolve(numerics), interpret=bool(interpret),
-                       has_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None)
-  return spec, Operands(q, k, v, bias, mask, q_lens, kv_lens), unbatched
+                       has_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None,
+                       logits_soft_cap=_soft_cap(logits_soft_cap))
+  return spec, Operands(q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg), unbatched

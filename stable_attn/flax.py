@@ -13,16 +13,20 @@ import jax.numpy as jnp
 from stable_attn.api import dot_product_attention
 
 _OPTIONS = ("scale", "is_causal", "local_window_size", "implementation", "max_adjust", "beta",
-            "numerics", "interpret")
+            "numerics", "interpret", "logits_soft_cap")
 
 
 def make_attention_fn(**options):
   """Returns attention_fn(query, key, value, bias=None, mask=None, ...) with Flax's signature.
 
   `options` are keyword arguments of stable_attn.dot_product_attention (scale, is_causal,
-  local_window_size, implementation, max_adjust, beta, numerics, interpret). Flax's masks may be
-  float (1 = attend) or bool; extra leading batch dims are flattened. Dropout on attention weights
-  is not supported: a non-zero dropout_rate outside deterministic mode raises ValueError.
+  local_window_size, implementation, max_adjust, beta, numerics, interpret, logits_soft_cap).
+  Flax's masks may be float (1 = attend) or bool; extra leading batch dims are flattened. Dropout
+  on attention weights is not supported: a non-zero dropout_rate outside deterministic mode raises
+  ValueError. Segment ids: Flax's attention modules never pass them (they build a mask, e.g.
+  nnx.make_attention_mask(ids, ids, jnp.equal), which works here too), so attention_fn takes
+  q_segment_ids / kv_segment_ids ([..., T] / [..., S]) as keywords for callers that can pass them
+  (a custom module or a functools.partial); the kernels then skip key blocks of other documents.
   """
   unknown = sorted(set(options) - set(_OPTIONS))
   if unknown:
@@ -31,7 +35,8 @@ def make_attention_fn(**options):
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-                   precision=None, module=None, is_causal=False, **unused):
+                   precision=None, module=None, is_causal=False, q_segment_ids=None,
+                   kv_segment_ids=None, **unused):
     del broadcast_dropout, dropout_rng, precision, unused
     if dropout_rate > 0.0 and not deterministic:
       raise ValueError(f"stable_attn does not apply attention dropout (dropout_rate="
@@ -49,6 +54,10 @@ def make_attention_fn(**options):
         (-1,) + x.shape[-3:])
     kwargs = dict(options)
     kwargs["is_causal"] = bool(options.get("is_causal", False) or is_causal)
+    if q_segment_ids is not None:
+      segment_batch = lambda x: None if x is None else x.reshape((-1, x.shape[-1]))
+      kwargs.update(q_segment_ids=segment_batch(q_segment_ids),
+                    kv_segment_ids=segment_batch(kv_segment_ids))
     out = dot_product_attention(
         flat(query), flat(key), flat(value),
         bias if bias is None or bias.ndim <= 4 else flat_mask(bias),

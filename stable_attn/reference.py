@@ -31,7 +31,7 @@ DEFAULT_BLOCK_K = 64
 # Exact attention (NumPy)
 # ---------------------------------------------------------------------------------------------
 
-def _exact_visibility(B, N, T, S, mask, is_causal, q_lens, kv_lens, window):
+def _exact_visibility(B, N, T, S, mask, is_causal, q_lens, kv_lens, window, q_seg, kv_seg):
   qi = np.arange(T)[:, None]
   kj = np.arange(S)[None, :]
   ok = np.ones((B, N, T, S), bool)
@@ -46,10 +46,16 @@ def _exact_visibility(B, N, T, S, mask, is_causal, q_lens, kv_lens, window):
     ok &= (np.arange(T)[None, :] < np.asarray(q_lens)[:, None])[:, None, :, None]
   if kv_lens is not None:
     ok &= (np.arange(S)[None, :] < np.asarray(kv_lens)[:, None])[:, None, None, :]
+  if q_seg is not None:
+    q_seg = np.asarray(q_seg)
+    kv_seg = q_seg if kv_seg is None else np.asarray(kv_seg)
+    ok &= (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
   return ok
 
 
-def _exact_probs(q, k, v, bias, mask, scale, is_causal, q_lens, kv_lens, window, dtype):
+def _exact_probs(q, k, v, bias, mask, scale, is_causal, q_lens, kv_lens, window, q_seg, kv_seg,
+                 soft_cap, dtype):
+  """-> (q, k, v with kv heads repeated, P, scale, d(capped logits)/d(logits) or None)."""
   q, k, v = (np.asarray(x).astype(dtype) for x in (q, k, v))
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -59,39 +65,49 @@ def _exact_probs(q, k, v, bias, mask, scale, is_causal, q_lens, kv_lens, window,
   s = np.einsum("btnh,bsnh->bnts", q, k) * dtype(scale)
   if bias is not None:
     s = s + np.asarray(bias).astype(dtype)
-  ok = _exact_visibility(B, N, T, S, mask, is_causal, q_lens, kv_lens, window)
+  dtanh = None
+  if soft_cap is not None:
+    t = np.tanh(s / dtype(soft_cap))
+    s, dtanh = t * dtype(soft_cap), 1 - t * t
+  ok = _exact_visibility(B, N, T, S, mask, is_causal, q_lens, kv_lens, window, q_seg, kv_seg)
   s = np.where(ok, s, -np.inf)
   row_max = np.max(s, axis=-1, keepdims=True)
   row_max = np.where(np.isfinite(row_max), row_max, 0.0)
   e = np.where(ok, np.exp(s - row_max), 0.0)
   l = e.sum(-1, keepdims=True)
   p = e / np.where(l == 0, 1.0, l)
-  return q, k, v, p, scale
+  return q, k, v, p, scale, dtanh
 
 
 def exact_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                    q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None,
                     dtype=np.float64) -> np.ndarray:
   """Textbook softmax attention in NumPy `dtype`; same arguments and layout as the public API.
 
   Returns O [B,T,N,H] in `dtype`; rows with no visible key are 0.
   """
-  _, _, v, p, _ = _exact_probs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-                               key_value_seq_lengths, local_window_size, dtype)
+  _, _, v, p, _, _ = _exact_probs(query, key, value, bias, mask, scale, is_causal,
+                                  query_seq_lengths, key_value_seq_lengths, local_window_size,
+                                  q_segment_ids, kv_segment_ids, logits_soft_cap, dtype)
   return np.einsum("bnts,bsnh->btnh", p, v)
 
 
 def exact_attention_vjp(query, key, value, d_out, bias=None, mask=None, *, scale=None,
                         is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
-                        local_window_size=None, dtype=np.float64):
+                        local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
+                        logits_soft_cap=None, dtype=np.float64):
   """-> (O, dQ, dK, dV, dBias or None), all NumPy `dtype`, for the cotangent d_out [B,T,N,H]."""
-  q, k, v, p, scale = _exact_probs(query, key, value, bias, mask, scale, is_causal,
-                                   query_seq_lengths, key_value_seq_lengths, local_window_size,
-                                   dtype)
+  q, k, v, p, scale, dtanh = _exact_probs(query, key, value, bias, mask, scale, is_causal,
+                                          query_seq_lengths, key_value_seq_lengths,
+                                          local_window_size, q_segment_ids, kv_segment_ids,
+                                          logits_soft_cap, dtype)
   do = np.asarray(d_out).astype(dtype)
   out = np.einsum("bnts,bsnh->btnh", p, v)
   dp = np.einsum("btnh,bsnh->bnts", do, v)
   ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
+  if dtanh is not None:
+    ds = ds * dtanh   # through the soft cap: d(cap * tanh(x / cap)) / dx
   dq = np.einsum("bnts,bsnh->btnh", ds, k) * scale
   dk = np.einsum("bnts,btnh->bsnh", ds, q) * scale
   dv = np.einsum("bnts,btnh->bsnh", p, do)
@@ -126,9 +142,19 @@ class Blocks:
 _ROUND = tile.round_exact   # jnp code: XLA must never elide a rounding point
 
 
+def segment_mask(ops: Operands):
+  """The mask operand with segment ids folded in (bool, broadcastable to [B,N,T,S]), or None: the
+  jnp implementations treat packed sequences as a mask."""
+  if ops.q_seg is None:
+    return ops.mask
+  same = ops.q_seg[:, None, :, None] == ops.kv_seg[:, None, None, :]
+  return same if ops.mask is None else ops.mask & same
+
+
 def _layout(ops: Operands, blk: Blocks):
   """Heads-major, padded operands: q [B,N,Tp,H], k/v [B,N,Sp,H] (GQA repeated: a reference need not
-  be frugal), bias/mask broadcast to [B,N,Tp,Sp]."""
+  be frugal), bias/mask (segment ids folded in) broadcast to [B,N,Tp,Sp]."""
+  ops = ops._replace(mask=segment_mask(ops))
   geo = Geometry.of(ops)
   pad = geo.padded(blk.block_q, blk.block_k)
   q = heads_major(ops.q, pad.T, geo.H)
@@ -152,7 +178,7 @@ def _tile_scores(spec: AttentionSpec, dt, q_blk, k_blk, b_blk, m_blk, q_pos, k_p
   ok = tile.visible(q_pos, k_pos, q_len, kv_len, causal=spec.is_causal, window=spec.window,
                     mask=m_blk)
   return tile.scores(tile.matmul(q_blk, k_blk, transpose_b=True), ok, scale=spec.scale,
-                     bias=b_blk, dt=dt, round_fn=_ROUND)
+                     bias=b_blk, dt=dt, round_fn=_ROUND, soft_cap=spec.logits_soft_cap)
 
 
 def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):

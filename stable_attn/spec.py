@@ -22,11 +22,13 @@ class AttentionSpec:
   # Whether sequence lengths were given: if not, ops.q_lens / kv_lens are T and S, and a kernel may
   # use those static values instead of reading the arrays.
   has_lengths: bool = False
+  logits_soft_cap: Optional[float] = None   # logits -> cap * tanh(logits / cap)
 
 
 class Operands(NamedTuple):
   """Canonical arrays: q [B,T,N,H], k/v [B,S,K,H], bias/mask 4-D broadcastable to [B,N,T,S] (size-1
-  dims kept, never materialised) or None, q_lens/kv_lens int32 [B] (always present)."""
+  dims kept, never materialised) or None, q_lens/kv_lens int32 [B] (always present), q_seg int32
+  [B,T] and kv_seg int32 [B,S] (both or neither: query t sees key s only if their ids match)."""
   q: jax.Array
   k: jax.Array
   v: jax.Array
@@ -34,3 +36,5 @@ class Operands(NamedTuple):
   mask: Optional[jax.Array]
   q_lens: jax.Array
   kv_lens: jax.Array
+  q_seg: Optional[jax.Array] = None
+  kv_seg: Optional[jax.Array] = None

@@ -8,6 +8,9 @@ QK^T, `scores` turns it into masked logits, `rescale` does the softmax step up t
 `accumulate` folds it into O. The backward tile is `backward_tile`. Everything is plain jnp on
 fp32 values with explicit rounding points taken from `numerics.Dtypes`; row statistics are 1-D.
 
+Options carried by the tile functions: segment ids (packed documents) are part of `visible`, the
+logit soft cap of `scores` (cap * tanh(logits / cap), its derivative kept for `backward_ds`).
+
 Orientation. A tile is [query rows, key columns] (q_axis=0) or transposed [keys, queries]
 (q_axis=1, FA3's SwapAB: the dK/dV side computes S^T = K Q^T). Elementwise helpers do not care;
 functions with row statistics take `q_axis`, the axis along which the query index runs.
@@ -38,7 +41,7 @@ Max adjustment (`max_adjust`):
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -122,10 +125,12 @@ def _rows(x: jax.Array, like: jax.Array, q_axis: int) -> jax.Array:
 
 class Scores(NamedTuple):
   """A tile's masked logits, `values * factor` (fp32). factor is 1 except in base-2 kernels with a
-  positive softmax scale and no bias: there the scale stays outside the tile, so the max is taken
-  of raw products and exp2(values * factor - m) is one FMA per element."""
+  positive softmax scale, no bias and no soft cap: there the scale stays outside the tile, so the
+  max is taken of raw products and exp2(values * factor - m) is one FMA per element. dtanh, with a
+  soft cap, is d(capped)/d(logits) = 1 - tanh^2 for the backward (else None)."""
   values: jax.Array
   factor: float
+  dtanh: Optional[jax.Array] = None
 
   def scaled(self) -> jax.Array:
     return self.values if self.factor == 1.0 else self.values * self.factor
@@ -136,42 +141,50 @@ class Scores(NamedTuple):
 
 
 def scores(qk, ok=None, *, scale: float, bias=None, dt: Dtypes, round_fn: RoundFn = round_convert,
-           base2: bool = False) -> Scores:
+           base2: bool = False, soft_cap: Optional[float] = None) -> Scores:
   """Logits of a tile from its product qk = Q K^T (fp32, either orientation).
 
-  scale * qk + bias, rounded to the score dtype, in log2 units when base2, and -inf where `ok`
-  (bool, same shape, or None = all visible) is False. bias, when given, is in the tile's
-  orientation. Masked scores give P = 0 exactly in every later step, with no second select.
+  scale * qk + bias, soft-capped to soft_cap * tanh(. / soft_cap) when soft_cap is given, rounded
+  to the score dtype, in log2 units when base2, and -inf where `ok` (bool, same shape, or None =
+  all visible) is False. bias, when given, is in the tile's orientation. Masked scores give P = 0
+  exactly in every later step, with no second select.
   """
-  factor = 1.0
-  if base2:
-    if jnp.dtype(dt.score) != jnp.float32:
-      raise ValueError(f"base-2 scores need fp32 scores, not {jnp.dtype(dt.score).name}")
-    if bias is None and scale > 0:
-      s, factor = qk, scale * LOG2E
-    else:
-      s = qk * scale * LOG2E if bias is None else (qk * scale + bias.astype(f32)) * LOG2E
+  if base2 and jnp.dtype(dt.score) != jnp.float32:
+    raise ValueError(f"base-2 scores need fp32 scores, not {jnp.dtype(dt.score).name}")
+  if base2 and bias is None and soft_cap is None and scale > 0:
+    s, factor, dtanh = qk, scale * LOG2E, None
   else:
     s = qk * scale if bias is None else qk * scale + bias.astype(f32)
+    dtanh = None
+    if soft_cap is not None:
+      t = jnp.tanh(s * (1.0 / soft_cap))
+      s, dtanh = t * soft_cap, 1.0 - t * t
     s = round_fn(s, dt.score)
-  return Scores(s if ok is None else jnp.where(ok, s, -jnp.inf), factor)
+    s, factor = (s * LOG2E if base2 else s), 1.0
+  return Scores(s if ok is None else jnp.where(ok, s, -jnp.inf), factor, dtanh)
 
 
-def visible(q_pos, k_pos, q_len, kv_len, *, causal: bool, window, mask=None):
+def visible(q_pos, k_pos, q_len, kv_len, *, causal: bool, window, mask=None, q_seg=None,
+            kv_seg=None):
   """Which scores take part: bool [bq, bk] from int32 positions, either q_pos [bq] and k_pos [bk]
   or both already broadcast to the tile's shape (either orientation; Mosaic GPU makes them with
-  a layout-aware iota).
+  a layout-aware iota). Segment ids q_seg / kv_seg (int32, shaped like the positions, or None)
+  keep only pairs of the same segment.
 
   Semantics of jax.nn.dot_product_attention: causal keeps k <= q (top-left aligned when T != S),
   window (left, right) keeps q - left <= k <= q + right, lengths mask padding at the end.
   """
-  q, k = (q_pos[:, None], k_pos[None, :]) if q_pos.ndim == 1 else (q_pos, k_pos)
+  rows_cols = lambda a, b: (a[:, None], b[None, :]) if a.ndim == 1 else (a, b)
+  q, k = rows_cols(q_pos, k_pos)
   ok = (q < q_len) & (k < kv_len)
   if causal:
     ok = ok & (k <= q)
   if window is not None:
     left, right = window
     ok = ok & (k >= q - left) & (k <= q + right)
+  if q_seg is not None:
+    qs, ks = rows_cols(q_seg, kv_seg)
+    ok = ok & (qs == ks)
   if mask is not None:
     ok = ok & mask
   return ok
@@ -316,10 +329,14 @@ def backward_p(s: Scores, lse, *, in_dtype, round_fn: RoundFn = round_convert, b
   return p, operand(p, in_dtype, round_fn)
 
 
-def backward_ds(p, dp, delta_rows, *, in_dtype, round_fn: RoundFn = round_convert, q_axis: int = 0):
+def backward_ds(p, dp, delta_rows, *, in_dtype, round_fn: RoundFn = round_convert, q_axis: int = 0,
+                dtanh=None):
   """dS = P * (dP - delta) from `backward_p`'s fp32 P, dP = dO V^T (fp32, same orientation) and
-  delta (per query) -> (dS fp32: the logits' gradient, dS in the input dtype: the dQ/dK operand)."""
+  delta (per query), times the soft cap's dtanh (`Scores.dtanh`) when there is one -> (dS fp32: the
+  gradient of scale * QK^T + bias, dS in the input dtype: the dQ/dK operand)."""
   ds = p * (dp - _rows(delta_rows, dp, q_axis))
+  if dtanh is not None:
+    ds = ds * dtanh
   return ds, operand(ds, in_dtype, round_fn)
 
 
@@ -331,7 +348,8 @@ def backward_tile(s: Scores, lse, dp, delta_rows, *, in_dtype, round_fn: RoundFn
   dQ and dK are then scale * (dS K) and scale * (dS^T Q), accumulated in fp32.
   """
   p, p_op = backward_p(s, lse, in_dtype=in_dtype, round_fn=round_fn, base2=base2, q_axis=q_axis)
-  ds, ds_op = backward_ds(p, dp, delta_rows, in_dtype=in_dtype, round_fn=round_fn, q_axis=q_axis)
+  ds, ds_op = backward_ds(p, dp, delta_rows, in_dtype=in_dtype, round_fn=round_fn, q_axis=q_axis,
+                          dtanh=s.dtanh)
   return TileGrads(p_op, ds, ds_op)
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from stable_attn import tile
 from stable_attn.layout import Geometry
+from stable_attn.reference import segment_mask
 from stable_attn.spec import AttentionSpec, Operands
 
 
@@ -23,7 +24,8 @@ def xla_attention(spec: AttentionSpec, ops: Operands) -> jax.Array:
   k = jnp.repeat(jnp.swapaxes(ops.k, 1, 2), geo.G, axis=1)        # [B, N, S, H]
   v = jnp.repeat(jnp.swapaxes(ops.v, 1, 2), geo.G, axis=1)
   bias = None if ops.bias is None else jnp.broadcast_to(ops.bias, (B, N, T, S))
-  mask = None if ops.mask is None else jnp.broadcast_to(ops.mask, (B, N, T, S))
+  mask = segment_mask(ops)
+  mask = None if mask is None else jnp.broadcast_to(mask, (B, N, T, S))
   q_pos = jnp.arange(T, dtype=jnp.int32)
   k_pos = jnp.arange(S, dtype=jnp.int32)
   round_fn = tile.round_exact
@@ -32,7 +34,7 @@ def xla_attention(spec: AttentionSpec, ops: Operands) -> jax.Array:
     ok = tile.visible(q_pos, k_pos, q_len, kv_len, causal=spec.is_causal, window=spec.window,
                       mask=mask_h)
     s = tile.scores(tile.matmul(q_h, k_h, transpose_b=True), ok, scale=spec.scale, bias=bias_h,
-                    dt=dt, round_fn=round_fn)
+                    dt=dt, round_fn=round_fn, soft_cap=spec.logits_soft_cap)
     offset = tile.safe_offset(q_pos, head, dt.p) if spec.max_adjust == "safe" else None
     p, alpha, stats = tile.rescale(tile.init_stats(T, dt), s, dt=dt, max_adjust=spec.max_adjust,
                                    beta=spec.beta, offset=offset, round_fn=round_fn)

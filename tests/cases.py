@@ -28,6 +28,13 @@ CASES = [
     dict(name="fully_masked_rows", B=2, T=20, S=36, N=2, K=2, H=32, mask=(2, 1, 20, 36),
          masked_rows=(0, 7, 19), q_lens=(20, 13)),
     dict(name="head128", B=1, T=20, S=28, N=1, K=1, H=128, is_causal=True),
+    # Packed documents (monotone segment ids), with a soft cap; in the cross case some query
+    # segments have no key at all (those rows must be 0 with zero gradients).
+    dict(name="packed_causal", B=2, T=48, S=48, N=2, K=1, H=32, is_causal=True, segments=True),
+    dict(name="packed_cross_softcap", B=2, T=24, S=40, N=2, K=2, H=32, segments=True,
+         soft_cap=4.0, bias=(1, 2, 24, 40)),
+    dict(name="softcap_window_gqa", B=1, T=40, S=40, N=4, K=2, H=64, is_causal=True,
+         window=(9, 0), soft_cap=2.5),
 ]
 CASE_NAMES = [c["name"] for c in CASES]
 
@@ -58,11 +65,24 @@ def make_inputs(case: dict, dtype, seed: int):
     mask = jnp.asarray(mask)
   kwargs = dict(is_causal=case.get("is_causal", False),
                 local_window_size=case.get("window"),
+                logits_soft_cap=case.get("soft_cap"),
                 query_seq_lengths=None if "q_lens" not in case else jnp.asarray(case["q_lens"],
                                                                                jnp.int32),
                 key_value_seq_lengths=None if "kv_lens" not in case else jnp.asarray(
                     case["kv_lens"], jnp.int32))
+  if case.get("segments"):
+    kwargs.update(segment_ids(rng, B, T, S))
   return (q, k, v, bias, mask), kwargs, d_out
+
+
+def segment_ids(rng, B: int, T: int, S: int) -> dict:
+  """Monotone document ids per row (packing); for T != S, key documents are drawn separately, so
+  some query documents have no key. kv_segment_ids is omitted when T == S (it defaults to q's)."""
+  draw = lambda n: np.cumsum(rng.random((B, n)) < 4.0 / n, axis=1).astype(np.int32)
+  ids = {"q_segment_ids": jnp.asarray(draw(T))}
+  if S != T:
+    ids["kv_segment_ids"] = jnp.asarray(draw(S))
+  return ids
 
 
 def relative_error(x, ref) -> float:

@@ -26,6 +26,19 @@ k = jnp.ones((2, 10, 2, 16), jnp.float32) * 0.2
     (dict(max_adjust="always"), "max_adjust"),
     (dict(beta=0.5), "beta"),
     (dict(numerics="fp8"), "numerics"),
+    # q is [2, 8, ...], k is [2, 10, ...]: T != S.
+    (dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32)), "kv_segment_ids is required"),
+    (dict(kv_segment_ids=jnp.zeros((2, 10), jnp.int32)), "without q_segment_ids"),
+    (dict(q_segment_ids=jnp.zeros((2, 9), jnp.int32), kv_segment_ids=jnp.zeros((2, 10), jnp.int32)),
+     "q_segment_ids"),
+    (dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32), kv_segment_ids=jnp.zeros((1, 10), jnp.int32)),
+     "kv_segment_ids"),
+    (dict(q_segment_ids=jnp.zeros((2, 8)), kv_segment_ids=jnp.zeros((2, 10), jnp.int32)),
+     "q_segment_ids must be an integer"),
+    (dict(logits_soft_cap=0.0), "logits_soft_cap"),
+    (dict(logits_soft_cap=-3.0), "logits_soft_cap"),
+    (dict(logits_soft_cap=float("nan")), "logits_soft_cap"),
+    (dict(logits_soft_cap="big"), "logits_soft_cap"),
 ])
 def test_bad_input_raises_value_error(kwargs, match):
   args = dict(query=q, key=k, value=k)

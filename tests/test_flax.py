@@ -47,3 +47,19 @@ def test_dropout_in_training_raises():
 def test_unknown_option_raises():
   with pytest.raises(ValueError, match="unknown options"):
     make_attention_fn(dropout=0.1)
+
+
+def test_segment_ids_pass_through_and_match_a_flax_mask():
+  """attention_fn's segment ids give what Flax's own segment mask gives in nnx.MultiHeadAttention
+  (Flax cannot pass ids itself, so the ids are bound with functools.partial)."""
+  import functools
+  x = _x(3)
+  ids = jnp.array([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3], jnp.int32)
+  fn = make_attention_fn(implementation="reference", is_causal=True)
+  with_ids = functools.partial(fn, q_segment_ids=ids, kv_segment_ids=ids)
+  mask = nnx.combine_masks(nnx.make_causal_mask(jnp.ones((2, 12))),
+                           nnx.make_attention_mask(ids, ids, jnp.equal))
+  ours = nnx.MultiHeadAttention(num_heads=4, in_features=32, decode=False, rngs=nnx.Rngs(0),
+                                attention_fn=with_ids)
+  theirs = nnx.MultiHeadAttention(num_heads=4, in_features=32, decode=False, rngs=nnx.Rngs(0))
+  chex.assert_trees_all_close(ours(x), theirs(x, mask=mask), atol=1e-5)

@@ -57,6 +57,8 @@ def _spec_ops(shape=(2, 128, 4, 64), kv_heads=2, dtype=bf16, **kwargs):
     (dict(numerics="paper"), "numerics 'paper'"),
     (dict(numerics="fast+fp32o"), "numerics 'fast\\+fp32o'"),
     (dict(interpret=True), "interpret"),
+    (dict(q_segment_ids=jnp.zeros((2, 128), jnp.int32)), "segment ids"),
+    (dict(logits_soft_cap=30.0), "logits_soft_cap"),
 ])
 def test_covers(kwargs, reason):
   spec, ops = _spec_ops(**kwargs)

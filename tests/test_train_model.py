@@ -186,3 +186,27 @@ def test_monitor_outputs_per_layer():
     w = np.asarray(nnx.to_pure_dict(params)["h"][1]["attn"]["c_attn"]["kernel"])[:, cfg.n_embd:2 * cfg.n_embd]
     np.testing.assert_allclose(out["spec_wk"][1], np.linalg.svd(w, compute_uv=False)[0], rtol=1e-4)
     np.testing.assert_allclose(spectral_norm(jnp.diag(jnp.array([1.0, -3.0, 2.0]))), 3.0, rtol=1e-6)
+
+
+def test_pack_documents_masks_across_end_of_text():
+    """With --pack-documents no position attends across an end-of-text token: changing the first
+    document's tokens leaves every later position's logits unchanged, to the bit (and without the
+    flag they change)."""
+    from train.model import document_ids
+    from train.tokenizer import EOT
+    vocab = EOT + 1                                    # the real end-of-text token must embed
+    idx = tokens(make(dtype="float32", vocab_size=vocab)[0], seed=7)
+    idx = idx.at[:, 5].set(EOT)                       # document 0 is positions 0..5
+    other = idx.at[:, 1:4].set((idx[:, 1:4] + 17) % 300)
+    np.testing.assert_array_equal(np.asarray(document_ids(idx))[0, 4:8], [0, 0, 1, 1])
+    for packed in (True, False):
+        cfg, graphdef, params = make(dtype="float32", attention="reference", pack_documents=packed,
+                                     vocab_size=vocab)
+        model = nnx.merge(graphdef, params)
+        a, b = np.asarray(model(idx)), np.asarray(model(other))
+        later = slice(6, None)
+        if packed:
+            np.testing.assert_array_equal(a[:, later], b[:, later])
+        else:
+            assert np.abs(a[:, later] - b[:, later]).max() > 1e-4
+        assert np.abs(a[:, 1:4] - b[:, 1:4]).max() > 1e-4   # the changed document itself changes

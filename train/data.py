@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from train import corpus as corpus_lib
-from train import tokenizer as tok
+from . import corpus as corpus_lib
+from . import tokenizer as tok
 
 DEFAULT_DATA_DIR = Path("data")
 VAL_FRACTION = 0.05

@@ -18,17 +18,17 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from train import attention as attn_lib
-from train import data as data_lib
-from train.checkpoint import Checkpointer
-from train.config import TrainConfig
-from train.metrics import MetricsLogger, peak_tflops, plot_loss, to_python
-from train.model import GPT, count_params, flops_per_token
-from train.monitors import make_monitor_fn
-from train.optim import lr_schedule, make_optimizer
-from train.sample import generate_text, make_sampler
-from train.sharding import batch_sharding, host_rows, make_mesh, param_shardings, replicated, to_global
-from train.step import make_eval_step, make_train_step
+from . import attention as attn_lib
+from . import data as data_lib
+from .checkpoint import Checkpointer
+from .config import TrainConfig
+from .metrics import MetricsLogger, peak_tflops, plot_loss, to_python
+from .model import GPT, count_params, flops_per_token
+from .monitors import make_monitor_fn
+from .optim import lr_schedule, make_optimizer
+from .sample import generate_text, make_sampler
+from .sharding import batch_sharding, host_rows, make_mesh, param_shardings, replicated, to_global
+from .step import make_eval_step, make_train_step
 
 MONITOR_ROWS = 4  # sequences of the first validation batch that the attention monitors look at
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
@@ -272,7 +272,9 @@ def _log_config(log: _Log, cfg: TrainConfig, opts: RunOptions) -> None:
         f"context {mcfg.block_size}, vocab {mcfg.vocab_size}, bias {mcfg.bias}, compute {mcfg.dtype}")
     log(f"train: {jax.process_count()} process(es), {jax.device_count()} device(s): {jax.devices()[0].device_kind} "
         f"({jax.default_backend()}), jax {jax.__version__}; FSDP {cfg.fsdp}")
-    log(f"train: attention {attn_lib.describe(mcfg.attention, mcfg.max_adjust, mcfg.numerics)}")
+    documents = ("; documents masked at end-of-text tokens (--pack-documents)" if mcfg.pack_documents
+                 else "")
+    log(f"train: attention {attn_lib.describe(mcfg.attention, mcfg.max_adjust, mcfg.numerics)}{documents}")
     log(f"train: {cfg.tokens_per_step:,} tokens/step = {cfg.batch_size} seq x {cfg.grad_accum} accum x "
         f"{mcfg.block_size}; {cfg.max_steps} steps; lr {cfg.lr:g} (warm-up {cfg.warmup_steps}, cosine to "
         f"{cfg.min_lr:g} at {cfg.decay_steps}); AdamW b1 {cfg.b1} b2 {cfg.b2} wd {cfg.weight_decay}; "

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train.attention import causal_attention
-from train.config import ModelConfig
+from .attention import causal_attention
+from .config import ModelConfig
+from .tokenizer import EOT
 
 
 def _normal(std: float):
@@ -32,22 +33,24 @@ class CausalSelfAttention(nnx.Module):
         self.c_proj = nnx.Linear(cfg.n_embd, cfg.n_embd, use_bias=cfg.bias, dtype=dt,
                                  kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), rngs=rngs)
 
-    def __call__(self, x, tap=None):
+    def __call__(self, x, tap=None, segment_ids=None):
         """x: [B, T, C] float32 -> ([B, T, C] compute dtype, captured).
 
-        captured = {"x": x, "q", "k", "v": each [B, T, N, H] compute dtype} for the monitors and the
-        gradient study. `tap` (optional, [B, T, N, H] compute dtype, zeros) is added to the attention
-        output: the gradient of the loss with respect to it is the dO that the attention backward sees.
+        captured = {"x": x, "q", "k", "v": each [B, T, N, H] compute dtype, "segment_ids": [B, T] or
+        None} for the monitors and the gradient study. `tap` (optional, [B, T, N, H] compute dtype,
+        zeros) is added to the attention output: the gradient of the loss with respect to it is the
+        dO that the attention backward sees. segment_ids: document ids (document masking) or None.
         """
         cfg = self.cfg
         B, T, C = x.shape
         qkv = self.c_attn(x)
         q, k, v = (a.reshape(B, T, cfg.n_head, cfg.head_dim) for a in jnp.split(qkv, 3, axis=-1))
         y = causal_attention(q, k, v, implementation=cfg.attention, max_adjust=cfg.max_adjust,
-                             numerics=cfg.numerics, beta=cfg.beta)
+                             numerics=cfg.numerics, beta=cfg.beta, segment_ids=segment_ids)
         if tap is not None:
             y = y + tap
-        return self.c_proj(y.reshape(B, T, C)), {"x": x, "q": q, "k": k, "v": v}
+        captured = {"x": x, "q": q, "k": k, "v": v, "segment_ids": segment_ids}
+        return self.c_proj(y.reshape(B, T, C)), captured
 
 
 class MLP(nnx.Module):
@@ -75,16 +78,16 @@ class Block(nnx.Module):
         self.ln_2 = _layer_norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, tap=None):
+    def __call__(self, x, tap=None, segment_ids=None):
         """x: [B, T, C] float32 residual stream -> (same, the attention's captured inputs)."""
-        a, captured = self.attn(self.ln_1(x), tap)
+        a, captured = self.attn(self.ln_1(x), tap, segment_ids)
         x = x + a.astype(jnp.float32)
         x = x + self.mlp(self.ln_2(x)).astype(jnp.float32)
         return x, captured
 
 
-def _block_forward(block: Block, x, tap=None):
-    return block(x, tap)
+def _block_forward(block: Block, x, tap=None, segment_ids=None):
+    return block(x, tap, segment_ids)
 
 
 # Recomputes the block in the backward pass instead of storing its activations (--remat).
@@ -116,8 +119,9 @@ class GPT(nnx.Module):
         if taps is not None and len(taps) != cfg.n_layer:
             raise ValueError(f"taps must hold one array per layer ({cfg.n_layer}), got {len(taps)}")
         forward = _block_forward_remat if cfg.remat and not capture else _block_forward
+        segment_ids = document_ids(idx) if cfg.pack_documents else None
         for i, block in enumerate(self.h):
-            x, captured = forward(block, x, None if taps is None else taps[i])
+            x, captured = forward(block, x, None if taps is None else taps[i], segment_ids)
             if capture:
                 layers.append(captured)
         x = self.ln_f(x)
@@ -125,6 +129,13 @@ class GPT(nnx.Module):
         # Tied LM head: the token embedding, transposed, in the compute dtype.
         logits = jnp.dot(x.astype(dt), self.wte.embedding[...].astype(dt).T)
         return (logits, layers) if capture else logits
+
+
+def document_ids(idx, eot: int = EOT):
+    """int32 [B, T]: the document of each position of a packed row. An end-of-text token closes its
+    document, so the ids count the end-of-text tokens strictly before each position."""
+    ends = (idx == eot).astype(jnp.int32)
+    return jnp.cumsum(ends, axis=-1) - ends
 
 
 def count_params(model_or_state, *, exclude_positions: bool = False) -> int:

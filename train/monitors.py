@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stable_attn.tile import tied_rows
-from train.config import ModelConfig
+from .config import ModelConfig
 
 
 def spectral_norm(w):
@@ -22,13 +22,17 @@ def spectral_norm(w):
     return jnp.linalg.svd(w.astype(jnp.float32), compute_uv=False)[0]
 
 
-def attention_stats(q, k, *, scale: float, paper_numerics: bool):
-    """q, k: [B, T, N, H] (compute dtype). Returns (max logit, tie fraction) as float32 scalars."""
+def attention_stats(q, k, *, scale: float, paper_numerics: bool, segment_ids=None):
+    """q, k: [B, T, N, H] (compute dtype); segment_ids: [B, T] documents (--pack-documents) or None.
+    Returns (max logit, tie fraction) over the visible pairs, as float32 scalars."""
     s = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
     if paper_numerics:
         s = s.astype(jnp.bfloat16).astype(jnp.float32)  # the paper's kernel keeps scores in bf16
     T = q.shape[1]
-    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)  # [B, N, T, S], causal window
+    visible = jnp.tril(jnp.ones((T, T), bool))[None, None]  # [B, N, T, S]: causal window
+    if segment_ids is not None:
+        visible = visible & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    s = jnp.where(visible, s, -jnp.inf)
     tied = tied_rows(s, None, jnp.bfloat16)  # [B, N, T]; no row is all -inf: each sees its own key
     return s.max(), tied.mean(dtype=jnp.float32)
 
@@ -46,7 +50,8 @@ def make_monitor_fn(graphdef, cfg: ModelConfig):
             kernel = params["h"][i]["attn"]["c_attn"]["kernel"][...]
             wq.append(spectral_norm(kernel[:, :C]))
             wk.append(spectral_norm(kernel[:, C:2 * C]))
-            m, t = attention_stats(q, k, scale=scale, paper_numerics=cfg.numerics.startswith("paper"))
+            m, t = attention_stats(q, k, scale=scale, paper_numerics=cfg.numerics.startswith("paper"),
+                                   segment_ids=layer["segment_ids"])
             max_logit.append(m)
             tie.append(t)
         return {"spec_wq": jnp.stack(wq), "spec_wk": jnp.stack(wk),

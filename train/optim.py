@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from train.config import TrainConfig
+from .config import TrainConfig
 
 
 def lr_schedule(cfg: TrainConfig):

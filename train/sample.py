@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train import tokenizer as tok
+from . import tokenizer as tok
 
 
 def make_sampler(graphdef, block_size: int, *, temperature: float = 0.8, top_k: int = 200):

@@ -76,32 +76,42 @@ class _Call:
   dt: Dtypes
   bias: Optional[_Pairwise]
   mask: Optional[_Pairwise]
+  segments: bool   # segment ids given: every block is masked, and blocks sharing none are skipped
 
   @property
   def round_fn(self):
     return tile.rounding(self.spec.interpret)
 
-  def visible(self, mask_ref, b, n, q_start, bq: int, k_start, bk: int, q_len, kv_len):
+  @property
+  def masks_every_block(self) -> bool:
+    return self.mask is not None or self.segments
+
+  def visible(self, mask_ref, b, n, q_start, bq: int, k_start, bk: int, q_len, kv_len,
+              q_seg=None, kv_seg=None):
     m = None
     if mask_ref is not None:
       m = self.mask.tile(mask_ref, b, n, q_start, bq, k_start, bk) != 0
     return tile.visible(q_start + lax.iota(i32, bq), k_start + lax.iota(i32, bk), q_len, kv_len,
-                        causal=self.spec.is_causal, window=self.spec.window, mask=m)
+                        causal=self.spec.is_causal, window=self.spec.window, mask=m,
+                        q_seg=q_seg, kv_seg=kv_seg)
 
   def scores(self, qk, ok, bias_ref, b, n, q_start, bq: int, k_start, bk: int):
     bias = None
     if bias_ref is not None:
       bias = self.bias.tile(bias_ref, b, n, q_start, bq, k_start, bk)
     return tile.scores(qk, ok, scale=self.spec.scale, bias=bias, dt=self.dt,
-                       round_fn=self.round_fn)
+                       round_fn=self.round_fn, soft_cap=self.spec.logits_soft_cap)
 
-  def key_block(self, q, k_ref, v_ref, bias_ref, mask_ref, rows: "_Rows", j, bk: int, masked):
+  def key_block(self, q, k_ref, v_ref, bias_ref, mask_ref, rows: "_Rows", j, bk: int, masked,
+                kv_seg=None):
     """Key block j for a program's query rows: (K tile, V tile, masked scores)."""
     k_start = j * bk
     k = k_ref[pl.ds(k_start, bk), :]
     v = v_ref[pl.ds(k_start, bk), :]
-    b, n, q_start, bq, q_len, kv_len = rows
-    ok = self.visible(mask_ref, b, n, q_start, bq, k_start, bk, q_len, kv_len) if masked else None
+    b, n, q_start, bq, q_len, kv_len, q_seg = rows
+    ok = None
+    if masked:
+      ok = self.visible(mask_ref, b, n, q_start, bq, k_start, bk, q_len, kv_len, q_seg, kv_seg)
     s = self.scores(tile.matmul(q, k, transpose_b=True), ok, bias_ref, b, n, q_start, bq, k_start,
                     bk)
     return k, v, s
@@ -110,23 +120,44 @@ class _Call:
     """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections)."""
     return blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
                               window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                              has_mask=self.mask is not None)
+                              has_mask=self.masks_every_block)
 
   def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len):
     """(lo, flo, fhi, hi) of the query blocks that see key columns [k_start, +bk)."""
     return blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
                              window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                             has_mask=self.mask is not None)
+                             has_mask=self.masks_every_block)
 
 
 class _Rows(NamedTuple):
-  """The query rows one program owns: batch, query head, first row, rows, and the lengths."""
+  """The query rows one program owns: batch, query head, first row, rows, the lengths and the rows'
+  segment ids (or None)."""
   b: jax.Array
   n: jax.Array
   start: jax.Array
   size: int
   q_len: jax.Array
   kv_len: jax.Array
+  seg: Optional[jax.Array]
+
+
+def _skip_unless_shared(q_seg, kv_seg, compute, carry):
+  """compute(carry) if the two blocks share a segment id (overlapping id ranges; packed ids are
+  monotone, so that is exact for them and conservative otherwise), else carry unchanged."""
+  if q_seg is None:
+    return compute(carry)
+  shared = (jnp.min(kv_seg) <= jnp.max(q_seg)) & (jnp.max(kv_seg) >= jnp.min(q_seg))
+  return lax.cond(shared, compute, lambda c: c, carry)
+
+
+def _segments(ref, start, size: int):
+  """Segment ids [start, start + size) of the program's row, or None without segment ids."""
+  return None if ref is None else ref[pl.ds(start, size)]
+
+
+def _segment_spec(length: int, batch_of):
+  """BlockSpec of a [B, length] segment-id array: the program's batch row, whole."""
+  return pl.BlockSpec((None, length), lambda *grid: (batch_of(*grid), 0))
 
 
 def _pairwise(x) -> Optional[_Pairwise]:
@@ -141,18 +172,30 @@ def _prepare(spec: AttentionSpec, config: tuning.Config, ops: Operands):
   pad = geo.padded(qb, kb, tuning.padded_head_dim(geo.H))
   mask = None if ops.mask is None else ops.mask.astype(jnp.int8)
   call = _Call(spec, geo, pad, spec.numerics.dtypes(ops.q.dtype), _pairwise(ops.bias),
-               _pairwise(mask))
+               _pairwise(mask), ops.q_seg is not None)
   q_lens, kv_lens = lengths(ops, geo)
+  # Padding repeats the last id: padded rows and keys are masked by the lengths anyway, and a
+  # block's id range stays as tight as its real ids.
+  edge = lambda x, n: None if x is None else jnp.pad(x, ((0, 0), (0, n - x.shape[1])), mode="edge")
   arrays = dict(q=pad_seq_head(ops.q, pad.T, pad.H), k=pad_seq_head(ops.k, pad.S, pad.H),
                 v=pad_seq_head(ops.v, pad.S, pad.H), q_lens=q_lens, kv_lens=kv_lens,
-                bias=pad_pairwise(ops.bias, geo, pad), mask=pad_pairwise(mask, geo, pad))
+                bias=pad_pairwise(ops.bias, geo, pad), mask=pad_pairwise(mask, geo, pad),
+                q_seg=edge(ops.q_seg, pad.T), kv_seg=edge(ops.kv_seg, pad.S))
   return call, arrays
 
 
-def _optional_specs(call: _Call, arrays):
-  """BlockSpecs of bias and mask (None for an absent operand)."""
-  return [None if arrays[name] is None else getattr(call, name).spec(arrays[name].shape)
-          for name in ("bias", "mask")]
+def _optional_specs(call: _Call, arrays, batch_of):
+  """BlockSpecs of bias, mask, q_seg and kv_seg (None for an absent operand); batch_of(*grid) is
+  the program's batch row."""
+  pairwise = [None if arrays[name] is None else getattr(call, name).spec(arrays[name].shape)
+              for name in ("bias", "mask")]
+  if not call.segments:
+    return pairwise + [None, None]
+  return pairwise + [_segment_spec(call.pad.T, batch_of), _segment_spec(call.pad.S, batch_of)]
+
+
+def _optional_arrays(arrays):
+  return [arrays[name] for name in ("bias", "mask", "q_seg", "kv_seg")]
 
 
 def _lens_spec(B: int):
@@ -167,8 +210,8 @@ def _params(kc: tuning.KernelConfig):
 # Forward
 # ---------------------------------------------------------------------------------------------
 
-def _forward_kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, bias_ref, mask_ref, o_ref, res_ref,
-                    lse_ref, *, call: _Call, kc: tuning.KernelConfig):
+def _forward_kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, bias_ref, mask_ref, qseg_ref,
+                    kvseg_ref, o_ref, res_ref, lse_ref, *, call: _Call, kc: tuning.KernelConfig):
   spec, dt, round_fn = call.spec, call.dt, call.round_fn
   bq, bk = kc.block_q, kc.block_k
   qi = call.pad.T // bq - 1 - pl.program_id(0)      # heaviest causal blocks first
@@ -181,15 +224,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, bias_ref, mask_ref
   if spec.max_adjust == "safe":
     offset = tile.safe_offset(q_start + lax.iota(i32, bq), n, dt.p)
 
-  rows = _Rows(b, n, q_start, bq, q_len, kv_len)
+  rows = _Rows(b, n, q_start, bq, q_len, kv_len, _segments(qseg_ref, q_start, bq))
 
   def body(j, carry, *, masked):
-    acc, stats = carry
-    _, v, s = call.key_block(q, k_ref, v_ref, bias_ref, mask_ref, rows, j, bk, masked)
-    p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
-                                   offset=offset, round_fn=round_fn)
-    pv = tile.matmul(p, v.astype(dt.p))
-    return tile.accumulate(acc, alpha, pv, dt=dt, round_fn=round_fn), stats
+    kv_seg = _segments(kvseg_ref, j * bk, bk)
+
+    def compute(carry):
+      acc, stats = carry
+      _, v, s = call.key_block(q, k_ref, v_ref, bias_ref, mask_ref, rows, j, bk, masked, kv_seg)
+      p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
+                                     offset=offset, round_fn=round_fn)
+      pv = tile.matmul(p, v.astype(dt.p))
+      return tile.accumulate(acc, alpha, pv, dt=dt, round_fn=round_fn), stats
+
+    return _skip_unless_shared(rows.seg, kv_seg, compute, carry)
 
   init = (jnp.zeros((bq, call.pad.H), f32), tile.init_stats(bq, dt))
   acc, stats = blocks.split_loop(*call.kv_ranges(q_start, bq, bk, q_len, kv_len), body, init)
@@ -223,10 +271,11 @@ def forward(spec: AttentionSpec, config: tuning.Config, ops: Operands):
                pl.BlockSpec((None, None, bq), lambda i, bh: (bh // N, bh % N, nq - 1 - i))]
   o, residual, lse = pl.pallas_call(
       functools.partial(_forward_kernel, call=call, kc=kc), grid=(nq, geo.B * N),
-      in_specs=[rows, kv, kv, _lens_spec(geo.B), _lens_spec(geo.B), *_optional_specs(call, x)],
+      in_specs=[rows, kv, kv, _lens_spec(geo.B), _lens_spec(geo.B),
+                *_optional_specs(call, x, lambda i, bh: bh // N)],
       out_specs=out_specs, out_shape=out_shape, compiler_params=_params(kc),
       interpret=spec.interpret, name="stable_attn_fwd",
-  )(x["q"], x["k"], x["v"], x["q_lens"], x["kv_lens"], x["bias"], x["mask"])
+  )(x["q"], x["k"], x["v"], x["q_lens"], x["kv_lens"], *_optional_arrays(x))
   o = unpad(o, geo.T, geo.H)
   residual = o if residual is None else unpad(residual, geo.T, geo.H)
   return o, residual, lse[:, :, :geo.T]
@@ -241,7 +290,8 @@ def _delta_kernel(do_ref, o_ref, delta_ref):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, bias_ref,
-                mask_ref, dk_ref, dv_ref, *, call: _Call, kc: tuning.KernelConfig):
+                mask_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, *, call: _Call,
+                kc: tuning.KernelConfig):
   spec = call.spec
   bq, bk = kc.block_q, kc.block_k
   kblk, bkh = pl.program_id(0), pl.program_id(1)
@@ -250,26 +300,34 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
   k = k_ref[...]
   v = v_ref[...]
+  kv_seg = _segments(kvseg_ref, k_start, bk)
   ranges = call.q_ranges(k_start, bk, bq, q_len, kv_len)
 
   def head_body(g, carry):
     n = kvh * call.geo.G + g
 
     def body(i, carry, *, masked):
-      dk, dv = carry
       q_start = i * bq
-      rows = pl.ds(q_start, bq)
-      q = q_ref[rows, g, :]
-      do = do_ref[rows, g, :]
-      ok = call.visible(mask_ref, b, n, q_start, bq, k_start, bk, q_len, kv_len) if masked else None
-      s = call.scores(tile.matmul(q, k, transpose_b=True), ok, bias_ref, b, n, q_start, bq,
-                      k_start, bk)
-      grads = tile.backward_tile(s, lse_ref[g, rows], tile.matmul(do, v, transpose_b=True),
-                                 delta_ref[g, rows], in_dtype=call.dt.input,
-                                 round_fn=call.round_fn)
-      dv = dv + tile.matmul(grads.p, do, transpose_a=True)
-      dk = dk + tile.matmul(grads.ds_op, q, transpose_a=True) * spec.scale
-      return dk, dv
+      q_seg = _segments(qseg_ref, q_start, bq)
+
+      def compute(carry):
+        dk, dv = carry
+        rows = pl.ds(q_start, bq)
+        q = q_ref[rows, g, :]
+        do = do_ref[rows, g, :]
+        ok = None
+        if masked:
+          ok = call.visible(mask_ref, b, n, q_start, bq, k_start, bk, q_len, kv_len, q_seg, kv_seg)
+        s = call.scores(tile.matmul(q, k, transpose_b=True), ok, bias_ref, b, n, q_start, bq,
+                        k_start, bk)
+        grads = tile.backward_tile(s, lse_ref[g, rows], tile.matmul(do, v, transpose_b=True),
+                                   delta_ref[g, rows], in_dtype=call.dt.input,
+                                   round_fn=call.round_fn)
+        dv = dv + tile.matmul(grads.p, do, transpose_a=True)
+        dk = dk + tile.matmul(grads.ds_op, q, transpose_a=True) * spec.scale
+        return dk, dv
+
+      return _skip_unless_shared(q_seg, kv_seg, compute, carry)
 
     return blocks.split_loop(*ranges, body, carry)
 
@@ -280,7 +338,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, bias_ref,
-               mask_ref, ds_in_ref, dq_ref, ds_ref, *, call: _Call, kc: tuning.KernelConfig):
+               mask_ref, qseg_ref, kvseg_ref, ds_in_ref, dq_ref, ds_ref, *, call: _Call,
+               kc: tuning.KernelConfig):
   del ds_in_ref  # the zeros input aliased to ds_ref: blocks never visited keep dS = 0
   spec = call.spec
   bq, bk = kc.block_q, kc.block_k
@@ -294,15 +353,20 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_
   lse = lse_ref[...]
   delta = delta_ref[...]
 
-  rows = _Rows(b, n, q_start, bq, q_len, kv_len)
+  rows = _Rows(b, n, q_start, bq, q_len, kv_len, _segments(qseg_ref, q_start, bq))
 
   def body(j, dq, *, masked):
-    k, v, s = call.key_block(q, k_ref, v_ref, bias_ref, mask_ref, rows, j, bk, masked)
-    grads = tile.backward_tile(s, lse, tile.matmul(do, v, transpose_b=True), delta,
-                               in_dtype=call.dt.input, round_fn=call.round_fn)
-    if ds_ref is not None:
-      ds_ref[b, n, pl.ds(q_start, bq), pl.ds(j * bk, bk)] = grads.ds
-    return dq + tile.matmul(grads.ds_op, k) * spec.scale
+    kv_seg = _segments(kvseg_ref, j * bk, bk)
+
+    def compute(dq):
+      k, v, s = call.key_block(q, k_ref, v_ref, bias_ref, mask_ref, rows, j, bk, masked, kv_seg)
+      grads = tile.backward_tile(s, lse, tile.matmul(do, v, transpose_b=True), delta,
+                                 in_dtype=call.dt.input, round_fn=call.round_fn)
+      if ds_ref is not None:
+        ds_ref[b, n, pl.ds(q_start, bq), pl.ds(j * bk, bk)] = grads.ds
+      return dq + tile.matmul(grads.ds_op, k) * spec.scale
+
+    return _skip_unless_shared(rows.seg, kv_seg, compute, dq)
 
   dq = blocks.split_loop(*call.kv_ranges(q_start, bq, bk, q_len, kv_len), body,
                          jnp.zeros((bq, call.pad.H), f32))
@@ -316,9 +380,10 @@ def backward(spec: AttentionSpec, config: tuning.Config, ops: Operands, o_res, l
   B, N, K, G = geo.B, geo.N, geo.K, geo.G
   do_p = pad_seq_head(do.astype(ops.q.dtype), pad.T, pad.H)
   lse_p = pad_axis(lse, 2, pad.T)
-  # Lengths, bias and mask: the inputs every backward kernel shares after its own.
-  extras = [x["q_lens"], x["kv_lens"], x["bias"], x["mask"]]
-  extra_specs = [_lens_spec(B), _lens_spec(B), *_optional_specs(call, x)]
+  # Lengths, bias, mask and segment ids: the inputs every backward kernel shares after its own.
+  extras = [x["q_lens"], x["kv_lens"], *_optional_arrays(x)]
+  extra_specs = lambda batch_of: [_lens_spec(B), _lens_spec(B),
+                                  *_optional_specs(call, x, batch_of)]
 
   # delta pre-pass.
   rows = config.dq.block_q
@@ -340,7 +405,8 @@ def backward(spec: AttentionSpec, config: tuning.Config, ops: Operands, o_res, l
   stats_all = pl.BlockSpec((None, G, pad.T), lambda j, bkh: (bkh // K, bkh % K, 0))
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, call=call, kc=kc), grid=(pad.S // bk, B * K),
-      in_specs=[heads_all, kv_blk, kv_blk, heads_all, stats_all, stats_all, *extra_specs],
+      in_specs=[heads_all, kv_blk, kv_blk, heads_all, stats_all, stats_all,
+                *extra_specs(lambda j, bkh: bkh // K)],
       out_specs=[kv_blk, kv_blk],
       out_shape=[jax.ShapeDtypeStruct(x["k"].shape, ops.k.dtype),
                  jax.ShapeDtypeStruct(x["v"].shape, ops.v.dtype)],
@@ -365,7 +431,8 @@ def backward(spec: AttentionSpec, config: tuning.Config, ops: Operands, o_res, l
   ds_input = sum(a is not None for a in args) - 1   # its index among the present inputs
   dq, ds = pl.pallas_call(
       functools.partial(_dq_kernel, call=call, kc=kc), grid=(nq, B * N),
-      in_specs=[q_rows, kv_all, kv_all, q_rows, stats, stats, *extra_specs, ds_spec],
+      in_specs=[q_rows, kv_all, kv_all, q_rows, stats, stats,
+                *extra_specs(lambda i, bh: bh // N), ds_spec],
       out_specs=[q_rows, ds_spec],
       out_shape=[jax.ShapeDtypeStruct(x["q"].shape, ops.q.dtype),
                  jax.ShapeDtypeStruct(ds_shape, f32) if write_ds else None],

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -227,10 +227,59 @@ def _pairwise_tile(ref, rows: int, cols: int):
   return jnp.broadcast_to(ref[...], (rows, cols))
 
 
-def _visible(spec: AttentionSpec, q_start, bq: int, k_start, bk: int, q_len, kv_len, mask_ref):
+def _visible(spec: AttentionSpec, q_start, bq: int, k_start, bk: int, q_len, kv_len, masks):
+  q_seg, kv_seg = _segments(masks)
   return tile.visible(_row_positions(q_start, bq), _col_positions(k_start, bk), q_len, kv_len,
                       causal=spec.is_causal, window=spec.window,
-                      mask=_pairwise_tile(mask_ref, bq, bk))
+                      mask=_pairwise_tile(masks.mask, bq, bk), q_seg=q_seg, kv_seg=kv_seg)
+
+
+class _Masks(NamedTuple):
+  """The optional refs that decide visibility or add to the logits (each may be None): a bias and
+  a mask block, the query block's segment ids (lane-broadcast, [bq, 128]) and the key block's
+  (sublane-broadcast, [8, bk])."""
+  bias: Optional[jax.Array]
+  mask: Optional[jax.Array]
+  q_seg: Optional[jax.Array]
+  kv_seg: Optional[jax.Array]
+
+
+def _segments(masks: _Masks):
+  """(q ids [bq], kv ids [bk]) of the blocks, by exact reductions of their broadcast copies."""
+  if masks.q_seg is None:
+    return None, None
+  return jnp.max(masks.q_seg[...], axis=-1), jnp.max(masks.kv_seg[...], axis=0)
+
+
+def _shares_segment(masks: _Masks):
+  """Whether the query and key blocks can share a segment (overlapping id ranges), or True."""
+  if masks.q_seg is None:
+    return True
+  q_ids, kv_ids = masks.q_seg[...], masks.kv_seg[...]
+  return (jnp.min(kv_ids) <= jnp.max(q_ids)) & (jnp.max(kv_ids) >= jnp.min(q_ids))
+
+
+def _segment_specs(q_seg, kv_seg, bq: int, bk: int, q_index, kv_index):
+  """BlockSpecs of the broadcast segment ids: q_index(*args) -> (b, q block),
+  kv_index(*args) -> (b, kv block)."""
+  if q_seg is None:
+    return [None, None]
+  q_spec = pl.BlockSpec((pl.squeezed, bq, LANES), lambda *a: (*q_index(*a), 0))
+  kv_spec = pl.BlockSpec((pl.squeezed, SUBLANES, bk),
+                         lambda *a: (kv_index(*a)[0], 0, kv_index(*a)[1]))
+  return [q_spec, kv_spec]
+
+
+def _broadcast_segments(ops: Operands, pad: Padded):
+  """[B, Tp, 128] and [B, 8, Sp] copies of the ids (padding repeats the last id: lengths mask the
+  padding anyway, and a block's id range stays tight), or (None, None)."""
+  if ops.q_seg is None:
+    return None, None
+  edge = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), mode="edge")
+  q_seg = edge(ops.q_seg, pad.T)
+  kv_seg = edge(ops.kv_seg, pad.S)
+  return (jnp.broadcast_to(q_seg[:, :, None], (*q_seg.shape, LANES)),
+          jnp.broadcast_to(kv_seg[:, None, :], (kv_seg.shape[0], SUBLANES, kv_seg.shape[1])))
 
 
 def _round_fn(spec: AttentionSpec):
@@ -243,9 +292,9 @@ def _round_fn(spec: AttentionSpec):
 # Forward
 # ---------------------------------------------------------------------------------------------
 
-def _forward_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, bias_ref, mask_ref, o_ref,
-                    res_ref, lse_ref, m_ref, l_ref, acc_ref, *, spec: AttentionSpec, dt, bq: int,
-                    bk: int, nk: int):
+def _forward_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, bias_ref, mask_ref, qseg_ref,
+                    kvseg_ref, o_ref, res_ref, lse_ref, m_ref, l_ref, acc_ref, *,
+                    spec: AttentionSpec, dt, bq: int, bk: int, nk: int):
   b, n, i, j = (pl.program_id(a) for a in range(4))
   q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
   q_start = i * bq
@@ -253,6 +302,7 @@ def _forward_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, bias_ref, mask
                                  kv_len=kv_len)
   round_fn = _round_fn(spec)
   offset = _safe_offset(spec, dt, q_start, bq, n)
+  masks = _Masks(bias_ref, mask_ref, qseg_ref, kvseg_ref)
 
   @pl.when(j == 0)
   def _init():
@@ -261,11 +311,12 @@ def _forward_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, bias_ref, mask
     _store_rows(l_ref, stats.l)
     acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
 
-  @pl.when((j >= lo) & (j < hi) & (q_start < q_len))
+  @pl.when((j >= lo) & (j < hi) & (q_start < q_len) & _shares_segment(masks))
   def _step():
-    ok = _visible(spec, q_start, bq, j * bk, bk, q_len, kv_len, mask_ref)
+    ok = _visible(spec, q_start, bq, j * bk, bk, q_len, kv_len, masks)
     s = tile.scores(tile.matmul(q_ref[...], k_ref[...], transpose_b=True), ok, scale=spec.scale,
-                    bias=_pairwise_tile(bias_ref, bq, bk), dt=dt, round_fn=round_fn)
+                    bias=_pairwise_tile(bias_ref, bq, bk), dt=dt, round_fn=round_fn,
+                    soft_cap=spec.logits_soft_cap)
     p, alpha, stats = tile.rescale(tile.RowStats(_rows(m_ref), _rows(l_ref)), s, dt=dt,
                                    max_adjust=spec.max_adjust, beta=spec.beta, offset=offset,
                                    round_fn=round_fn)
@@ -305,8 +356,11 @@ def _forward(spec: AttentionSpec, config: _Config, ops: Operands):
   kv_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bk, pad.H),
                          lambda b, n, i, j, *p: (b, n // G, kv_block(b, n, i, j, *p), 0))
   pair_index = lambda b, n, i, j, *p: (b, n, i, kv_block(b, n, i, j, *p))
+  q_seg, kv_seg = _broadcast_segments(ops, pad)
   in_specs = [q_spec, kv_spec, kv_spec, _pairwise_spec(bias, bq, bk, pair_index),
-              _pairwise_spec(mask, bq, bk, pair_index)]
+              _pairwise_spec(mask, bq, bk, pair_index),
+              *_segment_specs(q_seg, kv_seg, bq, bk, lambda b, n, i, j, *p: (b, i),
+                              lambda b, n, i, j, *p: (b, kv_block(b, n, i, j, *p)))]
 
   separate_residual = np.dtype(dt.residual_o) != np.dtype(ops.q.dtype)
   rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, pad.H), lambda b, n, i, j, *_: (b, n, i, 0))
@@ -321,7 +375,7 @@ def _forward(spec: AttentionSpec, config: _Config, ops: Operands):
       out_specs=[rows, rows if separate_residual else None, stats], out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((bq, LANES), f32), pltpu.VMEM((bq, LANES), f32),
                       pltpu.VMEM((bq, pad.H), f32)],
-      args=[q_lens, kv_lens, q, k, v, bias, mask],
+      args=[q_lens, kv_lens, q, k, v, bias, mask, q_seg, kv_seg],
       semantics=("parallel", "parallel", "parallel", "arbitrary"), name="stable_attn_tpu_fwd")
   o = from_heads_major(o, geo.T, geo.H)
   residual = o if residual is None else from_heads_major(residual, geo.T, geo.H)
@@ -332,20 +386,22 @@ def _forward(spec: AttentionSpec, config: _Config, ops: Operands):
 # Backward: dK/dV (innermost: the group's query heads x query blocks) and dQ (innermost: key blocks)
 # ---------------------------------------------------------------------------------------------
 
-def _tile_grads(spec: AttentionSpec, dt, refs, q_start, bq: int, k_start, bk: int, q_len, kv_len):
-  """Recomputes one tile's P and dS from refs (q, k, v, dO, lse, delta, bias, mask)."""
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref = refs
+def _tile_grads(spec: AttentionSpec, dt, refs, masks: _Masks, q_start, bq: int, k_start, bk: int,
+                q_len, kv_len):
+  """Recomputes one tile's P and dS from refs (q, k, v, dO, lse, delta) and the masks."""
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs
   round_fn = _round_fn(spec)
-  ok = _visible(spec, q_start, bq, k_start, bk, q_len, kv_len, mask_ref)
+  ok = _visible(spec, q_start, bq, k_start, bk, q_len, kv_len, masks)
   s = tile.scores(tile.matmul(q_ref[...], k_ref[...], transpose_b=True), ok, scale=spec.scale,
-                  bias=_pairwise_tile(bias_ref, bq, bk), dt=dt, round_fn=round_fn)
+                  bias=_pairwise_tile(masks.bias, bq, bk), dt=dt, round_fn=round_fn,
+                  soft_cap=spec.logits_soft_cap)
   dp = tile.matmul(do_ref[...], v_ref[...], transpose_b=True)
   return tile.backward_tile(s, _rows(lse_ref), dp, _rows(delta_ref), in_dtype=dt.input,
                             round_fn=round_fn)
 
 
 def _dkv_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                bias_ref, mask_ref, dk_out_ref, dv_out_ref, dk_ref, dv_ref, *,
+                bias_ref, mask_ref, qseg_ref, kvseg_ref, dk_out_ref, dv_out_ref, dk_ref, dv_ref, *,
                 spec: AttentionSpec, dt, bq: int, bk: int, nq: int, group: int):
   b, kh, j, t = (pl.program_id(a) for a in range(4))
   i = t % nq
@@ -359,10 +415,12 @@ def _dkv_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
     dk_ref[...] = jnp.zeros(dk_ref.shape, f32)
     dv_ref[...] = jnp.zeros(dv_ref.shape, f32)
 
-  @pl.when((i >= lo) & (i < hi) & (k_start < kv_len))
+  masks = _Masks(bias_ref, mask_ref, qseg_ref, kvseg_ref)
+
+  @pl.when((i >= lo) & (i < hi) & (k_start < kv_len) & _shares_segment(masks))
   def _step():
-    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref)
-    grads = _tile_grads(spec, dt, refs, q_start, bq, k_start, bk, q_len, kv_len)
+    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref)
+    grads = _tile_grads(spec, dt, refs, masks, q_start, bq, k_start, bk, q_len, kv_len)
     dv_ref[...] = dv_ref[...] + tile.matmul(grads.p, do_ref[...], transpose_a=True)
     dk_ref[...] = dk_ref[...] + (tile.matmul(grads.ds_op, q_ref[...], transpose_a=True)
                                  * spec.scale)
@@ -374,14 +432,16 @@ def _dkv_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
 
 
 def _dq_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref,
-               mask_ref, dq_out_ref, ds_out_ref, dq_ref, *, spec: AttentionSpec, dt, bq: int,
+               mask_ref, qseg_ref, kvseg_ref, dq_out_ref, ds_out_ref, dq_ref, *,
+               spec: AttentionSpec, dt, bq: int,
                bk: int, nk: int):
   b, n, i, j = (pl.program_id(a) for a in range(4))
   q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
   q_start, k_start = i * bq, j * bk
   lo, hi = blocks.kv_block_range(q_start, bq, bk, nk, causal=spec.is_causal, window=spec.window,
                                  kv_len=kv_len)
-  run = (j >= lo) & (j < hi) & (q_start < q_len)
+  masks = _Masks(bias_ref, mask_ref, qseg_ref, kvseg_ref)
+  run = (j >= lo) & (j < hi) & (q_start < q_len) & _shares_segment(masks)
 
   @pl.when(j == 0)
   def _init():
@@ -389,8 +449,8 @@ def _dq_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
 
   @pl.when(run)
   def _step():
-    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, mask_ref)
-    grads = _tile_grads(spec, dt, refs, q_start, bq, k_start, bk, q_len, kv_len)
+    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref)
+    grads = _tile_grads(spec, dt, refs, masks, q_start, bq, k_start, bk, q_len, kv_len)
     dq_ref[...] = dq_ref[...] + tile.matmul(grads.ds_op, k_ref[...]) * spec.scale
     if ds_out_ref is not None:
       ds_out_ref[...] = grads.ds
@@ -427,6 +487,8 @@ class _BackwardLayout:
   delta: jax.Array
   bias: Optional[jax.Array]
   mask: Optional[jax.Array]
+  q_seg: Optional[jax.Array]
+  kv_seg: Optional[jax.Array]
 
   @classmethod
   def make(cls, ops: Operands, geo: Geometry, bq: int, bk: int, do, lse, delta):
@@ -441,11 +503,12 @@ class _BackwardLayout:
     return cls(pad, heads_major(ops.q, pad.T, pad.H), heads_major(ops.k, pad.S, pad.H),
                heads_major(ops.v, pad.S, pad.H), heads_major(do.astype(ops.q.dtype), pad.T, pad.H),
                rows(lse, tile.EMPTY_ROW_LSE), rows(delta, 0.0),
-               pad_pairwise(ops.bias, geo, pad, 0), pad_pairwise(ops.mask, geo, pad, False))
+               pad_pairwise(ops.bias, geo, pad, 0), pad_pairwise(ops.mask, geo, pad, False),
+               *_broadcast_segments(ops, pad))
 
   def args(self, q_lens, kv_lens):
     return [q_lens, kv_lens, self.q, self.k, self.v, self.do, self.lse, self.delta, self.bias,
-            self.mask]
+            self.mask, self.q_seg, self.kv_seg]
 
 
 def _backward(spec: AttentionSpec, config: _Config, ops: Operands, o_residual, lse, do):
@@ -482,7 +545,10 @@ def _backward(spec: AttentionSpec, config: _Config, ops: Operands, o_residual, l
       kernel, spec, grid=(B, K, nk, G * nq),
       in_specs=[q_rows, kv_rows, kv_rows, q_rows, stats, stats,
                 _pairwise_spec(x.bias, bq, bk, pair_index),
-                _pairwise_spec(x.mask, bq, bk, pair_index)],
+                _pairwise_spec(x.mask, bq, bk, pair_index),
+                *_segment_specs(x.q_seg, x.kv_seg, bq, bk,
+                                lambda b, kh, j, t, ql, kl: (b, q_block(b, j, t, ql)),
+                                lambda b, kh, j, t, *_: (b, j))],
       out_specs=[kv_rows, kv_rows],
       out_shape=[jax.ShapeDtypeStruct(kv_shape, ops.k.dtype),
                  jax.ShapeDtypeStruct(kv_shape, ops.v.dtype)],
@@ -513,7 +579,9 @@ def _backward(spec: AttentionSpec, config: _Config, ops: Operands, o_residual, l
       kernel, spec, grid=(B, N, nq, nk),
       in_specs=[q_rows, kv_rows, kv_rows, q_rows, stats, stats,
                 _pairwise_spec(x.bias, bq, bk, pair_index),
-                _pairwise_spec(x.mask, bq, bk, pair_index)],
+                _pairwise_spec(x.mask, bq, bk, pair_index),
+                *_segment_specs(x.q_seg, x.kv_seg, bq, bk, lambda b, n, i, j, *p: (b, i),
+                                lambda b, n, i, j, *p: (b, kv_block(b, n, i, j, *p)))],
       out_specs=[q_rows, ds_spec if has_bias else None],
       out_shape=[jax.ShapeDtypeStruct((B, N, x.pad.T, x.pad.H), ops.q.dtype),
                  jax.ShapeDtypeStruct((B, N, x.pad.T, x.pad.S), f32) if has_bias else None],

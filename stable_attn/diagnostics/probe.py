@@ -105,11 +105,13 @@ def signed_ulp_error(out, truth, dtype):
 
 def measure(implementation: str, numerics: str, max_adjust: str, regime: str, placement: str, *,
             beta: float = 2.0, dtype=jnp.bfloat16, batch=4, rows=256, keys=1024, seed=0,
-            interpret: bool = False) -> ProbeResult:
+            interpret: bool = False, logits_soft_cap=None) -> ProbeResult:
+  """With logits_soft_cap, the truth is the float64 attention of the capped logits (ties stay
+  ties: both tied scores map to the same capped value)."""
   q, k, v = tie_inputs(regime, placement, batch=batch, rows=rows, keys=keys, dtype=dtype,
                        seed=seed)
-  out = _attention(implementation, numerics, max_adjust, beta, interpret)(q, k, v)
-  truth = exact_attention(q, k, v)
+  out = _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap)(q, k, v)
+  truth = exact_attention(q, k, v, logits_soft_cap=logits_soft_cap)
   err = signed_ulp_error(out, truth, dtype)
   finite = np.isfinite(err)
   nan_count = int(np.size(err) - finite.sum())
@@ -122,17 +124,19 @@ def measure(implementation: str, numerics: str, max_adjust: str, regime: str, pl
 _CACHE: dict = {}
 
 
-def _attention(implementation, numerics, max_adjust, beta, interpret):
+def _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap=None):
   """One jitted function per configuration (shapes repeat across regimes)."""
-  key = (implementation, numerics, max_adjust, beta, interpret)
+  key = (implementation, numerics, max_adjust, beta, interpret, logits_soft_cap)
   if key not in _CACHE:
     if implementation in PEERS:
+      if logits_soft_cap is not None:
+        raise ValueError(f"the peer {implementation!r} (jax.nn) has no logits soft cap")
       fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
                                                         implementation=PEERS[implementation])
     else:
       fn = lambda q, k, v: dot_product_attention(
           q, k, v, implementation=implementation, numerics=numerics, max_adjust=max_adjust,
-          beta=beta, interpret=interpret)
+          beta=beta, interpret=interpret, logits_soft_cap=logits_soft_cap)
     _CACHE[key] = jax.jit(fn)
   return _CACHE[key]
 
