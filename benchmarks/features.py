@@ -1,4 +1,4 @@
-"""What packed sequences and the logit soft cap cost, forward+backward, in one process.
+"""What packed sequences, the logit soft cap and attention sinks cost, forward+backward, in one process.
 
     PYTHONPATH=. python benchmarks/features.py              # on a GPU: pallas_gpu (and the Hopper
                                                             # kernel where it covers the call)
@@ -7,7 +7,8 @@
 Packed: one row of 8 documents of 1024 tokens (T = 8192, causal, segment ids) against the same
 documents unpacked (a batch of 8 rows of 1024), and against the packed row without document masking
 (one causal sequence of 8192). Block skipping should make the packed row cost about what its
-documents cost alone. Soft cap: B4 T4096 N16 H128 causal with logits_soft_cap=50 against none.
+documents cost alone. Soft cap and sinks: B4 T4096 N16 H128 causal with logits_soft_cap=50, and
+with sinks (one per head), against neither.
 Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks). Writes
 benchmarks/results/features_<device>.md and prints it.
 """
@@ -83,11 +84,14 @@ def main(argv=None):
                    "soft cap 50", cap_shape, is_causal=True, logits_soft_cap=50.0)
     plain = timed(f"B{cap_shape[0]} T{cap_shape[1]} N{cap_shape[2]} H{cap_shape[3]} causal, "
                   "no cap", cap_shape, is_causal=True)
+    sunk = timed(f"B{cap_shape[0]} T{cap_shape[1]} N{cap_shape[2]} H{cap_shape[3]} causal, "
+                 "sinks", cap_shape, is_causal=True, sinks=jnp.zeros(cap_shape[2], jnp.float32))
     rows.append((impl, "packed / unpacked", packed / alone, "ratio"))
     rows.append((impl, "packed / one causal row", packed / whole, "ratio"))
     rows.append((impl, "soft cap / no cap", capped / plain, "ratio"))
+    rows.append((impl, "sinks / none", sunk / plain, "ratio"))
 
-  lines = [f"# Packed sequences and soft cap, fwd+bwd, {device}", "",
+  lines = [f"# Packed sequences, soft cap and sinks, fwd+bwd, {device}", "",
            f"JAX {jax.__version__}, bf16, median of {blocks} blocks of {calls} calls"
            f"{' (smoke run: interpret mode, tiny shapes)' if args.smoke else ''}.", "",
            "| implementation | case | fwd+bwd ms (or ratio) | note |", "|---|---|---|---|"]

@@ -63,8 +63,7 @@ def run_arm(cfg, n_steps: int, warmup: int, mesh, tokens: np.ndarray) -> dict:
     step = jax.jit(make_train_step(graphdef, tx), in_shardings=(p_sh, o_sh, b_sh, b_sh),
                    out_shardings=(p_sh, o_sh, replicated(mesh)), donate_argnums=(0, 1))
     t0 = time.perf_counter()
-    with attn_lib.batch_sharded(mesh):  # our kernel runs per device on its batch rows (see train/attention.py)
-        compiled = step.lower(params, opt_state, x, y).compile()
+    compiled = step.lower(params, opt_state, x, y).compile()
     compile_s = time.perf_counter() - t0
     for _ in range(warmup):
         params, opt_state, _ = compiled(params, opt_state, x, y)

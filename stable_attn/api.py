@@ -12,6 +12,7 @@ from stable_attn import numerics as numerics_lib
 from stable_attn.backends import IMPLEMENTATIONS, default_implementation
 from stable_attn.numerics import Numerics
 from stable_attn.spec import AttentionSpec, Operands
+from stable_attn import tile
 from stable_attn.tile import MAX_ADJUST_MODES
 
 __all__ = ["dot_product_attention", "choose_implementation", "default_implementation",
@@ -35,7 +36,9 @@ def dot_product_attention(
     q_segment_ids=None,
     kv_segment_ids=None,
     logits_soft_cap: Optional[float] = None,
-) -> jax.Array:
+    sinks=None,
+    return_residuals: bool = False,
+):
   """Scaled dot-product attention with the max adjustment; a drop-in for jax.nn's.
 
   B batch, T query length, S key length, N query heads, K key/value heads (K divides N), H head dim.
@@ -67,19 +70,30 @@ def dot_product_attention(
       A query whose segment has no visible key returns 0 with zero gradients.
     logits_soft_cap: None or a float > 0: the logits scale * QK^T + bias become
       cap * tanh(logits / cap) before masking and the max adjustment (Gemma-style).
+    sinks: None or float [N] (finite), one logit per query head that joins every row's softmax
+      denominator without a value (attention sinks, as in gpt-oss and splash attention): O is
+      sum_s exp(S_s) V_s / (exp(sink) + sum_s exp(S_s)). Differentiable. Not capped, scaled or
+      masked; a row with no visible key returns 0 (and LSE = sink).
+    return_residuals: also return the log-sum-exp of each query row, so that attention over
+      several key blocks can be combined (ring / context-parallel attention).
 
   Returns:
     [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
-    gradients. Differentiable in query, key, value and bias (flash backward).
+    gradients. Differentiable in query, key, value and bias (flash backward). With
+    return_residuals=True, (out, lse): lse [B, N, T] (or [N, T]) float32, the natural log of each
+    row's softmax denominator over its visible keys and sink (-inf for rows with neither),
+    differentiable too.
   """
   spec, ops, unbatched = canonicalize(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, max_adjust=max_adjust, beta=beta, numerics=numerics,
       interpret=interpret, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      logits_soft_cap=logits_soft_cap)
-  out = backends.run(implementation, spec, ops, config)
-  return out[0] if unbatched else out
+      logits_soft_cap=logits_soft_cap, sinks=sinks, return_residuals=return_residuals)
+  out, lse = backends.run(implementation, spec, ops, config)
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residuals else out
 
 
 def choose_implementation(query, key, value, bias=None, mask=None, **kwargs) -> backends.Choice:
@@ -127,6 +141,14 @@ def _lengths(x, name, batch, default):
   return x.astype(jnp.int32)
 
 
+def safe_offsets(heads: int, length: int, p_dtype) -> jax.Array:
+  """[heads, length] fp32: tile.safe_offset of every query head and position. Static sizes only,
+  so it is computed when the call is traced and enters the program as a constant."""
+  with jax.ensure_compile_time_eval():
+    return tile.safe_offset(jnp.arange(length, dtype=jnp.int32)[None, :],
+                            jnp.arange(heads, dtype=jnp.int32)[:, None], p_dtype)
+
+
 def _segment_ids(q_segment_ids, kv_segment_ids, batch, T, S, unbatched):
   if q_segment_ids is None:
     if kv_segment_ids is not None:
@@ -150,6 +172,16 @@ def _segment_ids(q_segment_ids, kv_segment_ids, batch, T, S, unbatched):
 
   return (check(q_segment_ids, "q_segment_ids", "T", T),
           check(kv_segment_ids, "kv_segment_ids", "S", S))
+
+
+def _sinks(sinks, heads):
+  if sinks is None:
+    return None
+  sinks = jnp.asarray(sinks)
+  if sinks.shape != (heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise ValueError(f"sinks must be a floating-point array of shape [N]=({heads},) (one logit per "
+                     f"query head), got {sinks.dtype}{list(sinks.shape)}")
+  return sinks
 
 
 def _soft_cap(cap):
@@ -182,7 +214,8 @@ def _window(local_window_size):
 def canonicalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                  query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                  max_adjust="safe", beta=2.0, numerics="fast", interpret=False,
-                 q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None):
+                 q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None, sinks=None,
+                 return_residuals=False):
   """Checks the arguments of dot_product_attention -> (AttentionSpec, Operands, unbatched)."""
   unbatched = jnp.ndim(query) == 3
   q = _as_4d(query, "query", True)
@@ -230,9 +263,15 @@ def canonicalize(query, key, value, bias=None, mask=None, *, scale=None, is_caus
   elif not np.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale!r}")
   q_seg, kv_seg = _segment_ids(q_segment_ids, kv_segment_ids, B, T, S, unbatched)
+  numerics = numerics_lib.resolve(numerics)
+  offset = None
+  if max_adjust == "safe":
+    offset = safe_offsets(N, T, numerics.dtypes(q.dtype).p)
   spec = AttentionSpec(scale=float(scale), is_causal=bool(is_causal),
                        window=_window(local_window_size), max_adjust=max_adjust, beta=float(beta),
-                       numerics=numerics_lib.resolve(numerics), interpret=bool(interpret),
+                       numerics=numerics, interpret=bool(interpret),
                        has_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None,
-                       logits_soft_cap=_soft_cap(logits_soft_cap))
-  return spec, Operands(q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg), unbatched
+                       logits_soft_cap=_soft_cap(logits_soft_cap),
+                       return_residuals=bool(return_residuals))
+  ops = Operands(q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg, offset, _sinks(sinks, N))
+  return spec, ops, unbatched

@@ -2,7 +2,7 @@
 
 A backend is a module with three functions (the `Backend` protocol):
 
-    attention(spec, ops, config=None) -> O     # config: the backend's own frozen tuning object
+    attention(spec, ops, config=None) -> (O, LSE)   # config: the backend's own tuning object
     is_available() -> bool                     # can it compile for the default JAX backend?
     covers(spec, ops) -> str | None            # None if it runs this call, else why not
 
@@ -24,7 +24,7 @@ from stable_attn.spec import AttentionSpec, Operands
 
 
 class Backend(Protocol):
-  def attention(self, spec: AttentionSpec, ops: Operands, config=None) -> jax.Array: ...
+  def attention(self, spec: AttentionSpec, ops: Operands, config=None) -> tuple: ...
   def is_available(self) -> bool: ...
   def covers(self, spec: AttentionSpec, ops: Operands) -> Optional[str]: ...
 
@@ -91,7 +91,7 @@ def default_implementation() -> str:
 
 
 def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, config=None):
-  """Dispatches one canonical call."""
+  """Dispatches one canonical call -> (O [B,T,N,H], LSE fp32 [B,N,T])."""
   if implementation is None:
     if config is not None:
       raise ValueError("config needs an explicit implementation (it belongs to one backend)")

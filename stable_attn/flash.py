@@ -1,40 +1,92 @@
 """The custom VJP every flash implementation shares: forward saves (O residual, LSE), backward is the
 flash backward. Implementations supply the two passes; this module owns the differentiation rules.
+
+The residuals carry `jax.ad_checkpoint.checkpoint_name`s, "attn_out" (the O residual) and
+"attn_lse", so that `jax.checkpoint` policies can keep them (and skip re-running the attention
+forward in the backward) or drop them.
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Union
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from stable_attn import tile
+from stable_attn.partition import partitioned
 from stable_attn.spec import AttentionSpec, Operands
 
 # forward(spec, config, ops) -> (O [B,T,N,H], O residual [B,T,N,H], LSE fp32 [B,N,T])
 Forward = Callable[[AttentionSpec, Hashable, Operands], tuple]
-# backward(spec, config, ops, o_residual, lse, dO) -> (dq, dk, dv, dbias or None)
-Backward = Callable[[AttentionSpec, Hashable, Operands, jax.Array, jax.Array, jax.Array], tuple]
+# backward(spec, config, ops, o_residual, lse, dO, dLSE or None) -> (dq, dk, dv, dbias or None)
+Backward = Callable[..., tuple]
+RESIDUAL_NAMES = ("attn_out", "attn_lse")
 
 
-def make_flash_attention(forward: Forward, backward: Backward):
-  """Returns attention(spec, config, ops) -> O, differentiable in q, k, v and bias."""
+def public_lse(lse: jax.Array) -> jax.Array:
+  """The log-sum-exp as returned to users: -inf for rows with no visible key (internally a large
+  finite sentinel, so that the backward's exp(S - LSE) is 0 there)."""
+  return jnp.where(lse == tile.EMPTY_ROW_LSE, -jnp.inf, lse)
+
+
+def make_flash_attention(forward: Forward, backward: Backward,
+                         partition: Union[bool, Callable[[AttentionSpec], bool]] = False):
+  """Returns attention(spec, config, ops) -> (O, LSE), differentiable in q, k, v and bias.
+
+  With `partition` (True, or a predicate of the spec), both passes partition themselves under
+  jax.sharding over batch and heads (`stable_attn.partition`): for kernels XLA cannot split (Pallas
+  calls). Pure-jnp passes leave it off and let XLA partition them.
+
+  The LSE output ([B, N, T] fp32, natural log, -inf for rows without keys) is differentiable too
+  when spec.return_residuals is set: its cotangent enters the backward as delta - dLSE (the
+  log-sum-exp's gradient with respect to the scores is P).
+  """
+
+  if partition:
+    when = partition if callable(partition) else (lambda spec: True)
+    forward, backward = partitioned(forward, backward, when)
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
   def attention(spec, config, ops):
-    return forward(spec, config, ops)[0]
+    _check_offsets(spec, ops)
+    o, _, lse = forward(spec, config, ops)
+    return o, public_lse(lse)
 
   def attention_fwd(spec, config, ops):
+    _check_offsets(spec, ops)
     o, o_residual, lse = forward(spec, config, ops)
-    return o, (ops, o_residual, lse)
+    residuals = (ops, checkpoint_name(o_residual, RESIDUAL_NAMES[0]),
+                 checkpoint_name(lse, RESIDUAL_NAMES[1]))
+    return (o, public_lse(lse)), residuals
 
-  def attention_bwd(spec, config, residuals, do):
+  def attention_bwd(spec, config, residuals, cotangents):
     ops, o_residual, lse = residuals
-    dq, dk, dv, dbias = backward(spec, config, ops, o_residual, lse, do)
-    return (Operands(dq, dk, dv, dbias, None, None, None),)
+    do, dlse = cotangents
+    dlse = jnp.where(lse == tile.EMPTY_ROW_LSE, 0.0, dlse) if spec.return_residuals else None
+    dq, dk, dv, dbias = backward(spec, config, ops, o_residual, lse, do, dlse)
+    dsinks = None
+    if ops.sinks is not None:
+      # The sinks have no value and one logit per head: their gradient needs only the rows' delta,
+      # computed here once in jnp for every backend (and partitioned by XLA).
+      delta = jnp.swapaxes(tile.delta(do, o_residual), 1, 2)           # [B, N, T]
+      dsinks = tile.sink_grad(ops.sinks, lse, shifted_delta(delta, dlse)).astype(ops.sinks.dtype)
+    return (Operands(dq, dk, dv, dbias, None, None, None, sinks=dsinks),)
 
   attention.defvjp(attention_fwd, attention_bwd)
   return attention
+
+
+def _check_offsets(spec: AttentionSpec, ops: Operands) -> None:
+  if (spec.max_adjust == "safe") != (ops.offset is not None):
+    raise ValueError("max_adjust='safe' needs its per-row offsets as ops.offset (and no other mode "
+                     "takes them); build operands with stable_attn.api.canonicalize")
+
+
+def shifted_delta(delta: jax.Array, dlse) -> jax.Array:
+  """delta = rowsum(dO * O), less the LSE output's cotangent when it is differentiated."""
+  return delta if dlse is None else delta - dlse.astype(delta.dtype)
 
 
 def reduce_to_shape(full: jax.Array, shape) -> jax.Array:

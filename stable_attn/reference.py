@@ -2,7 +2,7 @@
 
 `exact_attention` / `exact_attention_vjp` are NumPy, float64 by default (or float32): independent of
 JAX and of the tile module, used as ground truth by tests and the bias probe. The backward there uses
-dS = P * (dP - rowsum(dP * P)), not delta from O.
+dS = P * (dP - rowsum(dP * P) + dLSE), not delta from O; sinks are one more score column.
 
 `blockwise_attention` is `implementation="reference"`: pure jnp, the same tile math and block order
 as the kernels (online softmax over key blocks with causal/window skipping; backward as a delta
@@ -12,6 +12,7 @@ the chosen `Numerics` done exactly. It runs on any backend and is differentiable
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 import jax
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from stable_attn import blocks, tile
-from stable_attn.flash import make_flash_attention, reduce_to_shape
+from stable_attn.flash import make_flash_attention, reduce_to_shape, shifted_delta
 from stable_attn.layout import Geometry, from_heads_major, heads_major, pad_axis, pad_pairwise
 from stable_attn.spec import AttentionSpec, Operands
 
@@ -53,9 +54,21 @@ def _exact_visibility(B, N, T, S, mask, is_causal, q_lens, kv_lens, window, q_se
   return ok
 
 
+class _Exact(NamedTuple):
+  q: np.ndarray        # [B, T, N, H]
+  k: np.ndarray        # [B, S, N, H], kv heads repeated
+  v: np.ndarray
+  p: np.ndarray        # [B, N, T, S] softmax weights of the keys
+  p_sink: np.ndarray   # [B, N, T] the sink's weight (0 without sinks)
+  lse: np.ndarray      # [B, N, T] log of the denominator (-inf for a row with nothing in it)
+  scale: float
+  dtanh: object        # d(capped logits)/d(logits) [B, N, T, S], or None
+
+
 def _exact_probs(q, k, v, bias, mask, scale, is_causal, q_lens, kv_lens, window, q_seg, kv_seg,
-                 soft_cap, dtype):
-  """-> (q, k, v with kv heads repeated, P, scale, d(capped logits)/d(logits) or None)."""
+                 soft_cap, sinks, dtype) -> _Exact:
+  """Softmax over the visible keys and, with sinks, one more column per row: the head's sink
+  logit, always visible, with no value."""
   q, k, v = (np.asarray(x).astype(dtype) for x in (q, k, v))
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -71,43 +84,67 @@ def _exact_probs(q, k, v, bias, mask, scale, is_causal, q_lens, kv_lens, window,
     s, dtanh = t * dtype(soft_cap), 1 - t * t
   ok = _exact_visibility(B, N, T, S, mask, is_causal, q_lens, kv_lens, window, q_seg, kv_seg)
   s = np.where(ok, s, -np.inf)
+  if sinks is not None:
+    sink_col = np.broadcast_to(np.asarray(sinks).astype(dtype)[None, :, None, None], (B, N, T, 1))
+    s, ok = np.concatenate([s, sink_col], -1), np.concatenate([ok, np.ones_like(ok[..., :1])], -1)
   row_max = np.max(s, axis=-1, keepdims=True)
   row_max = np.where(np.isfinite(row_max), row_max, 0.0)
   e = np.where(ok, np.exp(s - row_max), 0.0)
   l = e.sum(-1, keepdims=True)
   p = e / np.where(l == 0, 1.0, l)
-  return q, k, v, p, scale, dtanh
+  with np.errstate(divide="ignore"):
+    lse = (row_max + np.log(l))[..., 0]
+  p_sink = p[..., S] if sinks is not None else np.zeros((B, N, T), dtype)
+  return _Exact(q, k, v, p[..., :S], p_sink, lse, scale, dtanh)
 
 
 def exact_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                    q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None,
+                    q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None, sinks=None,
                     dtype=np.float64) -> np.ndarray:
   """Textbook softmax attention in NumPy `dtype`; same arguments and layout as the public API.
 
   Returns O [B,T,N,H] in `dtype`; rows with no visible key are 0.
   """
-  _, _, v, p, _, _ = _exact_probs(query, key, value, bias, mask, scale, is_causal,
-                                  query_seq_lengths, key_value_seq_lengths, local_window_size,
-                                  q_segment_ids, kv_segment_ids, logits_soft_cap, dtype)
-  return np.einsum("bnts,bsnh->btnh", p, v)
+  x = _exact_probs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+                   key_value_seq_lengths, local_window_size, q_segment_ids, kv_segment_ids,
+                   logits_soft_cap, sinks, dtype)
+  return np.einsum("bnts,bsnh->btnh", x.p, x.v)
+
+
+class ExactVJP(NamedTuple):
+  out: np.ndarray      # O [B, T, N, H]
+  dq: np.ndarray
+  dk: np.ndarray
+  dv: np.ndarray
+  dbias: object        # shaped like bias, or None
+  lse: np.ndarray      # [B, N, T]
+  dsinks: object       # [N], or None
 
 
 def exact_attention_vjp(query, key, value, d_out, bias=None, mask=None, *, scale=None,
                         is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
-                        logits_soft_cap=None, dtype=np.float64):
-  """-> (O, dQ, dK, dV, dBias or None), all NumPy `dtype`, for the cotangent d_out [B,T,N,H]."""
-  q, k, v, p, scale, dtanh = _exact_probs(query, key, value, bias, mask, scale, is_causal,
-                                          query_seq_lengths, key_value_seq_lengths,
-                                          local_window_size, q_segment_ids, kv_segment_ids,
-                                          logits_soft_cap, dtype)
+                        logits_soft_cap=None, sinks=None, d_lse=None,
+                        dtype=np.float64) -> ExactVJP:
+  """Values and gradients, all NumPy `dtype`, for the cotangents d_out [B,T,N,H] and (optional)
+  d_lse [B,N,T]. With sinks, the sink is one more score column (no value) and its gradient is
+  that column's dS summed over batch and rows."""
+  x = _exact_probs(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+                   key_value_seq_lengths, local_window_size, q_segment_ids, kv_segment_ids,
+                   logits_soft_cap, sinks, dtype)
+  p, k, q, scale = x.p, x.k, x.q, x.scale
   do = np.asarray(d_out).astype(dtype)
-  out = np.einsum("bnts,bsnh->btnh", p, v)
-  dp = np.einsum("btnh,bsnh->bnts", do, v)
-  ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
-  if dtanh is not None:
-    ds = ds * dtanh   # through the soft cap: d(cap * tanh(x / cap)) / dx
+  out = np.einsum("bnts,bsnh->btnh", p, x.v)
+  dp = np.einsum("btnh,bsnh->bnts", do, x.v)
+  # d(loss)/dS_j = P_j (dP_j - sum_i P_i dP_i) + P_j dLSE, over all columns (the sink's dP is 0)
+  row = np.sum(dp * p, axis=-1, keepdims=True)
+  if d_lse is not None:
+    row = row - np.asarray(d_lse).astype(dtype)[..., None]
+  ds = p * (dp - row)
+  dsinks = None if sinks is None else np.sum(x.p_sink * -row[..., 0], axis=(0, 2))
+  if x.dtanh is not None:
+    ds = ds * x.dtanh   # through the soft cap: d(cap * tanh(x / cap)) / dx
   dq = np.einsum("bnts,bsnh->btnh", ds, k) * scale
   dk = np.einsum("bnts,btnh->bsnh", ds, q) * scale
   dv = np.einsum("bnts,btnh->bsnh", p, do)
@@ -120,7 +157,7 @@ def exact_attention_vjp(query, key, value, d_out, bias=None, mask=None, *, scale
     bshape = np.shape(bias)
     axes = tuple(i for i in range(4) if bshape[i] == 1 and ds.shape[i] != 1)
     dbias = ds.sum(axis=axes, keepdims=True) if axes else ds
-  return out, dq, dk, dv, dbias
+  return ExactVJP(out, dq, dk, dv, dbias, x.lse, dsinks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,9 +224,8 @@ def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
   geo, pad, q, k, v, bias, mask = _layout(ops, blk)
   num_kv = pad.S // bk
 
-  def one_block(q_blk, k_all, v_all, bias_rows, mask_rows, q_len, kv_len, head, q_start):
+  def one_block(q_blk, k_all, v_all, bias_rows, mask_rows, q_len, kv_len, offset, sink, q_start):
     q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
-    offset = tile.safe_offset(q_pos, head, dt.p) if spec.max_adjust == "safe" else None
     lo, hi = blocks.kv_block_range(q_start, bq, bk, num_kv, causal=spec.is_causal,
                                    window=spec.window, kv_len=kv_len)
 
@@ -207,30 +243,35 @@ def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
 
     init = (jnp.zeros((bq, geo.H), jnp.float32), tile.init_stats(bq, dt))
     acc, stats = lax.fori_loop(lo, hi, body, init)
-    return tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=_ROUND)
+    return tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=_ROUND, sink=sink)
 
   q_blocks = q.reshape(geo.B, geo.N, pad.T // bq, bq, geo.H)
   rows = lambda x: None if x is None else x.reshape(geo.B, geo.N, pad.T // bq, bq, pad.S)
   starts = jnp.arange(pad.T // bq, dtype=jnp.int32) * bq
-  heads = jnp.arange(geo.N, dtype=jnp.int32)
+  offsets = None   # [N, Tp // bq, bq]
+  if ops.offset is not None:
+    offsets = pad_axis(ops.offset, 1, pad.T).reshape(geo.N, pad.T // bq, bq)
   b_ax = None if bias is None else 0
   m_ax = None if mask is None else 0
-  fn = jax.vmap(one_block, (0, None, None, b_ax, m_ax, None, None, None, 0))   # q blocks
-  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, None, None, 0, None))                # heads
-  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, None, None))                   # batch
-  o, o_res, lse = fn(q_blocks, k, v, rows(bias), rows(mask), ops.q_lens, ops.kv_lens, heads,
-                     starts)
+  o_ax = None if offsets is None else 0
+  s_ax = None if ops.sinks is None else 0
+  fn = jax.vmap(one_block, (0, None, None, b_ax, m_ax, None, None, o_ax, None, 0))   # q blocks
+  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, None, None, o_ax, s_ax, None))             # heads
+  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, None, None, None))                   # batch
+  o, o_res, lse = fn(q_blocks, k, v, rows(bias), rows(mask), ops.q_lens, ops.kv_lens, offsets,
+                     ops.sinks, starts)
   to_btnh = lambda x: from_heads_major(x.reshape(geo.B, geo.N, pad.T, geo.H), geo.T, geo.H)
   return to_btnh(o), to_btnh(o_res), lse.reshape(geo.B, geo.N, pad.T)[:, :, :geo.T]
 
 
-def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do):
+def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, dlse=None):
   bq, bk = blk.block_q, blk.block_k
   dt = spec.numerics.dtypes(ops.q.dtype)
   in_dtype = ops.q.dtype
   geo, pad, q, k, v, bias, mask = _layout(ops, blk)
   do_h = heads_major(do, pad.T, geo.H)
   delta = tile.delta(do_h, heads_major(o_res, pad.T, geo.H))               # [B, N, Tp]
+  delta = shifted_delta(delta, None if dlse is None else pad_axis(dlse, 2, pad.T))
   lse = pad_axis(lse, 2, pad.T)
 
   def tile_grads(q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, b_blk, m_blk, q_pos, k_pos,
@@ -326,12 +367,13 @@ _blockwise = make_flash_attention(_forward, _backward)
 def blockwise_attention(spec: AttentionSpec, ops: Operands, *, block_q: int = DEFAULT_BLOCK_Q,
                         block_k: int = DEFAULT_BLOCK_K) -> jax.Array:
   """The FA2 emulation on canonical operands (see `stable_attn.spec`); O [B,T,N,H]."""
-  return _blockwise(spec, Blocks(int(block_q), int(block_k)), ops)
+  return _blockwise(spec, Blocks(int(block_q), int(block_k)), ops)[0]
 
 
 # The backend protocol (stable_attn.backends): implementation="reference" runs anywhere, covers all.
 
-def attention(spec: AttentionSpec, ops: Operands, config: Blocks | None = None) -> jax.Array:
+def attention(spec: AttentionSpec, ops: Operands, config: Blocks | None = None):
+  """-> (O [B,T,N,H], LSE [B,N,T])."""
   return _blockwise(spec, config or Blocks(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K), ops)
 
 

@@ -23,12 +23,14 @@ class AttentionSpec:
   # use those static values instead of reading the arrays.
   has_lengths: bool = False
   logits_soft_cap: Optional[float] = None   # logits -> cap * tanh(logits / cap)
+  return_residuals: bool = False            # the caller also wants the (differentiable) LSE
 
 
 class Operands(NamedTuple):
   """Canonical arrays: q [B,T,N,H], k/v [B,S,K,H], bias/mask 4-D broadcastable to [B,N,T,S] (size-1
   dims kept, never materialised) or None, q_lens/kv_lens int32 [B] (always present), q_seg int32
-  [B,T] and kv_seg int32 [B,S] (both or neither: query t sees key s only if their ids match)."""
+  [B,T] and kv_seg int32 [B,S] (both or neither: query t sees key s only if their ids match),
+  offset fp32 [N,T] (max_adjust="safe" only), sinks float [N] or None."""
   q: jax.Array
   k: jax.Array
   v: jax.Array
@@ -38,3 +40,10 @@ class Operands(NamedTuple):
   kv_lens: jax.Array
   q_seg: Optional[jax.Array] = None
   kv_seg: Optional[jax.Array] = None
+  # max_adjust="safe"'s per-row offsets, fp32 [N, T] in natural units (tile.safe_offset of each
+  # query head and position), else None. An operand rather than recomputed in every kernel: one
+  # definition, and a partitioned call gets each shard's global rows.
+  offset: Optional[jax.Array] = None
+  # Attention sinks: [N] logits, one per query head, that join every row's softmax denominator
+  # without a value (gpt-oss / splash); differentiable. None without sinks.
+  sinks: Optional[jax.Array] = None

@@ -287,22 +287,44 @@ def accumulate(acc, alpha, pv, *, dt: Dtypes, round_fn: RoundFn = round_convert,
 
 
 def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn = round_convert,
-             base2: bool = False, q_axis: int = 0):
+             base2: bool = False, q_axis: int = 0, sink=None):
   """-> (O in the input dtype, residual O in dt.residual_o, LSE fp32 per query, natural units).
 
   Rows that saw no visible key (l == 0, acc == 0) give O = 0 and LSE = EMPTY_ROW_LSE, so the
   backward's P = exp(S - LSE) is 0 there and their gradients are zero, never NaN.
+
+  sink: None, or the row's attention-sink logit (fp32, natural units, broadcastable to the rows;
+  finite): a term exp(sink) in the denominator with no value. It joins here, after the keys, so
+  the P_bar tiles (and the max adjustment's guarantees on them) are those without a sink: O is
+  scaled once in fp32 by exp(LSE_keys - LSE), with LSE = logaddexp(LSE_keys, sink), which is
+  exact for any sink (above or below the row max). A row without keys then has O = 0 and LSE =
+  sink.
   """
   empty = stats.l == 0.0
   l_safe = jnp.where(empty, 1.0, stats.l)
   o_exact = acc / _rows(l_safe, acc, q_axis)
-  o = round_fn(o_exact, dt.out).astype(dt.input)
   m = stats.m if offset is None else stats.m + offset
   lse = m * LN2 + jnp.log(l_safe) if base2 else m + jnp.log(l_safe)
-  lse = jnp.where(empty, EMPTY_ROW_LSE, lse)
+  if sink is None:
+    lse = jnp.where(empty, EMPTY_ROW_LSE, lse)
+  else:
+    sink = jnp.asarray(sink, f32)
+    lse_keys = jnp.where(empty, -jnp.inf, lse)
+    lse = jnp.logaddexp(lse_keys, sink)
+    kept = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse_keys - lse)))
+    o_exact = o_exact * _rows(kept, acc, q_axis)
+  o = round_fn(o_exact, dt.out).astype(dt.input)
   # The fp32 residual skips the output rounding: delta then sees O before it is rounded.
   residual = o_exact if jnp.dtype(dt.residual_o) == jnp.float32 else o
   return o, residual.astype(dt.residual_o), lse
+
+
+def sink_grad(sinks, lse, shifted_delta):
+  """d(loss)/d(sinks) [N] fp32 from the sinks [N], the LSE with the sinks [B, N, T] and the rows'
+  delta - dLSE [B, N, T]: the sink's probability is exp(sink - LSE) and its value is 0, so its
+  logit's gradient is -P_sink * (delta - dLSE), summed over batch and rows."""
+  p_sink = jnp.exp(sinks.astype(f32)[None, :, None] - lse)
+  return -jnp.sum(p_sink * shifted_delta, axis=(0, 2))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 
 from stable_attn import tile
+from stable_attn.flash import public_lse
 from stable_attn.layout import Geometry
 from stable_attn.reference import segment_mask
 from stable_attn.spec import AttentionSpec, Operands
 
 
-def xla_attention(spec: AttentionSpec, ops: Operands) -> jax.Array:
-  """O [B,T,N,H] in the input dtype."""
+def xla_attention(spec: AttentionSpec, ops: Operands):
+  """-> (O [B,T,N,H] in the input dtype, LSE fp32 [B,N,T], -inf for rows without keys)."""
   geo = Geometry.of(ops)
   B, T, S, N, H = geo.B, geo.T, geo.S, geo.N, geo.H
   dt = spec.numerics.dtypes(ops.q.dtype)
@@ -30,24 +31,26 @@ def xla_attention(spec: AttentionSpec, ops: Operands) -> jax.Array:
   k_pos = jnp.arange(S, dtype=jnp.int32)
   round_fn = tile.round_exact
 
-  def one_head(q_h, k_h, v_h, bias_h, mask_h, q_len, kv_len, head):
+  def one_head(q_h, k_h, v_h, bias_h, mask_h, q_len, kv_len, offset, sink):
     ok = tile.visible(q_pos, k_pos, q_len, kv_len, causal=spec.is_causal, window=spec.window,
                       mask=mask_h)
     s = tile.scores(tile.matmul(q_h, k_h, transpose_b=True), ok, scale=spec.scale, bias=bias_h,
                     dt=dt, round_fn=round_fn, soft_cap=spec.logits_soft_cap)
-    offset = tile.safe_offset(q_pos, head, dt.p) if spec.max_adjust == "safe" else None
     p, alpha, stats = tile.rescale(tile.init_stats(T, dt), s, dt=dt, max_adjust=spec.max_adjust,
                                    beta=spec.beta, offset=offset, round_fn=round_fn)
     acc = tile.accumulate(jnp.zeros((T, H), jnp.float32), alpha, tile.matmul(p, v_h.astype(dt.p)),
                           dt=dt, round_fn=round_fn)
-    return tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=round_fn)[0]
+    o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=round_fn, sink=sink)
+    return o, lse
 
   b_ax = None if bias is None else 0
   m_ax = None if mask is None else 0
-  fn = jax.vmap(one_head, (0, 0, 0, b_ax, m_ax, None, None, 0))
-  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, None))
-  o = fn(q, k, v, bias, mask, ops.q_lens, ops.kv_lens, jnp.arange(N, dtype=jnp.int32))
-  return jnp.swapaxes(o, 1, 2)
+  o_ax = None if ops.offset is None else 0
+  s_ax = None if ops.sinks is None else 0
+  fn = jax.vmap(one_head, (0, 0, 0, b_ax, m_ax, None, None, o_ax, s_ax))
+  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, None, None))
+  o, lse = fn(q, k, v, bias, mask, ops.q_lens, ops.kv_lens, ops.offset, ops.sinks)
+  return jnp.swapaxes(o, 1, 2), public_lse(lse)
 
 
 # The backend protocol (stable_attn.backends): never picked by implementation=None.

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 import stable_attn
+from stable_attn.api import safe_offsets
 from stable_attn import numerics as numerics_lib
 from stable_attn import reference
 from stable_attn.spec import AttentionSpec, Operands
@@ -103,6 +104,15 @@ def _skip_inputs(c, dtype, seed):
   return ops, d_out
 
 
+def _offsets_for(spec, ops):
+  """max_adjust="safe" takes its per-row offsets as an operand (stable_attn.api.canonicalize adds
+  them; these tests build operands by hand)."""
+  if spec.max_adjust != "safe":
+    return ops
+  p_dtype = spec.numerics.dtypes(ops.q.dtype).p
+  return ops._replace(offset=safe_offsets(ops.q.shape[2], ops.q.shape[1], p_dtype))
+
+
 def _grads(fn, ops, d_out):
   def f(q, k, v, bias):
     return fn(ops._replace(q=q, k=k, v=v, bias=bias))
@@ -122,6 +132,7 @@ def test_block_skipping(name, dtype, max_adjust, numerics):
   spec = AttentionSpec(scale=c["H"] ** -0.5, is_causal=c["is_causal"], window=c["window"],
                        max_adjust=max_adjust, beta=2.0, numerics=numerics_lib.resolve(numerics),
                        interpret=True)
+  ops = _offsets_for(spec, ops)
   bq, bk = c["blocks"]
   sizes = kernels.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=bq, block_k_dkv=bk,
                              block_q_dq=bq, block_k_dq=bk)
@@ -129,7 +140,7 @@ def test_block_skipping(name, dtype, max_adjust, numerics):
   assert (config.bq, config.bk) == (bq, bk)
   assert -(-c["T"] // bq) > 1 and -(-c["S"] // bk) > 1   # several blocks on each axis
 
-  got = _grads(lambda o: pallas_tpu.attention(spec, o, sizes), ops, d_out)
+  got = _grads(lambda o: pallas_tpu.attention(spec, o, sizes)[0], ops, d_out)
   same_blocks = _grads(lambda o: reference.blockwise_attention(spec, o, block_q=bq, block_k=bk),
                        ops, d_out)
   names = ("out", "dq", "dk", "dv", "dbias")
@@ -175,12 +186,12 @@ def _tpu_abstract_mesh(device_kind):
     pytest.skip(f"cannot describe a TPU without one in this JAX: {e}")
 
 
-@pytest.mark.parametrize("device_kind,dtype,max_adjust,numerics", [
-    ("TPU v5 lite", jnp.bfloat16, "safe", "fast"),
-    ("TPU v6 lite", jnp.bfloat16, "paper", "paper+fp32o"),
-    ("TPU v4", jnp.float32, "off", "fast"),
+@pytest.mark.parametrize("device_kind,dtype,max_adjust,numerics,sinks", [
+    ("TPU v5 lite", jnp.bfloat16, "safe", "fast", True),
+    ("TPU v6 lite", jnp.bfloat16, "paper", "paper+fp32o", False),
+    ("TPU v4", jnp.float32, "off", "fast", False),
 ])
-def test_lowers_to_mosaic(device_kind, dtype, max_adjust, numerics):
+def test_lowers_to_mosaic(device_kind, dtype, max_adjust, numerics, sinks):
   # dQ: default blocks (128 rows: lane-major LSE/delta); dK/dV: 32-row blocks (lane-broadcast).
   B, T, S, N, K, H = 2, 300, 300, 4, 2, 64
   z = lambda *shape: jnp.zeros(shape, dtype)
@@ -190,9 +201,12 @@ def test_lowers_to_mosaic(device_kind, dtype, max_adjust, numerics):
   spec = AttentionSpec(scale=0.125, is_causal=True, window=(64, 0), max_adjust=max_adjust,
                        beta=2.0, numerics=numerics_lib.resolve(numerics), interpret=False)
   sizes = kernels.BlockSizes(block_q=16, block_k=128, block_q_dkv=32, block_k_dkv=256)
+  ops = _offsets_for(spec, ops)
+  if sinks:   # a whole [N] fp32 array in SMEM, read as a scalar per head
+    ops = ops._replace(sinks=jnp.zeros((N,), jnp.float32))
 
   def loss(q, k, v, bias):
-    out = kernels.flash_attention(spec, ops._replace(q=q, k=k, v=v, bias=bias), sizes)
+    out, _ = kernels.flash_attention(spec, ops._replace(q=q, k=k, v=v, bias=bias), sizes)
     return jnp.sum(out.astype(jnp.float32))
 
   with jax.sharding.use_abstract_mesh(_tpu_abstract_mesh(device_kind)):
@@ -233,7 +247,8 @@ def test_bad_block_sizes(sizes, match):
   q, kv = _small(jnp.bfloat16)
   spec = AttentionSpec(scale=0.1, is_causal=False, window=None, max_adjust="safe", beta=2.0,
                        numerics=numerics_lib.FAST, interpret=True)
-  ops = Operands(q, kv, kv, None, None, jnp.array([16], jnp.int32), jnp.array([16], jnp.int32))
+  ops = _offsets_for(spec, Operands(q, kv, kv, None, None, jnp.array([16], jnp.int32),
+                                    jnp.array([16], jnp.int32)))
   with pytest.raises(ValueError, match=match):
     pallas_tpu.attention(spec, ops, sizes)
 

@@ -52,3 +52,15 @@ def test_probe_cli_prints_table(capsys):
         "--regimes", "zero", "--rows", "16", "--keys", "256", "--batch", "1"])
   out = capsys.readouterr().out
   assert "| reference | paper | off | zero |" in out and "| reference | paper | safe | zero |" in out
+
+
+@pytest.mark.parametrize("regime", ["positive", "zero", "large"])
+def test_sink_keeps_the_tie_bias_and_its_fix(regime):
+  """A sink (3: above the zero and some positive maxima, negligible at large ones) joins after the
+  P_bar tiles: the paper's arithmetic still rounds tie cases outward, and "safe" still removes it."""
+  off = measure("reference", "paper", "off", regime, "adjacent", sink=3.0, **SMALL)
+  assert 0.15 < off.bias_ulp < 0.3 and off.nan_count == 0, off
+  for numerics in ("fast", "paper"):
+    for placement in ("adjacent", "split"):
+      r = measure("reference", numerics, "safe", regime, placement, sink=3.0, **SMALL)
+      assert abs(r.bias_ulp) < 0.05 and r.nan_count == 0, r

@@ -142,26 +142,20 @@ def test_spike_detection():
 SHARDED = """
 import json, sys
 sys.path.insert(0, {root!r})
-import jax, jax.numpy as jnp
-from flax import nnx
+import jax
 from tests.test_train_loop import micro, run, losses
-from train.attention import batch_sharded
-from train.model import GPT
-from train.sharding import make_mesh
 assert jax.device_count() == {n}, jax.devices()
 out = {{}}
+ours = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, max_adjust="safe")
+# A Pallas kernel partitions itself over the data axis (stable_attn.partition), also when FSDP
+# shards the projections that make q, k and v.
 arms = {{"dp": dict(),
-        "ours_fsdp": dict(fsdp=True, model=dict(n_layer=2, n_head=2, n_embd=32, block_size=32,
-                                                attention="reference", max_adjust="safe"))}}
+        "ours_fsdp": dict(fsdp=True, model=dict(ours, attention="reference")),
+        "pallas_fsdp": dict(fsdp=True, model=dict(ours, attention="pallas_gpu"))}}
 for name, kw in arms.items():
     d = {tmp!r} + "/" + name
     run(micro(max_steps=4, grad_accum=2, **kw), d)
     out[name] = losses(d)
-# Our attention is traced per device (shard_map over the batch) under the training mesh.
-cfg = micro(**arms["ours_fsdp"]).model
-model = GPT(cfg, rngs=nnx.Rngs(0))
-with batch_sharded(make_mesh()):
-    out["jaxpr_has_shard_map"] = "shard_map" in str(jax.make_jaxpr(model)(jnp.zeros((8, 32), jnp.int32)))
 print("RESULT" + json.dumps(out))
 """
 
@@ -174,11 +168,10 @@ def test_sharded_training_matches_single_device(tmp_path):
                           env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT")[-1])
-    assert result.pop("jaxpr_has_shard_map")
     for name, traj in result.items():
         got = [l for _, l in traj]
         # Data parallel changes only reduction order; our attention vs jax.nn's adds bf16 rounding.
-        np.testing.assert_allclose(got, single, rtol=5e-3 if name.startswith("ours") else 2e-3, err_msg=name)
+        np.testing.assert_allclose(got, single, rtol=2e-3 if name == "dp" else 5e-3, err_msg=name)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -10,35 +10,12 @@ Values of IMPL:
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
-from jax.sharding import PartitionSpec as P
 
 import stable_attn
 
 OURS = ("auto",) + stable_attn.IMPLEMENTATIONS
 JAX_NN = {"cudnn": "cudnn", "jax_xla": "xla"}
-
-# The data-parallel mesh while a training function is being traced (see `batch_sharded`).
-_MESH = None
-
-
-@contextlib.contextmanager
-def batch_sharded(mesh):
-    """Trace attention per device over the mesh's 'data' axis (batch) while this context is active.
-
-    XLA cannot partition a Pallas custom call: inside a GSPMD-sharded jit it would gather q, k, v and
-    run the whole global batch on every device. Under this context our attention runs in a shard_map
-    over the batch instead, each device on its own rows (jax.nn's cuDNN call has its own partitioner).
-    """
-    global _MESH
-    previous, _MESH = _MESH, mesh
-    try:
-        yield
-    finally:
-        _MESH = previous
-
 
 def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str = "safe",
                      numerics: str = "fast", beta: float = 2.0, segment_ids=None):
@@ -59,20 +36,11 @@ def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str =
     # Pallas kernels (every implementation named pallas*) cannot compile for the CPU; there they run
     # in interpret mode (tests, smoke runs).
     interpret = implementation.startswith("pallas") and jax.default_backend() == "cpu"
-
-    def call(q, k, v, segment_ids):
-        return stable_attn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
-                                                 max_adjust=max_adjust, beta=beta, numerics=numerics,
-                                                 interpret=interpret, q_segment_ids=segment_ids)
-
-    mesh = _MESH
-    if mesh is not None and mesh.shape["data"] > 1 and q.shape[0] % mesh.shape["data"] == 0:
-        # Small unsharded batches (monitors, sampling) fall through to the plain call.
-        spec = P("data")
-        seg_spec = None if segment_ids is None else spec
-        call = jax.shard_map(call, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
-                             check_vma=False)
-    return call(q, k, v, segment_ids)
+    # Under the data-parallel mesh the Pallas kernels partition themselves over the batch
+    # (stable_attn.partition): no shard_map here.
+    return stable_attn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
+                                             max_adjust=max_adjust, beta=beta, numerics=numerics,
+                                             interpret=interpret, q_segment_ids=segment_ids)
 
 
 def describe(implementation: str, max_adjust: str, numerics: str) -> str:

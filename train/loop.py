@@ -109,11 +109,6 @@ def init_params(cfg: TrainConfig, shardings=None):
 
 def train(cfg: TrainConfig, opts: RunOptions) -> dict:
     """Run (or resume) training as configured; returns a summary dict (also written to DIR/summary.json)."""
-    with attn_lib.batch_sharded(make_mesh()):
-        return _train(cfg, opts)
-
-
-def _train(cfg: TrainConfig, opts: RunOptions) -> dict:
     """Per step: the evaluations due, one optimizer step, metrics, checkpoints (cf. nanoGPT's train.py)."""
     run, params, opt_state, state = _set_up(cfg, opts)
     stopped, timed_out = None, False

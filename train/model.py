@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from stable_attn.flash import RESIDUAL_NAMES
 
 from .attention import causal_attention
 from .config import ModelConfig
@@ -90,8 +91,11 @@ def _block_forward(block: Block, x, tap=None, segment_ids=None):
     return block(x, tap, segment_ids)
 
 
-# Recomputes the block in the backward pass instead of storing its activations (--remat).
-_block_forward_remat = nnx.remat(_block_forward)
+# Recomputes the block in the backward pass instead of storing its activations (--remat), except
+# the attention's own residuals (O and its log-sum-exp, named by stable_attn): keeping them spares
+# re-running the attention forward, the block's most expensive part, for 2 x [B, T, C] per layer.
+_block_forward_remat = nnx.remat(
+    _block_forward, policy=jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES))
 
 
 class GPT(nnx.Module):

@@ -1,7 +1,7 @@
 """implementation="pallas_gpu": flash attention in Pallas with the Triton lowering (Ampere, Hopper).
 
     from pallas_kernels import gpu
-    out = gpu.attention(spec, ops)     # spec: stable_attn.spec.AttentionSpec, ops: Operands
+    out, lse = gpu.attention(spec, ops)   # spec: stable_attn.spec.AttentionSpec, ops: Operands
 
 Forward, delta pre-pass, dK/dV and dQ kernels live in `kernels.py`; their tile math is
 `stable_attn.tile` and their block ranges `stable_attn.blocks`. Block sizes, warps and stages come
@@ -24,7 +24,7 @@ from pallas_kernels.gpu.kernels import backward, forward
 
 __all__ = ["attention", "is_available", "covers", "tuning"]
 
-_flash = make_flash_attention(forward, backward)
+_flash = make_flash_attention(forward, backward, partition=True)
 
 
 def is_available() -> bool:
@@ -51,7 +51,8 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
 
 
 def attention(spec: AttentionSpec, ops: Operands, config: Optional[tuning.Config] = None):
-  """O [B, T, N, H] in the input dtype; differentiable in q, k, v and bias (flash backward)."""
+  """(O [B, T, N, H] in the input dtype, LSE fp32 [B, N, T]); differentiable in q, k, v and bias
+  (flash backward)."""
   reason = covers(spec, ops)
   if reason is not None:
     raise ValueError(reason)

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from stable_attn import blocks, tile
-from stable_attn.flash import reduce_to_shape
+from stable_attn.flash import reduce_to_shape, shifted_delta
 from stable_attn.layout import Geometry, Padded, lengths, pad_axis, pad_pairwise, pad_seq_head, unpad
 from stable_attn.numerics import Dtypes
 from stable_attn.spec import AttentionSpec, Operands
@@ -211,7 +211,8 @@ def _params(kc: tuning.KernelConfig):
 # ---------------------------------------------------------------------------------------------
 
 def _forward_kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, bias_ref, mask_ref, qseg_ref,
-                    kvseg_ref, o_ref, res_ref, lse_ref, *, call: _Call, kc: tuning.KernelConfig):
+                    kvseg_ref, offset_ref, sink_ref, o_ref, res_ref, lse_ref, *, call: _Call,
+                    kc: tuning.KernelConfig):
   spec, dt, round_fn = call.spec, call.dt, call.round_fn
   bq, bk = kc.block_q, kc.block_k
   qi = call.pad.T // bq - 1 - pl.program_id(0)      # heaviest causal blocks first
@@ -220,9 +221,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, bias_ref, mask_ref
   q_start = qi * bq
   q_len, kv_len = qlen_ref[b], kvlen_ref[b]
   q = q_ref[...]
-  offset = None
-  if spec.max_adjust == "safe":
-    offset = tile.safe_offset(q_start + lax.iota(i32, bq), n, dt.p)
+  offset = None if offset_ref is None else offset_ref[...]
 
   rows = _Rows(b, n, q_start, bq, q_len, kv_len, _segments(qseg_ref, q_start, bq))
 
@@ -241,7 +240,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, bias_ref, mask_ref
 
   init = (jnp.zeros((bq, call.pad.H), f32), tile.init_stats(bq, dt))
   acc, stats = blocks.split_loop(*call.kv_ranges(q_start, bq, bk, q_len, kv_len), body, init)
-  o, residual, lse = tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=round_fn)
+  sink = None if sink_ref is None else sink_ref[n].astype(f32)
+  o, residual, lse = tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=round_fn, sink=sink)
   o_ref[...] = o.astype(o_ref.dtype)
   if res_ref is not None:
     res_ref[...] = residual.astype(res_ref.dtype)
@@ -269,13 +269,18 @@ def forward(spec: AttentionSpec, config: tuning.Config, ops: Operands):
                jax.ShapeDtypeStruct((geo.B, N, pad.T), f32)]
   out_specs = [rows, rows if write_residual else None,
                pl.BlockSpec((None, None, bq), lambda i, bh: (bh // N, bh % N, nq - 1 - i))]
+  offset = None if ops.offset is None else pad_axis(ops.offset, 1, pad.T)
+  offset_spec = None
+  if offset is not None:
+    offset_spec = pl.BlockSpec((None, bq), lambda i, bh: (bh % N, nq - 1 - i))
   o, residual, lse = pl.pallas_call(
       functools.partial(_forward_kernel, call=call, kc=kc), grid=(nq, geo.B * N),
       in_specs=[rows, kv, kv, _lens_spec(geo.B), _lens_spec(geo.B),
-                *_optional_specs(call, x, lambda i, bh: bh // N)],
+                *_optional_specs(call, x, lambda i, bh: bh // N), offset_spec,
+                None if ops.sinks is None else pl.BlockSpec((N,), lambda *_: (0,))],
       out_specs=out_specs, out_shape=out_shape, compiler_params=_params(kc),
       interpret=spec.interpret, name="stable_attn_fwd",
-  )(x["q"], x["k"], x["v"], x["q_lens"], x["kv_lens"], *_optional_arrays(x))
+  )(x["q"], x["k"], x["v"], x["q_lens"], x["kv_lens"], *_optional_arrays(x), offset, ops.sinks)
   o = unpad(o, geo.T, geo.H)
   residual = o if residual is None else unpad(residual, geo.T, geo.H)
   return o, residual, lse[:, :, :geo.T]
@@ -373,7 +378,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def backward(spec: AttentionSpec, config: tuning.Config, ops: Operands, o_res, lse, do):
+def backward(spec: AttentionSpec, config: tuning.Config, ops: Operands, o_res, lse, do,
+             dlse=None):
   """-> (dq, dk, dv, dbias or None)."""
   call, x = _prepare(spec, config, ops)
   geo, pad = call.geo, call.pad
@@ -396,6 +402,7 @@ def backward(spec: AttentionSpec, config: tuning.Config, ops: Operands, o_res, l
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=spec.interpret, name="stable_attn_delta",
   )(do_p, pad_seq_head(o_res, pad.T, pad.H))
+  delta = shifted_delta(delta, None if dlse is None else pad_axis(dlse, 2, pad.T))
 
   # dK, dV: one program per (key block, batch, kv head); loops over the G query heads.
   kc = config.dkv

@@ -58,6 +58,8 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
     return "segment ids (packed sequences) run on pallas_gpu; the Hopper kernel does not take them yet"
   if spec.logits_soft_cap is not None:
     return "logits_soft_cap runs on pallas_gpu; the Hopper kernel does not take it yet"
+  if ops.sinks is not None:
+    return "attention sinks run on pallas_gpu; the Hopper kernel does not take them yet"
   if spec.numerics.dtypes(ops.q.dtype) != numerics_lib.FAST.dtypes(ops.q.dtype):
     return (f"numerics {spec.numerics.name!r}: the Hopper kernels compute the 'fast' rounding "
             f"(fp32 scores and statistics, P in the input dtype)")
@@ -76,31 +78,38 @@ def _padded(call: Call, ops: Operands):
           pad_seq_head(ops.v, call.pad.S, call.pad.H), q_lens, kv_lens)
 
 
+def _offsets(call: Call, ops: Operands):
+  return None if ops.offset is None else pad_axis(ops.offset, 1, call.pad.T)
+
+
 def _forward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands):
   from pallas_kernels.mosaic_gpu.forward import forward_call
   call = _call(spec, config, ops)
-  o, lse = forward_call(call, *_padded(call, ops))
+  o, lse = forward_call(call, *_padded(call, ops), _offsets(call, ops))
   o = unpad(o, call.geo.T, call.geo.H)
   return o, o, lse[:, :, :call.geo.T]
 
 
-def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o_res, lse, do):
+def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o_res, lse, do,
+              dlse=None):
   from pallas_kernels.mosaic_gpu.backward import backward_call
   call = _call(spec, config, ops)
   q, k, v, q_lens, kv_lens = _padded(call, ops)
   rows = lambda x: pad_seq_head(x.astype(ops.q.dtype), call.pad.T, call.pad.H)
   lse = pad_axis(lse, 2, call.pad.T, tile.EMPTY_ROW_LSE)
-  dq, dk, dv = backward_call(call, q, k, v, rows(o_res), lse, rows(do), q_lens, kv_lens)
+  if dlse is not None:
+    dlse = pad_axis(dlse, 2, call.pad.T)
+  dq, dk, dv = backward_call(call, q, k, v, rows(o_res), lse, rows(do), q_lens, kv_lens, dlse)
   geo = call.geo
   return unpad(dq, geo.T, geo.H), unpad(dk, geo.S, geo.H), unpad(dv, geo.S, geo.H), None
 
 
-_flash = make_flash_attention(_forward, _backward)
+_flash = make_flash_attention(_forward, _backward, partition=True)
 
 
 def attention(spec: AttentionSpec, ops: Operands,
               config: Optional[tuning.TuningConfig] = None) -> jax.Array:
-  """O [B, T, N, H] in the input dtype; differentiable in q, k and v (flash backward)."""
+  """(O [B, T, N, H] in the input dtype, LSE fp32 [B, N, T]); differentiable in q, k and v."""
   reason = covers(spec, ops)
   if reason is not None:
     raise ValueError(f"implementation='pallas_mosaic_gpu' does not cover this call: {reason}")

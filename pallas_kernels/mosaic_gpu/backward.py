@@ -22,6 +22,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from stable_attn import tile
+from stable_attn.flash import shifted_delta
 
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
@@ -253,9 +254,10 @@ def _dq_call(call: Call, q, k, v, do, lse, delta, q_lens, kv_lens):
   )(q, k, v, do, lse, delta, q_lens, kv_lens)
 
 
-def backward_call(call: Call, q, k, v, o, lse, do, q_lens, kv_lens):
-  """Padded operands ([B, Tp|Sp, heads, H]; lse [B, N, Tp] natural units) -> (dq, dk, dv)."""
-  delta = jnp.swapaxes(tile.delta(do, o), 1, 2)                         # [B, N, Tp], fp32
+def backward_call(call: Call, q, k, v, o, lse, do, q_lens, kv_lens, dlse=None):
+  """Padded operands ([B, Tp|Sp, heads, H]; lse and dlse [B, N, Tp] natural units) ->
+  (dq, dk, dv)."""
+  delta = shifted_delta(jnp.swapaxes(tile.delta(do, o), 1, 2), dlse)    # [B, N, Tp], fp32
   dk, dv = _dkv_call(call, q, k, v, do, lse, delta, q_lens, kv_lens)
   dq = _dq_call(call, q, k, v, do, lse, delta, q_lens, kv_lens)
   return dq, dk, dv

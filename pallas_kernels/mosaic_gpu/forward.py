@@ -10,8 +10,8 @@ One CTA per (batch, query head, 2 * block_q query rows), three warpgroups:
 Causal and window masks: blocks outside a warpgroup's range are skipped, blocks every row sees
 whole run without the mask, edge blocks with it (stable_attn.blocks). GQA: the kv head of query
 head n is n // G in the TMA index; K/V are never repeated. Lengths mask padding at the end.
-max_adjust "safe" reads its per-row offsets (stable_attn.tile.safe_offset, precomputed per head
-and position) and folds them into the row max; "paper" runs the paper's rule per block.
+max_adjust "safe" reads its per-row offsets (the call's operand, stable_attn.tile.safe_offset per
+head and position) and folds them into the row max; "paper" runs the paper's rule per block.
 """
 from __future__ import annotations
 
@@ -29,19 +29,6 @@ from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import ROWS, Call, f32
 
 COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
-
-
-def safe_offsets(call: Call) -> jax.Array:
-  """[N, Tp] fp32: max_adjust="safe"'s per-row offsets in log2 units (tile.safe_offset).
-
-  They depend on static sizes only, so they are computed once, when the call is traced, and
-  enter the program as a constant: no extra kernel per call (a few microseconds, which is several
-  per cent of a short forward).
-  """
-  with jax.ensure_compile_time_eval():
-    positions = jnp.arange(call.pad.T, dtype=jnp.int32)[None, :]
-    heads = jnp.arange(call.geo.N, dtype=jnp.int32)[:, None]
-    return tile.safe_offset(positions, heads, call.dt.p, base2=True)
 
 
 def _kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, off_ref, o_ref, lse_ref, scratch, *,
@@ -71,7 +58,9 @@ def _kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, off_ref, o_ref, lse_ref, s
       plgpu.copy_gmem_to_smem(off_ref.at[n, pl.ds(q_start, bq)], off_smem.at[wg],
                               q_loaded.at[wg])
     plgpu.barrier_wait(q_loaded.at[wg])
-    offset = common.load_vector(off_smem.at[wg], ROWS) if call.safe else None
+    offset = None   # natural units in memory (stable_attn's operand), log2 units here
+    if call.safe:
+      offset = common.load_vector(off_smem.at[wg], ROWS) * tile.LOG2E
 
     def wait_k(j):
       """Waits for block j's K; each step waits for the next one's while its PV product runs."""
@@ -146,14 +135,14 @@ def _kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, off_ref, o_ref, lse_ref, s
                                    (v_free, loader(v_ref, v_smem, v_loaded))])
 
 
-def forward_call(call: Call, q, k, v, q_lens, kv_lens):
-  """Padded operands -> (O [B, Tp, N, H] in the input dtype, LSE fp32 [B, N, Tp])."""
+def forward_call(call: Call, q, k, v, q_lens, kv_lens, offsets):
+  """Padded operands (offsets: [N, Tp] fp32 natural units, or None) -> (O [B, Tp, N, H] in the
+  input dtype, LSE fp32 [B, N, Tp])."""
   tiles = call.config.fwd
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
   dtype = q.dtype
   mma = common.mma_transforms(dtype)
-  offsets = safe_offsets(call) if call.safe else None
 
   smem = (plgpu.SMEM((2, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),

@@ -32,8 +32,8 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
 
 def attention(spec: AttentionSpec, ops: Operands,
               config: Optional[BlockSizes] = None) -> jax.Array:
-  """O [B, T, N, H] in the input dtype; differentiable in q, k, v and bias (flash backward).
-  config: the kernels' BlockSizes (None = defaults)."""
+  """(O [B, T, N, H] in the input dtype, LSE fp32 [B, N, T]); differentiable in q, k, v and bias
+  (flash backward). config: the kernels' BlockSizes (None = defaults)."""
   if not spec.interpret and not is_available():
     raise ValueError("implementation='pallas_tpu' needs a TPU backend (default backend is "
                      f"{jax.default_backend()!r}); pass interpret=True to run it in TPU "

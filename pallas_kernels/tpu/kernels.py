@@ -27,7 +27,7 @@ the visited range, so the pipeline sees an unchanged block index and issues no D
 Row statistics. `stable_attn.tile` keeps them 1-D ([bq]). Mosaic keeps a (bq,) vector that comes out
 of a lane reduction in a sublane-major layout, where `x[:, None]` is free; so the kernels produce
 the 1-D values they hand to the tile functions by a lane reduction of a (bq, 128) lane-broadcast
-array (the scratch m and l, the query positions, the safe offset), exact because all 128 lanes hold
+array (the scratch m and l, the query positions, the safe offsets), exact because all 128 lanes hold
 the same value, and store them back as `broadcast_to(x[:, None])`. The forward writes the LSE
 that way too (as JAX's flash and splash kernels do). The backward reads LSE and delta lane-major,
 (1, bq) blocks of [B, N, 1, Tp], when bq is a multiple of 128 (4 bytes a row instead of 512,
@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from stable_attn import blocks, tile
-from stable_attn.flash import make_flash_attention, reduce_to_shape
+from stable_attn.flash import make_flash_attention, reduce_to_shape, shifted_delta
 from stable_attn.layout import (Geometry, Padded, from_heads_major, heads_major, lengths,
                                 pad_pairwise, round_up)
 from stable_attn.spec import AttentionSpec, Operands
@@ -159,7 +159,7 @@ def _interpret(spec: AttentionSpec):
 def _pallas_call(kernel, spec: AttentionSpec, *, grid, in_specs, out_specs, out_shape,
                  scratch_shapes, args, semantics, name):
   for s, a in zip(in_specs, args[2:]):
-    if s is not None:
+    if s is not None and s.block_shape is not None:   # None: a whole array in SMEM
       _check_tpu_block(s, a.shape, name)
   for s, a in zip(out_specs, out_shape):
     if s is not None:
@@ -210,14 +210,6 @@ def _row_positions(start, rows: int):
 def _col_positions(start, cols: int):
   """int32 (cols,): start + 0 .. cols-1, as a row (sublane reduction of a 2-D iota)."""
   return jnp.max(start + lax.broadcasted_iota(jnp.int32, (SUBLANES, cols), 1), axis=0)
-
-
-def _safe_offset(spec: AttentionSpec, dt, q_start, rows: int, head):
-  """tile.safe_offset for rows q_start.., evaluated on a 2-D tile and reduced like the stats."""
-  if spec.max_adjust != "safe":
-    return None
-  q_pos = q_start + lax.broadcasted_iota(jnp.int32, (rows, LANES), 0)
-  return jnp.max(tile.safe_offset(q_pos, head, dt.p), axis=-1)
 
 
 def _pairwise_tile(ref, rows: int, cols: int):
@@ -293,15 +285,15 @@ def _round_fn(spec: AttentionSpec):
 # ---------------------------------------------------------------------------------------------
 
 def _forward_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, bias_ref, mask_ref, qseg_ref,
-                    kvseg_ref, o_ref, res_ref, lse_ref, m_ref, l_ref, acc_ref, *,
-                    spec: AttentionSpec, dt, bq: int, bk: int, nk: int):
+                    kvseg_ref, offset_ref, sink_ref, o_ref, res_ref, lse_ref, m_ref, l_ref,
+                    acc_ref, *, spec: AttentionSpec, dt, bq: int, bk: int, nk: int):
   b, n, i, j = (pl.program_id(a) for a in range(4))
   q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
   q_start = i * bq
   lo, hi = blocks.kv_block_range(q_start, bq, bk, nk, causal=spec.is_causal, window=spec.window,
                                  kv_len=kv_len)
   round_fn = _round_fn(spec)
-  offset = _safe_offset(spec, dt, q_start, bq, n)
+  offset = None if offset_ref is None else _rows(offset_ref)   # lane-broadcast [bq, 128]
   masks = _Masks(bias_ref, mask_ref, qseg_ref, kvseg_ref)
 
   @pl.when(j == 0)
@@ -327,8 +319,9 @@ def _forward_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, bias_ref, mask
 
   @pl.when(j == nk - 1)
   def _finish():
+    sink = None if sink_ref is None else sink_ref[n]   # a scalar from SMEM
     o, residual, lse = tile.finalize(acc_ref[...], tile.RowStats(_rows(m_ref), _rows(l_ref)),
-                                     dt=dt, offset=offset, round_fn=round_fn)
+                                     dt=dt, offset=offset, round_fn=round_fn, sink=sink)
     o_ref[...] = o.astype(o_ref.dtype)
     if res_ref is not None:
       res_ref[...] = residual.astype(res_ref.dtype)
@@ -357,10 +350,16 @@ def _forward(spec: AttentionSpec, config: _Config, ops: Operands):
                          lambda b, n, i, j, *p: (b, n // G, kv_block(b, n, i, j, *p), 0))
   pair_index = lambda b, n, i, j, *p: (b, n, i, kv_block(b, n, i, j, *p))
   q_seg, kv_seg = _broadcast_segments(ops, pad)
+  offset = offset_spec = None
+  if ops.offset is not None:
+    offset = _lane_broadcast(jnp.pad(ops.offset, ((0, 0), (0, pad.T - geo.T))))   # [N, Tp, 128]
+    offset_spec = pl.BlockSpec((pl.squeezed, bq, LANES), lambda b, n, i, j, *_: (n, i, 0))
   in_specs = [q_spec, kv_spec, kv_spec, _pairwise_spec(bias, bq, bk, pair_index),
               _pairwise_spec(mask, bq, bk, pair_index),
               *_segment_specs(q_seg, kv_seg, bq, bk, lambda b, n, i, j, *p: (b, i),
-                              lambda b, n, i, j, *p: (b, kv_block(b, n, i, j, *p)))]
+                              lambda b, n, i, j, *p: (b, kv_block(b, n, i, j, *p))),
+              offset_spec, None if ops.sinks is None else pl.BlockSpec(memory_space=pltpu.SMEM)]
+  sinks = None if ops.sinks is None else ops.sinks.astype(f32)
 
   separate_residual = np.dtype(dt.residual_o) != np.dtype(ops.q.dtype)
   rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, pad.H), lambda b, n, i, j, *_: (b, n, i, 0))
@@ -375,7 +374,7 @@ def _forward(spec: AttentionSpec, config: _Config, ops: Operands):
       out_specs=[rows, rows if separate_residual else None, stats], out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((bq, LANES), f32), pltpu.VMEM((bq, LANES), f32),
                       pltpu.VMEM((bq, pad.H), f32)],
-      args=[q_lens, kv_lens, q, k, v, bias, mask, q_seg, kv_seg],
+      args=[q_lens, kv_lens, q, k, v, bias, mask, q_seg, kv_seg, offset, sinks],
       semantics=("parallel", "parallel", "parallel", "arbitrary"), name="stable_attn_tpu_fwd")
   o = from_heads_major(o, geo.T, geo.H)
   residual = o if residual is None else from_heads_major(residual, geo.T, geo.H)
@@ -511,13 +510,14 @@ class _BackwardLayout:
             self.mask, self.q_seg, self.kv_seg]
 
 
-def _backward(spec: AttentionSpec, config: _Config, ops: Operands, o_residual, lse, do):
+def _backward(spec: AttentionSpec, config: _Config, ops: Operands, o_residual, lse, do, dlse=None):
   dt = spec.numerics.dtypes(ops.q.dtype)
   geo = Geometry.of(ops)
   B, N, K, G = geo.B, geo.N, geo.K, geo.G
   q_lens, kv_lens = lengths(ops, geo)
   # The delta pre-pass is one fused elementwise + row-sum pass (XLA), with the shared tile.delta.
   delta = tile.delta(jnp.swapaxes(do, 1, 2), jnp.swapaxes(o_residual, 1, 2))      # [B, N, T]
+  delta = shifted_delta(delta, dlse)
 
   # dK, dV: grid (B, K, k blocks, G * q blocks).
   bq, bk = config.bq_dkv, config.bk_dkv
@@ -596,10 +596,13 @@ def _backward(spec: AttentionSpec, config: _Config, ops: Operands, o_residual, l
           from_heads_major(dv, geo.S, geo.H), dbias)
 
 
-_flash = make_flash_attention(_forward, _backward)
+# Partitioned under jax.sharding when compiled. Not in interpret mode: the TPU interpreter runs the
+# kernel body through ordered io_callbacks, which custom_partitioning cannot lower (a sharded
+# interpret-mode call is gathered by XLA instead).
+_flash = make_flash_attention(_forward, _backward, partition=lambda spec: not spec.interpret)
 
 
 def flash_attention(spec: AttentionSpec, ops: Operands,
                     block_sizes: Optional[BlockSizes] = None) -> jax.Array:
-  """O [B, T, N, H] for canonical operands; differentiable in q, k, v and bias."""
+  """(O [B, T, N, H], LSE [B, N, T]) for canonical operands; differentiable in q, k, v and bias."""
   return _flash(spec, resolve_block_sizes(block_sizes, ops), ops)

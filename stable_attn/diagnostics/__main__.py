@@ -72,6 +72,9 @@ def main(argv=None) -> int:
   parser.add_argument("--interpret", action="store_true", help="Pallas kernels in interpret mode")
   parser.add_argument("--logits-soft-cap", type=float, default=None,
                       help="soft-cap the logits (our implementations only; truth capped the same)")
+  parser.add_argument("--sink", type=float, default=None,
+                      help="give the head this attention-sink logit (our implementations only; "
+                           "the truth includes it)")
   parser.add_argument("--out", help="also write the tables (Markdown) to this file")
   args = parser.parse_args(argv)
 
@@ -89,11 +92,13 @@ def main(argv=None) -> int:
   with tqdm(total=total, desc="bias probe", file=sys.stderr) as bar:
     results = sweep(impls, numerics, adjusts, regimes=regimes, progress=bar,
                     dtype=_DTYPES[args.dtype], batch=args.batch, rows=args.rows, keys=args.keys,
-                    seed=args.seed, interpret=args.interpret, logits_soft_cap=args.logits_soft_cap)
+                    seed=args.seed, interpret=args.interpret, logits_soft_cap=args.logits_soft_cap,
+                    sink=args.sink)
   device = jax.devices()[0].device_kind
   title = (f"Tie-stress bias probe: mean signed error of O in {args.dtype} ulps (outward > 0), "
            f"{args.batch}x{args.rows} rows, {args.keys} keys, head dim 64, "
            f"{'' if args.logits_soft_cap is None else f'logits soft cap {args.logits_soft_cap:g}, '}"
+           f"{'' if args.sink is None else f'attention sink {args.sink:g}, '}"
            f"device: {device}, "
            f"jax {jax.__version__}, {time.time() - start:.0f} s\n\n")
   text = title + bias_table(results)

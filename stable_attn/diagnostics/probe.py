@@ -105,13 +105,16 @@ def signed_ulp_error(out, truth, dtype):
 
 def measure(implementation: str, numerics: str, max_adjust: str, regime: str, placement: str, *,
             beta: float = 2.0, dtype=jnp.bfloat16, batch=4, rows=256, keys=1024, seed=0,
-            interpret: bool = False, logits_soft_cap=None) -> ProbeResult:
+            interpret: bool = False, logits_soft_cap=None, sink=None) -> ProbeResult:
   """With logits_soft_cap, the truth is the float64 attention of the capped logits (ties stay
-  ties: both tied scores map to the same capped value)."""
+  ties: both tied scores map to the same capped value). With `sink` (a float), the one head gets
+  that attention-sink logit, and the truth includes it."""
   q, k, v = tie_inputs(regime, placement, batch=batch, rows=rows, keys=keys, dtype=dtype,
                        seed=seed)
-  out = _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap)(q, k, v)
-  truth = exact_attention(q, k, v, logits_soft_cap=logits_soft_cap)
+  sinks = None if sink is None else np.full((1,), sink, np.float32)
+  out = _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap,
+                   sink)(q, k, v)
+  truth = exact_attention(q, k, v, logits_soft_cap=logits_soft_cap, sinks=sinks)
   err = signed_ulp_error(out, truth, dtype)
   finite = np.isfinite(err)
   nan_count = int(np.size(err) - finite.sum())
@@ -124,19 +127,21 @@ def measure(implementation: str, numerics: str, max_adjust: str, regime: str, pl
 _CACHE: dict = {}
 
 
-def _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap=None):
+def _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap=None,
+               sink=None):
   """One jitted function per configuration (shapes repeat across regimes)."""
-  key = (implementation, numerics, max_adjust, beta, interpret, logits_soft_cap)
+  key = (implementation, numerics, max_adjust, beta, interpret, logits_soft_cap, sink)
   if key not in _CACHE:
     if implementation in PEERS:
-      if logits_soft_cap is not None:
-        raise ValueError(f"the peer {implementation!r} (jax.nn) has no logits soft cap")
+      if logits_soft_cap is not None or sink is not None:
+        raise ValueError(f"the peer {implementation!r} (jax.nn) has no logits soft cap or sinks")
       fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
                                                         implementation=PEERS[implementation])
     else:
       fn = lambda q, k, v: dot_product_attention(
           q, k, v, implementation=implementation, numerics=numerics, max_adjust=max_adjust,
-          beta=beta, interpret=interpret, logits_soft_cap=logits_soft_cap)
+          beta=beta, interpret=interpret, logits_soft_cap=logits_soft_cap,
+          sinks=None if sink is None else jnp.full((1,), sink, jnp.float32))
     _CACHE[key] = jax.jit(fn)
   return _CACHE[key]
 
@@ -193,7 +198,8 @@ def measure_gradients(implementation: str, numerics: str, max_adjust: str, regim
                                              interpret=interpret)
   out, vjp = jax.vjp(jax.jit(fn), q, k, v)
   dq = np.asarray(vjp(do)[0].astype(jnp.float32), np.float64)
-  o_true, dq_true, _, _, _ = exact_attention_vjp(q, k, v, do)
+  exact = exact_attention_vjp(q, k, v, do)
+  o_true, dq_true = exact.out, exact.dq
   do64 = np.asarray(do.astype(jnp.float32), np.float64)
   o64 = np.asarray(out.astype(jnp.float32), np.float64)
   delta_err = np.sum(do64 * (o64 - o_true), axis=-1)          # [B, T, 1]
