@@ -43,6 +43,8 @@ from train.step import make_train_step  # noqa: E402
 ARMS = {
     "ours": dict(attention="auto", max_adjust="safe"),
     "ours_off": dict(attention="auto", max_adjust="off"),
+    # --remat: blocks recomputed in the backward, attention's named residuals (out, lse) kept.
+    "ours_remat": dict(attention="auto", max_adjust="safe", remat=True),
     "cudnn": dict(attention="cudnn", max_adjust="off"),
     "xla": dict(attention="jax_xla", max_adjust="off"),
 }
@@ -65,6 +67,9 @@ def run_arm(cfg, n_steps: int, warmup: int, mesh, tokens: np.ndarray) -> dict:
     t0 = time.perf_counter()
     compiled = step.lower(params, opt_state, x, y).compile()
     compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()  # what XLA plans for one step: buffers live at its peak
+    step_gib = None if mem is None else (mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                                         + mem.output_size_in_bytes - mem.alias_size_in_bytes) / 2 ** 30
     for _ in range(warmup):
         params, opt_state, _ = compiled(params, opt_state, x, y)
     jax.block_until_ready(params)
@@ -75,12 +80,14 @@ def run_arm(cfg, n_steps: int, warmup: int, mesh, tokens: np.ndarray) -> dict:
     elapsed = time.perf_counter() - t0
     B, T = tokens.shape[1], tokens.shape[2] - 1
     return {"tokens_per_s": n_steps * B * T / elapsed, "step_ms": 1e3 * elapsed / n_steps,
-            "compile_s": compile_s, "loss": loss, "finite": bool(np.isfinite(loss))}
+            "compile_s": compile_s, "loss": loss, "finite": bool(np.isfinite(loss)),
+            "step_memory_gib": step_gib}
 
 
 def label(mcfg) -> str:
     """Short name of what an arm runs, for the table."""
-    return attn_lib.short_name(mcfg.attention, mcfg.max_adjust, mcfg.numerics)
+    name = attn_lib.short_name(mcfg.attention, mcfg.max_adjust, mcfg.numerics)
+    return name + (", --remat" if mcfg.remat else "")
 
 
 def peak_memory_gb() -> float | None:
@@ -89,22 +96,27 @@ def peak_memory_gb() -> float | None:
     return peak / 2 ** 30 if peak else None
 
 
+def _gib(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def markdown(rows: list[dict], header: dict) -> str:
     lines = [f"# GPT-2 training throughput: {header['device']} x{header['devices']}", "",
              f"config {header['config']} ({header['params_m']:.1f}M params), batch {header['batch']} x seq "
              f"{header['seq']} (global), {header['steps']} timed steps after {header['warmup']} warm-up, "
              f"bf16 compute / fp32 master weights, AdamW + clip. jax {header['jax']}. "
-             f"MFU peak: {header['peak_note']}.", "",
-             "| arm | attention | tokens/s | step ms | MFU | vs cuDNN | compile s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             f"MFU peak: {header['peak_note']}. Step memory: XLA's plan for one compiled step "
+             f"(arguments + outputs + temporaries - donated).", "",
+             "| arm | attention | tokens/s | step ms | MFU | vs cuDNN | compile s | step memory GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     base = next((r["tokens_per_s"] for r in rows if r["arm"] == "cudnn" and "tokens_per_s" in r), None)
     for r in rows:
         if "tokens_per_s" not in r:
-            lines.append(f"| {r['arm']} | {r['attention']} | - | - | - | - | {r.get('error', 'skipped')[:60]} |")
+            lines.append(f"| {r['arm']} | {r['attention']} | - | - | - | - | {r.get('error', 'skipped')[:60]} | - |")
             continue
         vs = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
         lines.append(f"| {r['arm']} | {r['attention']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
-                     f"{100 * r['mfu']:.1f}% | {vs} | {r['compile_s']:.1f} |")
+                     f"{100 * r['mfu']:.1f}% | {vs} | {r['compile_s']:.1f} | {_gib(r.get('step_memory_gib'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -121,6 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--tag", default="", help="suffix of the result files' names (e.g. remat)")
     args = p.parse_args(argv)
 
     if args.steps < 1 or args.warmup < 0:
@@ -171,7 +184,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_") + (f"_x{n_dev}" if n_dev > 1 else "")
-    stem = f"train_speed_{args.config}_{slug}"
+    stem = f"train_speed_{args.config}_{slug}" + (f"_{args.tag}" if args.tag else "")
     table = markdown(rows, header)
     (out / f"{stem}.md").write_text(table)
     (out / f"{stem}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")

@@ -22,13 +22,27 @@ import sys
 import time
 from pathlib import Path
 
-# arm name -> (numerics preset, max_adjust); the first is the paper's failing arithmetic.
-ARMS = {
-    "paper/off": ("paper", "off"),
-    "paper/paper": ("paper", "paper"),
-    "paper/safe": ("paper", "safe"),
-    "fast/off": ("fast", "off"),
-}
+# The explosion experiment's arms; the first is the paper's failing arithmetic. An arm is any
+# "NUMERICS/MAX_ADJUST": a numerics preset or a preset with rounding points moved
+# ("paper+score=float32/safe", stable_attn.numerics.resolve) and a max_adjust mode.
+ARMS = ("paper/off", "paper/paper", "paper/safe", "fast/off")
+
+
+def arm_settings(arm: str) -> tuple[str, str]:
+    """"NUMERICS/MAX_ADJUST" -> (numerics, max_adjust); ValueError naming the arm if either is unknown."""
+    from stable_attn import MAX_ADJUST_MODES
+    from stable_attn.numerics import resolve
+    numerics, sep, max_adjust = arm.rpartition("/")
+    if not sep or max_adjust not in MAX_ADJUST_MODES:
+        raise ValueError(f"arm {arm!r}: expected NUMERICS/MAX_ADJUST with MAX_ADJUST one of "
+                         f"{', '.join(MAX_ADJUST_MODES)}")
+    try:
+        resolve(numerics)
+    except ValueError as e:
+        raise ValueError(f"arm {arm!r}: {e}") from None
+    return numerics, max_adjust
+
+
 COLORS = {"paper/off": "tab:red", "paper/paper": "tab:blue", "paper/safe": "tab:green",
           "fast/off": "tab:orange"}
 EXIT_STOPPED = 3  # `python -m train` exit status when the loss went non-finite or spiked
@@ -55,8 +69,7 @@ def run_dir(out: Path, lr: float, arm: str) -> Path:
 def plan(out: Path, lrs: list[float], arms: list[str], gpus: list[str]) -> list[Run]:
     """One run per (lr, arm), assigned round-robin to the GPUs."""
     for arm in arms:
-        if arm not in ARMS:
-            raise ValueError(f"arms: unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+        arm_settings(arm)
     if not lrs or any(not lr > 0 for lr in lrs):
         raise ValueError(f"lrs must be positive numbers, got {lrs}")
     runs = []
@@ -66,7 +79,7 @@ def plan(out: Path, lrs: list[float], arms: list[str], gpus: list[str]) -> list[
 
 
 def train_command(run: Run, *, config: str, time_limit: float | None, extra: list[str]) -> list[str]:
-    numerics, max_adjust = ARMS[run.arm]
+    numerics, max_adjust = arm_settings(run.arm)
     cmd = [sys.executable, "-m", "train", "--config", config, "--numerics", numerics,
            "--max-adjust", max_adjust, "--lr", repr(run.lr), "--out-dir", str(run.out_dir),
            "--no-progress", "--no-tensorboard"]
@@ -267,15 +280,20 @@ def figure(out: Path, lrs: list[float], arms: list[str], path: Path) -> Path:
             if r["stop"] is not None and r["steps"]:
                 ax_loss.plot(r["steps"][-1], r["loss"][-1], "x", color=color, ms=10, mew=2)
         ax_loss.set_title(f"peak lr {lr:g}")
-        ax_loss.set_ylabel("training loss (mean of 10 steps)")
-        ax_loss.legend(fontsize=6, loc="lower left")
-        ax_norm.set_ylabel("largest W_Q spectral norm over layers")
-        ax_norm.set_xlabel("step")
-        for ax in (ax_loss, ax_norm):
-            ax.grid(alpha=0.3)
+        label_axes(ax_loss, ax_norm, "largest W_Q spectral norm over layers", legend_loc="lower left")
     fig.suptitle("GPT-2 124M (no biases), bf16, 32x1024 tokens/step: arms differ only in attention "
                  "numerics / max_adjust", fontsize=10)
     return save_figure(fig, path)
+
+
+def label_axes(ax_loss, ax_norm, norm_label: str, *, legend_loc: str) -> None:
+    """The loss panel above the W_Q-norm panel, as every reproduction figure draws them."""
+    ax_loss.set_ylabel("training loss (mean of 10 steps)")
+    ax_loss.legend(fontsize=6.5, loc=legend_loc)
+    ax_norm.set_ylabel(norm_label)
+    ax_norm.set_xlabel("step")
+    for ax in (ax_loss, ax_norm):
+        ax.grid(alpha=0.3)
 
 
 def save_figure(fig, path: Path) -> Path:
@@ -301,9 +319,11 @@ def _floats(text: str) -> list[float]:
 
 def _arms(text: str) -> list[str]:
     arms = [a for a in text.split(",") if a]
-    bad = [a for a in arms if a not in ARMS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
+    try:
+        for arm in arms:
+            arm_settings(arm)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return arms
 
 
@@ -315,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--out", default="out/explosion", help="one sub-directory per run")
         p.add_argument("--lrs", type=_floats, default=[1e-3, 3e-3], help="peak learning rates")
-        p.add_argument("--arms", type=_arms, default=list(ARMS), help=f"from {', '.join(ARMS)}")
+        p.add_argument("--arms", type=_arms, default=list(ARMS),
+                       help=f"comma list of NUMERICS/MAX_ADJUST (default {','.join(ARMS)})")
         p.add_argument("--figure", help="write the figure here (default OUT/explosion.png)")
         p.add_argument("--table", help="write the Markdown table here (default OUT/explosion.md)")
     run_p = sub.choices["run"]

@@ -2,6 +2,7 @@
 # The GPU part of docs/reproduction.md on a machine reached through calls of at most 10 minutes:
 #
 #   bash reproduction/gpu_session.sh start    # arms in the background (setsid), bias probes, progress
+#   bash reproduction/gpu_session.sh launch   # only the arms in the background; returns at once
 #   bash reproduction/gpu_session.sh wait     # progress until this call's budget is spent
 #   bash reproduction/gpu_session.sh finish   # wait for the arms, gradient study, pack the results
 #
@@ -9,13 +10,18 @@
 # (python -m train --corpus mix --prepare-only). Results go to $OUT (default $REPRO_DIR/out);
 # every phase also packs the partial results, so a lost machine loses at most one call.
 set -uo pipefail
-phase=${1:?usage: gpu_session.sh start|wait|finish}
+phase=${1:?usage: gpu_session.sh launch|start|wait|finish}
 W=${REPRO_DIR:-/tmp/repro}
 OUT=${OUT:-$W/out}
 LRS=${LRS:-1e-3,3e-3}
 TIME_LIMIT=${TIME_LIMIT:-1140}     # seconds of training per arm
 CALL_SECONDS=${CALL_SECONDS:-560}  # how long start/wait may run
-GRAD_LR=${GRAD_LR:-0.003}          # which learning rate's paper/off run the gradient study reads
+ARMS=${ARMS:-}                      # comma list of NUMERICS/MAX_ADJUST (default: explosion.ARMS)
+GRAD_LR=${GRAD_LR:-0.003}          # which learning rate's run the gradient study reads ...
+GRAD_ARM=${GRAD_ARM:-paper-off}    # ... and which arm's directory
+GRAD_COMPARE=${GRAD_COMPARE:-}     # arms the study recomputes (default: gradients.py's)
+GRAD_STEPS=${GRAD_STEPS:-20}
+GRAD_STEP=${GRAD_STEP:-before-instability}
 EXPLOSION_ARGS=${EXPLOSION_ARGS:-}  # more arguments for `explosion run` (e.g. a smoke test's config)
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 mkdir -p "$W" "$OUT"
@@ -31,11 +37,18 @@ progress() {
   tail -n 2 "$W/explosion.log"
 }
 
-case $phase in
-start)
+launch() {
   nvidia-smi -L
   setsid nohup python3 -m reproduction.explosion run --out "$W/explosion" --lrs "$LRS" \
-      --time-limit "$TIME_LIMIT" --report-every 60 $EXPLOSION_ARGS >"$W/explosion.log" 2>&1 </dev/null &
+      ${ARMS:+--arms "$ARMS"} --time-limit "$TIME_LIMIT" --report-every 60 $EXPLOSION_ARGS \
+      >"$W/explosion.log" 2>&1 </dev/null &
+}
+
+case $phase in
+launch)
+  launch ;;
+start)
+  launch
   # The probes share GPU 0 with its runs through a small memory slice.
   export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.06
   python3 -m stable_attn.diagnostics --implementations pallas_gpu,reference,xla,jax.nn --gradients \
@@ -49,9 +62,12 @@ wait)
 finish)
   while running; do sleep 5; done
   tail -n 12 "$W/explosion.log"
-  python3 -m reproduction.gradients --run "$W/explosion/lr$GRAD_LR/paper-off" --step before-instability \
-      --steps 20 --data data/mix --out "$W/gradients/gradients.json" 2>&1 | tee "$W/gradients.log" | tail -n 60
+  python3 -m reproduction.gradients --run "$W/explosion/lr$GRAD_LR/$GRAD_ARM" --step "$GRAD_STEP" \
+      --steps "$GRAD_STEPS" ${GRAD_COMPARE:+--compare "$GRAD_COMPARE"} --data data/mix \
+      --out "$W/gradients/gradients.json" 2>&1 | tee "$W/gradients.log" | tail -n 60
+  python3 -m reproduction.explosion report --out "$W/explosion" --lrs "$LRS" ${ARMS:+--arms "$ARMS"} \
+      2>&1 | tail -n 20
   pack ;;
 *)
-  echo "unknown phase $phase (start, wait or finish)" >&2; exit 2 ;;
+  echo "unknown phase $phase (launch, start, wait or finish)" >&2; exit 2 ;;
 esac

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from reproduction.explosion import ARMS, first_instability, read_run, save_figure
+from reproduction.explosion import ARMS, _arms, arm_settings, first_instability, read_run, save_figure
 from train import data as data_lib
 from train.attention import causal_attention
 from train.checkpoint import Checkpointer
@@ -71,7 +71,7 @@ def layer_errors(q, k, v, do, x, *, model: ModelConfig, arm: str):
     float32 arrays, per head N first.
     """
     hp = jax.lax.Precision.HIGHEST
-    numerics, max_adjust = ARMS[arm]
+    numerics, max_adjust = arm_settings(arm)
     f32 = lambda a: a.astype(jnp.float32)
 
     def low(q, k, v):
@@ -95,7 +95,7 @@ def layer_errors(q, k, v, do, x, *, model: ModelConfig, arm: str):
     e_q_delta = per_head(dq_from_delta)
     norm = lambda a: jnp.sqrt(jnp.sum(jnp.square(a), axis=(1, 2)))
     sv = jnp.linalg.svd(e_q, compute_uv=False)
-    _, tie = attention_stats(q, k, scale=scale, paper_numerics=numerics == "paper")
+    _, tie = attention_stats(q, k, scale=scale, numerics=numerics)
     return {
         "delta_err_sum": ddelta.sum(axis=(0, 1)),
         "delta_rel_bias": ddelta.mean(axis=(0, 1)) / jnp.mean(jnp.abs(delta_hp), axis=(0, 1)),
@@ -317,16 +317,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="checkpoint step, 'latest', or 'before-instability': the last checkpoint before "
                              "the run's first spike, sustained rise or non-finite loss (the latest if none)")
     parser.add_argument("--steps", type=int, default=20, help="consecutive optimizer steps to study")
-    parser.add_argument("--compare", default=",".join(ARMS), help=f"arms from {', '.join(ARMS)}")
+    parser.add_argument("--compare", type=_arms, default=list(ARMS),
+                        help=f"comma list of NUMERICS/MAX_ADJUST arms (default {','.join(ARMS)})")
     parser.add_argument("--data", help="token data directory (default: ./data/<the run's corpus>)")
     parser.add_argument("--out", help="JSON results (default RUN/gradients.json)")
     parser.add_argument("--table", help="Markdown table (default: beside --out, .md)")
     parser.add_argument("--figure", help="figure (default: beside --out, .png)")
     args = parser.parse_args(argv)
-    compare = [a for a in args.compare.split(",") if a]
-    bad = [a for a in compare if a not in ARMS]
-    if bad:
-        parser.error(f"--compare: unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
+    compare = args.compare
     run = Path(args.run)
     if args.from_results:
         result = load_results(Path(args.from_results))

@@ -17,6 +17,8 @@ from typing import NamedTuple
 import numpy as np
 
 _CHOICES = ("float32", "input")
+# The rounding points a Numerics names, in the order the forward meets them.
+_FIELDS = ("score", "p", "pv", "acc", "sum", "sum_of_rounded_p", "out", "residual_o")
 
 
 class Dtypes(NamedTuple):
@@ -58,7 +60,11 @@ class Numerics:
   residual_o: str = "input"
 
   def __post_init__(self):
-    for field in ("score", "p", "pv", "acc", "sum", "out", "residual_o"):
+    for field in _FIELDS:
+      if field == "sum_of_rounded_p":
+        if not isinstance(self.sum_of_rounded_p, bool):
+          raise ValueError(f"Numerics.sum_of_rounded_p must be a bool, got {self.sum_of_rounded_p!r}")
+        continue
       value = getattr(self, field)
       if value not in _CHOICES:
         raise ValueError(f"Numerics.{field} must be one of {_CHOICES}, got {value!r}")
@@ -90,11 +96,37 @@ PRESETS = {"fast": FAST, "paper": PAPER,
            "fast+fp32o": FAST.with_fp32_residual(), "paper+fp32o": PAPER.with_fp32_residual()}
 
 
+_BOOL_FIELDS = {"sum_of_rounded_p": {"true": True, "false": False}}
+
+
 def resolve(numerics) -> Numerics:
-  """A preset name or a `Numerics` -> `Numerics`; anything else raises ValueError."""
+  """A `Numerics`, a preset name, or a preset with some rounding points moved -> `Numerics`.
+
+  The third form is "PRESET+FIELD=VALUE[+FIELD=VALUE...]", e.g. "paper+score=float32" (the paper's
+  arithmetic with fp32 scores) or "fast+sum=input+sum_of_rounded_p=true"; VALUE is "float32" or
+  "input" ("true"/"false" for sum_of_rounded_p). The result is named by the string, so one spelling
+  serves the API, the CLIs and the names of result files. Anything else raises ValueError.
+  """
   if isinstance(numerics, Numerics):
     return numerics
   if isinstance(numerics, str) and numerics in PRESETS:
     return PRESETS[numerics]
-  raise ValueError(f"numerics must be one of {sorted(PRESETS)} or a stable_attn.Numerics, "
-                   f"got {numerics!r}")
+  if isinstance(numerics, str) and "=" in numerics:
+    base, *changes = numerics.split("+")
+    while changes and "=" not in changes[0]:   # a preset whose name holds a "+" ("paper+fp32o")
+      base, changes = f"{base}+{changes[0]}", changes[1:]
+    if base not in PRESETS:
+      raise ValueError(f"numerics {numerics!r}: {base!r} is not a preset ({sorted(PRESETS)})")
+    fields = {}
+    for change in changes:
+      field, _, value = change.partition("=")
+      if field not in _FIELDS:
+        raise ValueError(f"numerics {numerics!r}: {field!r} is not a rounding point ({_FIELDS})")
+      if field in _BOOL_FIELDS:
+        if value not in _BOOL_FIELDS[field]:
+          raise ValueError(f"numerics {numerics!r}: {field} takes true or false, got {value!r}")
+        value = _BOOL_FIELDS[field][value]
+      fields[field] = value
+    return PRESETS[base].replace(name=numerics, **fields)
+  raise ValueError(f"numerics must be one of {sorted(PRESETS)}, a preset with rounding points "
+                   f"moved (e.g. 'paper+score=float32') or a stable_attn.Numerics, got {numerics!r}")

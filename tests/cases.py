@@ -11,6 +11,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import stable_attn
 from stable_attn.reference import exact_attention_vjp
@@ -39,6 +40,14 @@ CASES = [
 CASE_NAMES = [c["name"] for c in CASES]
 
 # Relative Frobenius error bounds (values, gradients) per input dtype.
+# Compiled on the GPU machine only (`-m gpu`); the interpret-mode arms run everywhere.
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
+COMPILED_PALLAS_GPU = pytest.param("pallas_gpu", False, marks=[pytest.mark.gpu, on_gpu],
+                                   id="pallas_gpu-compiled")
+# Every implementation for the feature tests: (implementation, interpret).
+FEATURE_IMPLS = [("reference", False), ("xla", False), ("pallas_gpu", True), ("pallas_tpu", True),
+                 COMPILED_PALLAS_GPU]
+
 TOLERANCE = {jnp.float32: (1e-4, 2e-4), jnp.float16: (4e-3, 8e-3), jnp.bfloat16: (2e-2, 3e-2)}
 
 

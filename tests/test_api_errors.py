@@ -1,4 +1,5 @@
 """Bad input raises ValueError naming the argument."""
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -57,3 +58,29 @@ def test_numerics_fields_are_checked():
 def test_unavailable_kernel_raises_clearly_on_cpu():
   with pytest.raises(ValueError, match="pallas_gpu"):
     stable_attn.dot_product_attention(q, k, k, implementation="pallas_gpu")
+
+
+def test_numerics_with_moved_rounding_points():
+  """"PRESET+FIELD=VALUE..." moves rounding points; moving every point in which "paper" differs
+  from "fast" gives the fast arithmetic bit for bit; bad specs name what is wrong."""
+  from stable_attn.numerics import resolve
+  moved = resolve("paper+score=float32")
+  assert moved.name == "paper+score=float32" and moved.score == "float32"
+  assert moved.replace(name="paper", score="input") == stable_attn.PAPER
+  assert resolve("paper+fp32o+out=float32").residual_o == "float32"
+  all_moved = "paper+" + "+".join(["score=float32", "pv=float32", "acc=float32", "sum=float32",
+                                   "sum_of_rounded_p=false", "out=float32"])
+  assert resolve(all_moved).dtypes(jnp.bfloat16) == stable_attn.FAST.dtypes(jnp.bfloat16)
+  qb = jnp.asarray(jax.random.normal(jax.random.PRNGKey(0), (1, 40, 2, 16)), jnp.bfloat16)
+  attend = lambda nx: stable_attn.dot_product_attention(qb, qb, qb, is_causal=True, numerics=nx,
+                                                        implementation="reference")
+  assert bool(jnp.all(attend(all_moved) == attend("fast")))
+  assert not bool(jnp.all(attend("paper") == attend("fast")))
+  for bad, match in [("paper+foo=float32", "'foo' is not a rounding point"),
+                     ("paper+score=float64", "Numerics.score"),
+                     ("paper+sum_of_rounded_p=yes", "true or false"),
+                     ("fastest+score=input", "'fastest' is not a preset")]:
+    with pytest.raises(ValueError, match=match):
+      resolve(bad)
+  with pytest.raises(ValueError, match="numerics"):
+    stable_attn.dot_product_attention(q, k, k, numerics="paper+score", implementation="reference")

@@ -13,9 +13,10 @@ import pytest
 
 import stable_attn
 from stable_attn.reference import exact_attention
+from tests.cases import COMPILED_PALLAS_GPU, FEATURE_IMPLS
 
 # (implementation, interpret mode): the Pallas kernels run interpreted on a CPU.
-IMPLS = [("reference", False), ("xla", False), ("pallas_gpu", True), ("pallas_tpu", True)]
+IMPLS = FEATURE_IMPLS
 DOCS = (7, 20, 1, 12)   # document lengths packed into one row of 40
 
 
@@ -31,7 +32,8 @@ def _value_and_grads(fn, q, k, v, do):
 
 # Every mode on the reference, the default mode on the others.
 PACKED = ([("reference", False, mode) for mode in ("off", "paper")]
-          + [(impl, interpret, "safe") for impl, interpret in IMPLS])
+          + [(impl, interpret, "safe") for impl, interpret in IMPLS[:-1]]
+          + [pytest.param("pallas_gpu", False, "safe", marks=COMPILED_PALLAS_GPU.marks)])
 
 
 @pytest.mark.parametrize("impl,interpret,max_adjust", PACKED)

@@ -43,7 +43,7 @@ def test_layer_errors_match_an_independent_float64_computation(arm):
     model = ModelConfig(n_layer=1, n_head=N, n_embd=N * H, block_size=T, attention="reference")
     got = jax.device_get(jax.jit(lambda *a: gradients.layer_errors(*a, model=model, arm=arm))(q, k, v, do, x))
 
-    numerics, max_adjust = explosion.ARMS[arm]
+    numerics, max_adjust = explosion.arm_settings(arm)
     fn = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, implementation="reference",
                                                numerics=numerics, max_adjust=max_adjust)
     o_lp, vjp = jax.vjp(fn, q, k, v)
@@ -174,3 +174,30 @@ def test_run_launches_arms_on_cpu(tmp_path):
     assert all(r["steps"] == [0, 1] for r in runs)
     assert runs[0]["loss"][0] == pytest.approx(runs[1]["loss"][0], rel=1e-2)  # same weights, same batch
     assert "numerics='paper'" in (explosion.run_dir(tmp_path, 3e-3, "paper/off") / "train.log").read_text()
+
+
+def test_arm_settings_accept_moved_rounding_points():
+    assert explosion.arm_settings("paper+score=float32/safe") == ("paper+score=float32", "safe")
+    assert explosion.arm_settings("paper+fp32o/off") == ("paper+fp32o", "off")
+    for bad in ("paper", "paper/on", "paper+nope=input/safe"):
+        with pytest.raises(ValueError, match="arm"):
+            explosion.arm_settings(bad)
+    cmd = explosion.train_command(explosion.Run(1e-3, "fast+score=input/safe", Path("x"), None),
+                                  config="repro", time_limit=None, extra=[])
+    assert cmd[cmd.index("--numerics") + 1] == "fast+score=input"
+
+
+def test_ablation_table_and_figure(tmp_path):
+    from reproduction import ablation
+    rng = np.random.default_rng()
+    for arm in ("paper/safe", "paper+score=float32/safe"):
+        _write_run(explosion.run_dir(tmp_path / "runs", 1e-3, arm),
+                   list(np.linspace(8, 2, 460) + rng.uniform(-0.01, 0.01, 460)))
+    runs = ablation.load(tmp_path / "runs" / "lr0.001")
+    assert set(runs) == {"paper/safe", "paper+score=float32/safe"}
+    text = ablation.table(runs, layer=2)
+    # _write_run logs spec_wq [1 + i, 2 + i] at record i (step 10 i): layer 2 at step 1000 is 102.
+    assert "| paper+score=float32/safe | 102.0 / 0.20 / " in text
+    assert ablation.main(["--runs", str(tmp_path / "runs" / "lr0.001"),
+                          "--figure", str(tmp_path / "a.png")]) == 0
+    assert (tmp_path / "a.png").stat().st_size > 10_000

@@ -10,8 +10,9 @@ import pytest
 import stable_attn
 from stable_attn.flash import RESIDUAL_NAMES
 from stable_attn.reference import exact_attention_vjp
+from tests.cases import FEATURE_IMPLS, TOLERANCE, on_gpu, relative_error
 
-IMPLS = [("reference", False), ("xla", False), ("pallas_gpu", True), ("pallas_tpu", True)]
+IMPLS = FEATURE_IMPLS
 
 
 def _inputs(seed, dtype=jnp.float32, T=24, S=40):
@@ -68,6 +69,27 @@ def test_ring_identity_values_and_gradients(impl, interpret, max_adjust):
   want = jax.grad(loss(full), argnums=(0, 1, 2))(q, k, v)
   for g, r in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_mosaic_gpu"])
+def test_gpu_lse_and_ring_identity_bf16(impl):
+  """Compiled, bf16, at a Hopper-kernel shape: LSE vs float64, and the two-halves composition's
+  values and gradients vs float64 attention over all keys."""
+  rng = np.random.default_rng()
+  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  q, k, v, w = draw(2, 256, 4, 64), draw(2, 512, 2, 64), draw(2, 512, 2, 64), draw(2, 256, 4, 64)
+  out, lse = stable_attn.dot_product_attention(q, k, v, implementation=impl, return_residuals=True)
+  want = exact_attention_vjp(q, k, v, w)
+  np.testing.assert_allclose(np.asarray(lse), want.lse, rtol=1e-4, atol=1e-4)
+  tol_value, tol_grad = TOLERANCE[jnp.bfloat16]
+  ring = lambda q, k, v: _ring(impl, False, q, k, v, "safe")
+  assert relative_error(ring(q, k, v), want.out) <= tol_value
+  grads = jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v) * w.astype(jnp.float32)),
+                   argnums=(0, 1, 2))(q, k, v)
+  for got, ref in zip(grads, (want.dq, want.dk, want.dv)):
+    assert relative_error(got, ref) <= tol_grad
 
 
 def test_lse_gradient_matches_autodiff_of_the_xla_path():

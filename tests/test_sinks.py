@@ -13,9 +13,9 @@ import stable_attn
 from stable_attn.api import canonicalize
 from stable_attn.reference import exact_attention_vjp
 from pallas_kernels import mosaic_gpu
-from tests.cases import TOLERANCE, relative_error
+from tests.cases import FEATURE_IMPLS, TOLERANCE, relative_error
 
-IMPLS = [("reference", False), ("xla", False), ("pallas_gpu", True), ("pallas_tpu", True)]
+IMPLS = FEATURE_IMPLS
 B, T, S, N, K, H = 2, 40, 48, 4, 2, 32
 
 

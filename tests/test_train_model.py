@@ -164,17 +164,25 @@ def test_tie_fraction_counts_rows_with_two_maxima():
     k = jnp.zeros((1, T, 1, H)).at[0, :, 0, 0].set(-1.0).at[0, :2, 0, 0].set(3.0)
     q = jnp.zeros((1, T, 1, H)).at[0, :, 0, 0].set(2.0)
     max_logit, tie = attention_stats(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), scale=1.0,
-                                     paper_numerics=False)
+                                     numerics="fast")
     assert float(max_logit) == pytest.approx(6.0)
     assert float(tie) == pytest.approx((T - 1) / T)  # row 0 sees a single key
     # A gap of 0.01 is far more than bf16's rounding of P near 1 (2^-9): no tie any more.
     k2 = k.at[0, 1, 0, 0].set(2.995)
-    _, tie2 = attention_stats(q.astype(jnp.float32), k2, scale=1.0, paper_numerics=False)
+    _, tie2 = attention_stats(q.astype(jnp.float32), k2, scale=1.0, numerics="fast")
     assert float(tie2) == 0.0
     # ... but a gap of 0.0005 rounds to P = 1.0 in bf16: still tied.
     k3 = k.at[0, 1, 0, 0].set(3.0 - 0.00025)
-    _, tie3 = attention_stats(q.astype(jnp.float32), k3, scale=1.0, paper_numerics=False)
+    _, tie3 = attention_stats(q.astype(jnp.float32), k3, scale=1.0, numerics="fast")
     assert float(tie3) == pytest.approx((T - 1) / T)
+    # Scores 6.0 and 5.99 differ in fp32 (P = 0.990 rounds below 1) but are one bf16 value: a tie
+    # exactly where the arm's numerics keep scores in the input dtype.
+    k4 = k.at[0, 1, 0, 0].set(2.995)
+    q4 = q.astype(jnp.bfloat16)
+    ties = {nx: float(attention_stats(q4, k4, scale=1.0, numerics=nx)[1])
+            for nx in ("fast", "paper", "fast+score=input", "paper+score=float32")}
+    assert ties == {"fast": 0.0, "paper+score=float32": 0.0,
+                    "paper": pytest.approx((T - 1) / T), "fast+score=input": pytest.approx((T - 1) / T)}
 
 
 def test_monitor_outputs_per_layer():

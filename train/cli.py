@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--corpus", help="registry corpus to prepare: default or mix")
     a("--attention", help=f"attention implementation: {', '.join(ATTENTION_CHOICES)}")
     a("--max-adjust", help=f"softmax max adjustment (ours only): {', '.join(MAX_ADJUST_CHOICES)}")
-    a("--numerics", help=f"rounding preset (ours only): {', '.join(NUMERICS_CHOICES)}")
+    a("--numerics", help=f"rounding preset (ours only): {', '.join(NUMERICS_CHOICES)}, or one with "
+      "rounding points moved, e.g. paper+score=float32 (stable_attn.numerics.resolve)")
     a("--beta", type=float, help="the paper's beta for --max-adjust paper")
     a("--dtype", help="compute dtype: bfloat16, float32, float16 (parameters stay float32)")
     a("--block-size", type=int, help="context length")

@@ -46,11 +46,14 @@ class ModelConfig:
         for name, value, choices in (
             ("attention", self.attention, ATTENTION_CHOICES),
             ("max_adjust", self.max_adjust, MAX_ADJUST_CHOICES),
-            ("numerics", self.numerics, NUMERICS_CHOICES),
             ("dtype", self.dtype, DTYPE_CHOICES),
         ):
             if value not in choices:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        try:  # a preset, or a preset with rounding points moved ("paper+score=float32")
+            stable_attn.numerics.resolve(self.numerics)
+        except ValueError as e:
+            raise ValueError(f"numerics={self.numerics!r}: {e}") from None
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

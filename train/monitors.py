@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+import stable_attn
 from stable_attn.tile import tied_rows
 from .config import ModelConfig
 
@@ -22,12 +23,13 @@ def spectral_norm(w):
     return jnp.linalg.svd(w.astype(jnp.float32), compute_uv=False)[0]
 
 
-def attention_stats(q, k, *, scale: float, paper_numerics: bool, segment_ids=None):
+def attention_stats(q, k, *, scale: float, numerics: str = "fast", segment_ids=None):
     """q, k: [B, T, N, H] (compute dtype); segment_ids: [B, T] documents (--pack-documents) or None.
+    Scores are rounded to q's dtype where `numerics` keeps them there (the paper's kernel does).
     Returns (max logit, tie fraction) over the visible pairs, as float32 scalars."""
     s = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
-    if paper_numerics:
-        s = s.astype(jnp.bfloat16).astype(jnp.float32)  # the paper's kernel keeps scores in bf16
+    if stable_attn.numerics.resolve(numerics).score == "input":
+        s = s.astype(q.dtype).astype(jnp.float32)
     T = q.shape[1]
     visible = jnp.tril(jnp.ones((T, T), bool))[None, None]  # [B, N, T, S]: causal window
     if segment_ids is not None:
@@ -50,7 +52,7 @@ def make_monitor_fn(graphdef, cfg: ModelConfig):
             kernel = params["h"][i]["attn"]["c_attn"]["kernel"][...]
             wq.append(spectral_norm(kernel[:, :C]))
             wk.append(spectral_norm(kernel[:, C:2 * C]))
-            m, t = attention_stats(q, k, scale=scale, paper_numerics=cfg.numerics.startswith("paper"),
+            m, t = attention_stats(q, k, scale=scale, numerics=cfg.numerics,
                                    segment_ids=layer["segment_ids"])
             max_logit.append(m)
             tie.append(t)
