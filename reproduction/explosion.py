@@ -317,7 +317,8 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def _arms(text: str) -> list[str]:
+def parse_arms(text: str) -> list[str]:
+    """"a/b,c/d" -> the arms, each checked by arm_settings (argparse type)."""
     arms = [a for a in text.split(",") if a]
     try:
         for arm in arms:
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--out", default="out/explosion", help="one sub-directory per run")
         p.add_argument("--lrs", type=_floats, default=[1e-3, 3e-3], help="peak learning rates")
-        p.add_argument("--arms", type=_arms, default=list(ARMS),
+        p.add_argument("--arms", type=parse_arms, default=list(ARMS),
                        help=f"comma list of NUMERICS/MAX_ADJUST (default {','.join(ARMS)})")
         p.add_argument("--figure", help="write the figure here (default OUT/explosion.png)")
         p.add_argument("--table", help="write the Markdown table here (default OUT/explosion.md)")

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from reproduction.explosion import ARMS, _arms, arm_settings, first_instability, read_run, save_figure
+from reproduction.explosion import ARMS, arm_settings, parse_arms, first_instability, read_run, save_figure
 from train import data as data_lib
 from train.attention import causal_attention
 from train.checkpoint import Checkpointer
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="checkpoint step, 'latest', or 'before-instability': the last checkpoint before "
                              "the run's first spike, sustained rise or non-finite loss (the latest if none)")
     parser.add_argument("--steps", type=int, default=20, help="consecutive optimizer steps to study")
-    parser.add_argument("--compare", type=_arms, default=list(ARMS),
+    parser.add_argument("--compare", type=parse_arms, default=list(ARMS),
                         help=f"comma list of NUMERICS/MAX_ADJUST arms (default {','.join(ARMS)})")
     parser.add_argument("--data", help="token data directory (default: ./data/<the run's corpus>)")
     parser.add_argument("--out", help="JSON results (default RUN/gradients.json)")

@@ -13,7 +13,7 @@ import pytest
 
 import stable_attn
 from stable_attn.reference import exact_attention
-from tests.cases import COMPILED_PALLAS_GPU, FEATURE_IMPLS
+from tests.cases import FEATURE_IMPLS
 
 # (implementation, interpret mode): the Pallas kernels run interpreted on a CPU.
 IMPLS = FEATURE_IMPLS
@@ -32,8 +32,8 @@ def _value_and_grads(fn, q, k, v, do):
 
 # Every mode on the reference, the default mode on the others.
 PACKED = ([("reference", False, mode) for mode in ("off", "paper")]
-          + [(impl, interpret, "safe") for impl, interpret in IMPLS[:-1]]
-          + [pytest.param("pallas_gpu", False, "safe", marks=COMPILED_PALLAS_GPU.marks)])
+          + [pytest.param(*getattr(p, "values", p), "safe", marks=getattr(p, "marks", ()))
+             for p in IMPLS])
 
 
 @pytest.mark.parametrize("impl,interpret,max_adjust", PACKED)
