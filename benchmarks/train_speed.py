@@ -86,7 +86,7 @@ def run_arm(cfg, n_steps: int, warmup: int, mesh, tokens: np.ndarray) -> dict:
 
 def label(mcfg) -> str:
     """Short name of what an arm runs, for the table."""
-    name = attn_lib.short_name(mcfg.attention, mcfg.max_adjust, mcfg.numerics)
+    name = attn_lib.short_name(mcfg)
     return name + (", --remat" if mcfg.remat else "")
 
 
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
                                       else "fast", **ARMS[arm]))
         fpt = flops_per_token(cfg.model, count_params(abstract, exclude_positions=True))
         row = {"arm": arm, "attention": label(cfg.model),
-               "attention_detail": attn_lib.describe(cfg.model.attention, cfg.model.max_adjust, cfg.model.numerics)}
+               "attention_detail": attn_lib.describe(cfg.model)}
         if arm == "cudnn" and jax.default_backend() != "gpu":
             row["error"] = "skipped: cuDNN needs a GPU"
             rows.append(row)

@@ -8,6 +8,11 @@ seed and therefore the same initial weights and batch order, spread over the vis
 per GPU when there are more runs than GPUs; one after another on a machine without GPUs). Every run
 stops at the time limit with a checkpoint (`--time-limit`; the same command resumes it) or when its
 loss becomes non-finite or spikes (the train loop's spike stop, which keeps the last good checkpoint).
+With `--trunk ARM@STEP`, `run` first trains ARM alone to STEP (one trunk per learning rate, under
+OUT/trunk, on the same schedule as the full runs) and starts every arm from the trunk's checkpoint at
+STEP: same weights, optimizer state and batch position, so the arms differ only after STEP and the
+steps before it are paid once. `--end-by` gives the arms a wall-clock deadline instead of a fixed
+`--time-limit` (the trunk's length is not known in advance).
 `report` reads the runs' metrics.jsonl and writes the figure (loss and the largest W_Q spectral norm
 over layers, against steps, per arm) and a Markdown table of outcomes.
 """
@@ -17,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -45,6 +51,8 @@ def arm_settings(arm: str) -> tuple[str, str]:
 
 COLORS = {"paper/off": "tab:red", "paper/paper": "tab:blue", "paper/safe": "tab:green",
           "fast/off": "tab:orange"}
+START_UP_S = 30.0  # a train process's seconds before its time limit starts counting, and after
+BRANCH_FILE = "branch.json"  # in a run started from a trunk: {"trunk": its directory, "step": STEP}
 EXIT_STOPPED = 3  # `python -m train` exit status when the loss went non-finite or spiked
 SPIKE_FACTOR = 1.5  # a logged loss above this many times its running mean is a spike
 RISING_FACTOR = 1.2  # a final loss this far above the run's lowest is reported as rising
@@ -125,8 +133,9 @@ def _progress_line(runs: list[Run], t0: float) -> str:
 
 
 def launch(runs: list[Run], *, config: str, time_limit: float | None, extra: list[str],
-           report_every: float = 60.0) -> dict[Run, int]:
-    """Start the runs (all at once on GPUs, one by one without), wait, return their exit statuses."""
+           report_every: float = 60.0, end_by: float | None = None) -> dict[Run, int]:
+    """Start the runs (all at once on GPUs, one by one without), wait, return their exit statuses.
+    `end_by` (time.time() seconds) caps each run's time limit so that it has stopped by then."""
     per_gpu = {}
     for run in runs:
         per_gpu[run.gpu] = per_gpu.get(run.gpu, 0) + 1
@@ -135,6 +144,14 @@ def launch(runs: list[Run], *, config: str, time_limit: float | None, extra: lis
     waves = [runs] if runs and runs[0].gpu is not None else [[r] for r in runs]
     for wave in waves:
         procs = {}
+        limit = time_limit
+        if end_by is not None:
+            # The train loop's clock starts after imports and data loading (START_UP_S), and its
+            # last checkpoint takes a few seconds more.
+            left = end_by - time.time() - START_UP_S
+            if left <= 0:
+                raise ValueError(f"--end-by is {-left - START_UP_S:.0f}s past (or too close) at launch")
+            limit = left if limit is None else min(limit, left)
         for run in wave:
             run.out_dir.mkdir(parents=True, exist_ok=True)
             env = dict(os.environ)
@@ -142,7 +159,7 @@ def launch(runs: list[Run], *, config: str, time_limit: float | None, extra: lis
                 env["CUDA_VISIBLE_DEVICES"] = run.gpu
                 # Several runs share a GPU: each takes its slice of memory up front.
                 env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.85 / per_gpu[run.gpu]:.2f}"
-            cmd = train_command(run, config=config, time_limit=time_limit, extra=extra)
+            cmd = train_command(run, config=config, time_limit=limit, extra=extra)
             log = open(run.out_dir / "stdout.log", "a")
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
@@ -159,6 +176,55 @@ def launch(runs: list[Run], *, config: str, time_limit: float | None, extra: lis
             statuses[run] = proc.returncode
     print(_progress_line(runs, t0), flush=True)
     return statuses
+
+
+def trunk_extra(config: str, extra: list[str], step: int) -> list[str]:
+    """Train arguments that stop a trunk at `step` on the schedule of the full runs: --max-steps
+    alone would also move the cosine's end, so --lr-decay-steps pins it where the arms have it."""
+    from train.cli import build_config, build_parser
+    cfg = build_config(build_parser().parse_args(["--config", config, *extra]))
+    if step >= cfg.max_steps:
+        raise ValueError(f"--trunk step {step} must be below the runs' max_steps {cfg.max_steps}")
+    return [*extra, "--max-steps", str(step), "--lr-decay-steps", str(cfg.decay_steps)]
+
+
+def branch(run: Run, trunk_dir: Path, step: int) -> bool:
+    """Seed `run` with the trunk's checkpoint at `step` and its metrics before `step`, unless the run
+    already has checkpoints of its own (then it resumes them). Returns whether it branched."""
+    ckpts = run.out_dir / "checkpoints"
+    if ckpts.is_dir() and any(ckpts.iterdir()):
+        return False
+    source = trunk_dir / "checkpoints" / str(step)
+    if not source.is_dir():
+        raise ValueError(f"the trunk {trunk_dir} has no checkpoint at step {step}; see "
+                         f"{trunk_dir / 'stdout.log'}")
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source, ckpts / str(step))
+    lines = (trunk_dir / "metrics.jsonl").read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", -1) < step]
+    (run.out_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    (run.out_dir / BRANCH_FILE).write_text(json.dumps({"trunk": str(trunk_dir), "step": step}))
+    return True
+
+
+def parse_trunk(text: str) -> tuple[str, int]:
+    """"ARM@STEP" -> (arm, step) (argparse type)."""
+    arm, sep, step = text.rpartition("@")
+    if not sep or not step.isdigit() or int(step) <= 0:
+        raise argparse.ArgumentTypeError(f"--trunk takes ARM@STEP with STEP a positive integer, got {text!r}")
+    try:
+        arm_settings(arm)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return arm, int(step)
+
+
+def _failed(statuses: dict[Run, int]) -> list[Run]:
+    failed = [r for r, s in statuses.items() if s not in (0, EXIT_STOPPED)]
+    for r in failed:
+        print(f"ERROR: {r.label} exited with status {statuses[r]}; see {r.out_dir / 'stdout.log'}",
+              file=sys.stderr)
+    return failed
 
 
 # --------------------------------------------------------------------------------- report
@@ -328,6 +394,24 @@ def parse_arms(text: str) -> list[str]:
     return arms
 
 
+def _run_trunks(out: Path, args, runs: list[Run], gpus: list[str], extra: list[str]) -> bool:
+    """Train the trunks that have no checkpoint at the branch step yet, then branch every run;
+    returns True when a trunk failed (nothing is branched then)."""
+    arm, step = args.trunk
+    trunks = {t.lr: t for t in plan(out / "trunk", args.lrs, [arm], gpus)}
+    todo = [t for t in trunks.values() if not (t.out_dir / "checkpoints" / str(step)).is_dir()]
+    if todo:
+        print(f"trunk: {arm} to step {step} for lr {', '.join(f'{t.lr:g}' for t in todo)}", flush=True)
+        statuses = launch(todo, config=args.config, time_limit=None, report_every=args.report_every,
+                          extra=trunk_extra(args.config, extra, step))
+        if _failed(statuses):
+            return True
+    for run in runs:
+        if branch(run, trunks[run.lr].out_dir, step):
+            print(f"{run.label}: branched from {trunks[run.lr].out_dir} at step {step}", flush=True)
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m reproduction.explosion", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -345,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--time-limit", type=float, help="seconds per run (then checkpoint; rerun resumes)")
     run_p.add_argument("--gpus", help="comma list of GPU indices (default: all visible; none = CPU)")
     run_p.add_argument("--report-every", type=float, default=60.0, help="seconds between progress lines")
+    run_p.add_argument("--trunk", type=parse_trunk, metavar="ARM@STEP",
+                       help="train ARM alone to STEP first, then start every arm from its checkpoint there")
+    run_p.add_argument("--end-by", type=float, metavar="EPOCH_SECONDS",
+                       help="wall-clock time (seconds since the epoch) by which the arms have stopped, "
+                            "each with a checkpoint")
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "run":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -356,13 +445,15 @@ def main(argv: list[str] | None = None) -> int:
             runs = plan(out, args.lrs, args.arms, gpus)
         except ValueError as e:
             parser.error(str(e))
-        statuses = launch(runs, config=args.config, time_limit=args.time_limit, extra=extra,
-                          report_every=args.report_every)
-        failed = [r for r, s in statuses.items() if s not in (0, EXIT_STOPPED)]
-        for r in failed:
-            print(f"ERROR: {r.label} exited with status {statuses[r]}; see {r.out_dir / 'stdout.log'}",
-                  file=sys.stderr)
-        status = 1 if failed else 0
+        try:
+            if args.trunk is not None and _run_trunks(out, args, runs, gpus, extra):
+                return 1
+            statuses = launch(runs, config=args.config, time_limit=args.time_limit, extra=extra,
+                              report_every=args.report_every, end_by=args.end_by)
+        except ValueError as e:
+            print(f"ERROR: {e}", file=sys.stderr)
+            return 1
+        status = 1 if _failed(statuses) else 0
     text = table(out, args.lrs, args.arms)
     table_path = Path(args.table or out / "explosion.md")
     table_path.parent.mkdir(parents=True, exist_ok=True)

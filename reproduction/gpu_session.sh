@@ -3,6 +3,7 @@
 #
 #   bash reproduction/gpu_session.sh start    # arms in the background (setsid), bias probes, progress
 #   bash reproduction/gpu_session.sh launch   # only the arms in the background; returns at once
+#                                             # (TRUNK=ARM@STEP: trunk first, arms branch from it)
 #   bash reproduction/gpu_session.sh wait     # progress until this call's budget is spent
 #   bash reproduction/gpu_session.sh finish   # wait for the arms, gradient study, pack the results
 #
@@ -23,14 +24,17 @@ GRAD_COMPARE=${GRAD_COMPARE:-}     # arms the study recomputes (default: gradien
 GRAD_STEPS=${GRAD_STEPS:-20}
 GRAD_STEP=${GRAD_STEP:-before-instability}
 EXPLOSION_ARGS=${EXPLOSION_ARGS:-}  # more arguments for `explosion run` (e.g. a smoke test's config)
+TRUNK=${TRUNK:-}                   # ARM@STEP: arms branch from ARM's checkpoint at STEP (explosion --trunk)
+END_IN=${END_IN:-}                 # arms stop this many seconds after launch (instead of TIME_LIMIT)
+GRAD_TIMEOUT=${GRAD_TIMEOUT:-0}    # seconds the gradient study may take (0: no limit)
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 mkdir -p "$W" "$OUT"
 t0=$(date +%s)
 running() { pgrep -f "reproduction.explosion run" >/dev/null; }
 pack() {
   (cd "$W" && tar czf "$OUT/results.tar.gz" --ignore-failed-read \
-     $(ls -d explosion.log probe*.log explosion/explosion.* explosion/*/*/metrics.jsonl \
-        explosion/*/*/summary.json explosion/*/*/train.log explosion/*/*/stdout.log gradients 2>/dev/null))
+     $(ls -d explosion.log probe*.log explosion/explosion.* gradients \
+        explosion/{,trunk/}*/*/{metrics.jsonl,summary.json,train.log,stdout.log,branch.json} 2>/dev/null))
 }
 progress() {
   while running && [ $(( $(date +%s) - t0 )) -lt "$CALL_SECONDS" ]; do sleep 15; done
@@ -40,7 +44,8 @@ progress() {
 launch() {
   nvidia-smi -L
   setsid nohup python3 -m reproduction.explosion run --out "$W/explosion" --lrs "$LRS" \
-      ${ARMS:+--arms "$ARMS"} --time-limit "$TIME_LIMIT" --report-every 60 $EXPLOSION_ARGS \
+      ${ARMS:+--arms "$ARMS"} ${TRUNK:+--trunk "$TRUNK"} --report-every 60 $EXPLOSION_ARGS \
+      $([ -n "$END_IN" ] && echo --end-by $(( $(date +%s) + END_IN )) || echo --time-limit "$TIME_LIMIT") \
       >"$W/explosion.log" 2>&1 </dev/null &
 }
 
@@ -62,11 +67,12 @@ wait)
 finish)
   while running; do sleep 5; done
   tail -n 12 "$W/explosion.log"
-  python3 -m reproduction.gradients --run "$W/explosion/lr$GRAD_LR/$GRAD_ARM" --step "$GRAD_STEP" \
-      --steps "$GRAD_STEPS" ${GRAD_COMPARE:+--compare "$GRAD_COMPARE"} --data data/mix \
-      --out "$W/gradients/gradients.json" 2>&1 | tee "$W/gradients.log" | tail -n 60
   python3 -m reproduction.explosion report --out "$W/explosion" --lrs "$LRS" ${ARMS:+--arms "$ARMS"} \
       2>&1 | tail -n 20
+  pack  # the runs are safe before the study starts
+  timeout "$GRAD_TIMEOUT" python3 -m reproduction.gradients --run "$W/explosion/lr$GRAD_LR/$GRAD_ARM" \
+      --step "$GRAD_STEP" --steps "$GRAD_STEPS" ${GRAD_COMPARE:+--compare "$GRAD_COMPARE"} --data data/mix \
+      --out "$W/gradients/gradients.json" 2>&1 | tee "$W/gradients.log" | tail -n 60
   pack ;;
 *)
   echo "unknown phase $phase (launch, start, wait or finish)" >&2; exit 2 ;;

@@ -43,7 +43,10 @@ class Numerics:
     p: dtype P_bar is rounded to before the PV product.
     pv: dtype each key block's P_bar V product is rounded to before accumulation.
     acc: dtype of the O accumulator (and of its rescaling).
-    sum: dtype of the running row sum l.
+    sum: dtype of the running row sum l. "input" (bf16) drops a long tail of small
+      probabilities (each key block adds less than half an ulp of l), so LSE is low in every such
+      row, with or without a max adjustment; in the ablation this point alone drove the W_Q and
+      logit growth of the paper's arithmetic, and "float32" stopped it (docs/reproduction.md, 5).
     sum_of_rounded_p: l sums the rounded P_bar (as the paper's code does) instead of fp32 P_bar.
     out: dtype of the final division O / l (the result is then cast to the input dtype).
     residual_o: dtype of the O saved for the backward's delta; "float32" is the paper's

@@ -52,6 +52,10 @@ def test_probe_cli_prints_table(capsys):
         "--regimes", "zero", "--rows", "16", "--keys", "256", "--batch", "1"])
   out = capsys.readouterr().out
   assert "| reference | paper | off | zero |" in out and "| reference | paper | safe | zero |" in out
+  # The row-sum table follows: one more row per configuration, an LSE error in every cell.
+  assert out.count("| reference | paper | off | zero |") == 2 and "Row sum: mean LSE" in out
+  with pytest.raises(SystemExit):
+    main(["--implementations", "reference", "--tail", "9"])
 
 
 @pytest.mark.parametrize("regime", ["positive", "zero", "large"])
@@ -64,3 +68,34 @@ def test_sink_keeps_the_tie_bias_and_its_fix(regime):
     for placement in ("adjacent", "split"):
       r = measure("reference", numerics, "safe", regime, placement, sink=3.0, **SMALL)
       assert abs(r.bias_ulp) < 0.05 and r.nan_count == 0, r
+
+
+LONG_TAIL = dict(SMALL, tail=(9.0, 12.0))
+
+
+@pytest.mark.parametrize("max_adjust", ["off", "safe"])
+@pytest.mark.parametrize("numerics", ["paper", "paper+acc=float32", "paper+out=float32"])
+def test_bf16_row_sum_drops_a_long_tail_in_every_row(numerics, max_adjust):
+  """With the other keys 9-12 below the max, each key block adds less than half an ulp of a bf16 l:
+  the running sum drops it, so LSE is low in every row (by ~the tail's share of the mass), whatever
+  the max adjustment and whichever other point is widened."""
+  r = measure("reference", numerics, max_adjust, "positive", "adjacent", **LONG_TAIL)
+  assert r.lse_bias < -5e-3 and r.lse_low_frac == 1.0 and r.nan_count == 0, r
+
+
+@pytest.mark.parametrize("implementation", ["reference", "pallas_gpu"])
+def test_fp32_row_sum_removes_the_one_signed_lse_error(implementation):
+  """Numerics.sum="float32" (the fix the ablation found) keeps the tail: LSE to fp32 accuracy,
+  sign mixed. Its O still rounds inward (the bf16 accumulator drops the tail), which the ablation
+  showed does not drive the W_Q growth."""
+  small = dict(LONG_TAIL, batch=2, rows=64, interpret=implementation == "pallas_gpu")
+  fixed = measure(implementation, "paper+sum=float32", "safe", "positive", "adjacent", **small)
+  assert abs(fixed.lse_bias) < 1e-4 and 0.2 < fixed.lse_low_frac < 0.8, fixed
+  assert fixed.bias_ulp < -1.0 and fixed.nan_count == 0, fixed
+  broken = measure(implementation, "paper", "safe", "positive", "adjacent", **small)
+  assert broken.lse_bias < -5e-3 and broken.lse_low_frac == 1.0, broken
+
+
+def test_probe_rejects_a_bad_tail():
+  with pytest.raises(ValueError, match="tail"):
+    measure("reference", "paper", "off", "positive", "adjacent", tail=(12.0, 9.0), **SMALL)

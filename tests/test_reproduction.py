@@ -176,6 +176,47 @@ def test_run_launches_arms_on_cpu(tmp_path):
     assert "numerics='paper'" in (explosion.run_dir(tmp_path, 3e-3, "paper/off") / "train.log").read_text()
 
 
+def test_arms_branch_from_a_trunk_on_cpu(tmp_path):
+    """--trunk: the arms start from the trunk's checkpoint and continue it exactly as one straight run
+    would (same weights, optimizer state, batch position and lr schedule)."""
+    common = ["--config", "tiny", "--lrs", "3e-3", "--gpus", "", "--report-every", "5", "--data", ALICE,
+              "--max-steps", "4", "--warmup-steps", "1", "--eval-every", "0", "--monitor-every", "1",
+              "--ckpt-every", "0", "--sample-tokens", "0", "--block-size", "32"]
+    assert explosion.main(["run", "--out", str(tmp_path / "b"), "--arms", "fast/off,paper/off",
+                           "--trunk", "fast/off@2", *common]) == 0
+    assert explosion.main(["run", "--out", str(tmp_path / "s"), "--arms", "fast/off", *common]) == 0
+    trunk = explosion.read_run(tmp_path / "b" / "trunk" / "lr0.003" / "fast-off")
+    straight = explosion.read_run(explosion.run_dir(tmp_path / "s", 3e-3, "fast/off"))
+    assert trunk["steps"] == [0, 1]
+    for arm in ("fast/off", "paper/off"):
+        out_dir = explosion.run_dir(tmp_path / "b", 3e-3, arm)
+        run = explosion.read_run(out_dir)
+        assert run["steps"] == [0, 1, 2, 3]
+        assert run["loss"][:2] == trunk["loss"]
+        assert "resumed from" in (out_dir / "train.log").read_text()
+        assert json.loads((out_dir / explosion.BRANCH_FILE).read_text())["step"] == 2
+    same = explosion.read_run(explosion.run_dir(tmp_path / "b", 3e-3, "fast/off"))
+    np.testing.assert_allclose(same["loss"], straight["loss"], rtol=1e-5)
+    # Run again: the arms have checkpoints of their own now and are not re-branched.
+    before = (explosion.run_dir(tmp_path / "b", 3e-3, "paper/off") / "metrics.jsonl").read_text()
+    assert explosion.main(["run", "--out", str(tmp_path / "b"), "--arms", "paper/off",
+                           "--trunk", "fast/off@2", *common]) == 0
+    after = (explosion.run_dir(tmp_path / "b", 3e-3, "paper/off") / "metrics.jsonl").read_text()
+    assert after == before
+
+
+def test_trunk_and_deadline_arguments_are_checked(tmp_path):
+    for bad in ("fast/off", "fast/off@0", "fast/off@x", "paper/on@5"):
+        with pytest.raises(SystemExit):
+            explosion.main(["run", "--out", str(tmp_path), "--trunk", bad])
+    with pytest.raises(ValueError, match="max_steps"):
+        explosion.trunk_extra("tiny", ["--max-steps", "10"], 10)
+    assert explosion.trunk_extra("repro", [], 2500)[-4:] == ["--max-steps", "2500", "--lr-decay-steps", "20000"]
+    runs = explosion.plan(tmp_path, [1e-3], ["fast/off"], [])
+    with pytest.raises(ValueError, match="end-by"):
+        explosion.launch(runs, config="tiny", time_limit=None, extra=[], end_by=0.0)
+
+
 def test_arm_settings_accept_moved_rounding_points():
     assert explosion.arm_settings("paper+score=float32/safe") == ("paper+score=float32", "safe")
     assert explosion.arm_settings("paper+fp32o/off") == ("paper+fp32o", "off")
@@ -197,7 +238,13 @@ def test_ablation_table_and_figure(tmp_path):
     assert set(runs) == {"paper/safe", "paper+score=float32/safe"}
     text = ablation.table(runs, layer=2)
     # _write_run logs spec_wq [1 + i, 2 + i] at record i (step 10 i): layer 2 at step 1000 is 102.
-    assert "| paper+score=float32/safe | 102.0 / 0.20 / " in text
-    assert ablation.main(["--runs", str(tmp_path / "runs" / "lr0.001"),
+    assert "| paper+score=float32/safe | 102.0 / 0.20 / 4 / " in text
+    assert runs["paper/safe"]["branch_step"] is None
+    # A branched arm (explosion --trunk) carries its branch step; the milestones are selectable.
+    branched = explosion.run_dir(tmp_path / "runs", 1e-3, "paper/safe")
+    (branched / explosion.BRANCH_FILE).write_text(json.dumps({"trunk": "t", "step": 1500}))
+    assert ablation.load(tmp_path / "runs" / "lr0.001")["paper/safe"]["branch_step"] == 1500
+    assert ablation.table(runs, layer=1, milestones=[500]).splitlines()[2] == "| arm | step 500 |"
+    assert ablation.main(["--runs", str(tmp_path / "runs" / "lr0.001"), "--milestones", "500,1000",
                           "--figure", str(tmp_path / "a.png")]) == 0
     assert (tmp_path / "a.png").stat().st_size > 10_000

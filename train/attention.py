@@ -43,20 +43,30 @@ def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str =
                                              interpret=interpret, q_segment_ids=segment_ids)
 
 
-def describe(implementation: str, max_adjust: str, numerics: str) -> str:
+def resolved_implementation(mcfg) -> str:
+    """The implementation the model's attention call runs (what "auto" picks for its shape, dtype,
+    numerics and masking; a named one as given). mcfg: a train.config.ModelConfig."""
+    if mcfg.attention != "auto":
+        return mcfg.attention
+    x = jax.numpy.zeros((1, mcfg.block_size, mcfg.n_head, mcfg.head_dim), mcfg.dtype)
+    segments = jax.numpy.zeros((1, mcfg.block_size), "int32") if mcfg.pack_documents else None
+    return stable_attn.choose_implementation(x, x, x, is_causal=True, max_adjust=mcfg.max_adjust,
+                                             beta=mcfg.beta, numerics=mcfg.numerics,
+                                             q_segment_ids=segments).name
+
+
+def describe(mcfg) -> str:
     """One line for the log saying what attention actually runs."""
-    if implementation in JAX_NN:
-        return f"jax.nn.dot_product_attention(implementation={JAX_NN[implementation]!r}) (no max adjustment)"
-    impl = implementation
-    if impl == "auto":
-        impl = f"auto -> {stable_attn.default_implementation()}"
+    if mcfg.attention in JAX_NN:
+        return f"jax.nn.dot_product_attention(implementation={JAX_NN[mcfg.attention]!r}) (no max adjustment)"
+    impl = resolved_implementation(mcfg)
+    impl = f"auto -> {impl}" if mcfg.attention == "auto" else impl
     return (f"stable_attn.dot_product_attention(implementation={impl!r}, "
-            f"max_adjust={max_adjust!r}, numerics={numerics!r})")
+            f"max_adjust={mcfg.max_adjust!r}, numerics={mcfg.numerics!r})")
 
 
-def short_name(implementation: str, max_adjust: str, numerics: str) -> str:
+def short_name(mcfg) -> str:
     """A few words for plot titles and tables, e.g. "stable_attn reference, max_adjust safe, fast"."""
-    if implementation in JAX_NN:
-        return f"jax.nn {JAX_NN[implementation]}"
-    impl = stable_attn.default_implementation() if implementation == "auto" else implementation
-    return f"stable_attn {impl}, max_adjust {max_adjust}, {numerics}"
+    if mcfg.attention in JAX_NN:
+        return f"jax.nn {JAX_NN[mcfg.attention]}"
+    return f"stable_attn {resolved_implementation(mcfg)}, max_adjust {mcfg.max_adjust}, {mcfg.numerics}"

@@ -269,7 +269,7 @@ def _log_config(log: _Log, cfg: TrainConfig, opts: RunOptions) -> None:
         f"({jax.default_backend()}), jax {jax.__version__}; FSDP {cfg.fsdp}")
     documents = ("; documents masked at end-of-text tokens (--pack-documents)" if mcfg.pack_documents
                  else "")
-    log(f"train: attention {attn_lib.describe(mcfg.attention, mcfg.max_adjust, mcfg.numerics)}{documents}")
+    log(f"train: attention {attn_lib.describe(mcfg)}{documents}")
     log(f"train: {cfg.tokens_per_step:,} tokens/step = {cfg.batch_size} seq x {cfg.grad_accum} accum x "
         f"{mcfg.block_size}; {cfg.max_steps} steps; lr {cfg.lr:g} (warm-up {cfg.warmup_steps}, cosine to "
         f"{cfg.min_lr:g} at {cfg.decay_steps}); AdamW b1 {cfg.b1} b2 {cfg.b2} wd {cfg.weight_decay}; "
@@ -445,7 +445,7 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
     run.bar.close()
     summary = {
         "config": run.opts.config_name, "out_dir": str(run.out_dir), "device": jax.devices()[0].device_kind,
-        "devices": jax.device_count(), "attention": attn_lib.describe(mcfg.attention, mcfg.max_adjust, mcfg.numerics),
+        "devices": jax.device_count(), "attention": attn_lib.describe(mcfg),
         "start_step": run.start, "end_step": state.completed if stopped is None else None,
         "first_loss": state.first_loss, "last_loss": state.last_loss, "val_loss": state.val_loss,
         "tokens_per_s": float(np.median(state.tokens_per_s)) if state.tokens_per_s else None,
@@ -460,7 +460,7 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
         if run.main:
             summary["sample"] = text
     if run.main:
-        title = f"{run.opts.config_name}: {attn_lib.short_name(mcfg.attention, mcfg.max_adjust, mcfg.numerics)}"
+        title = f"{run.opts.config_name}: {attn_lib.short_name(mcfg)}"
         plot = plot_loss(run.out_dir, title=title)
         summary["loss_plot"] = str(plot) if plot else None
         (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from stable_attn.diagnostics.probe import PEERS, PLACEMENTS, REGIMES, measure_gradients, sweep
+from stable_attn.diagnostics.probe import PEERS, PLACEMENTS, REGIMES, TAIL, measure_gradients, sweep
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -23,23 +23,37 @@ def _adjusts(text: str):
   return out
 
 
-def bias_table(results) -> str:
-  """Markdown: one row per implementation x numerics x max_adjust x regime, one column per tie
-  placement (mean signed error in output ulps, outward > 0), plus NaN counts."""
-  head = ("| implementation | numerics | max_adjust | regime | "
-          + " | ".join(f"ties {p}" if p != "none" else "no ties" for p in PLACEMENTS)
-          + " | NaN |\n|" + "---|" * (5 + len(PLACEMENTS)) + "\n")
+def _by_row(results) -> dict:
+  """(implementation, numerics, max_adjust, regime) -> {placement: result}."""
   rows = {}
   for r in results:
     adjust = r.max_adjust if r.max_adjust != "paper" else f"paper (beta {r.beta:g})"
-    key = (r.implementation, r.numerics, adjust, r.regime)
-    rows.setdefault(key, {})[r.placement] = r
-  lines = []
-  for key, cells in rows.items():
-    values = [f"{cells[p].bias_ulp:+.3f}" if p in cells else "" for p in PLACEMENTS]
-    nans = sum(c.nan_count for c in cells.values())
-    lines.append("| " + " | ".join(list(key) + values + [str(nans)]) + " |")
+    rows.setdefault((r.implementation, r.numerics, adjust, r.regime), {})[r.placement] = r
+  return rows
+
+
+def _table(rows: dict, cell, last: str, last_cell) -> str:
+  head = ("| implementation | numerics | max_adjust | regime | "
+          + " | ".join(f"ties {p}" if p != "none" else "no ties" for p in PLACEMENTS)
+          + f" | {last} |\n|" + "---|" * (5 + len(PLACEMENTS)) + "\n")
+  lines = ["| " + " | ".join(list(key) + [cell(cells[p]) if p in cells else "" for p in PLACEMENTS]
+                             + [last_cell(cells)]) + " |" for key, cells in rows.items()]
   return head + "\n".join(lines) + "\n"
+
+
+def bias_table(results) -> str:
+  """Markdown: one row per implementation x numerics x max_adjust x regime, one column per tie
+  placement (mean signed error in output ulps, outward > 0), plus NaN counts."""
+  return _table(_by_row(results), lambda r: f"{r.bias_ulp:+.3f}", "NaN",
+                lambda cells: str(sum(c.nan_count for c in cells.values())))
+
+
+def lse_table(results) -> str:
+  """Markdown, our implementations only: mean LSE - LSE_true (the row sum's relative error) and,
+  in parentheses, the fraction of rows whose LSE is below the truth."""
+  ours = [r for r in results if r.implementation not in PEERS]
+  return _table(_by_row(ours), lambda r: f"{r.lse_bias:+.1e} ({r.lse_low_frac:.2f})", "NaN",
+                lambda cells: str(sum(c.nan_count for c in cells.values())))
 
 
 def gradient_table(results) -> str:
@@ -75,6 +89,9 @@ def main(argv=None) -> int:
   parser.add_argument("--sink", type=float, default=None,
                       help="give the head this attention-sink logit (our implementations only; "
                            "the truth includes it)")
+  parser.add_argument("--tail", default=",".join(f"{x:g}" for x in TAIL),
+                      help="LO,HI: how far below the row max the other keys score (default "
+                           "%(default)s; 9,12 gives a long tail that a bf16 row sum drops)")
   parser.add_argument("--out", help="also write the tables (Markdown) to this file")
   args = parser.parse_args(argv)
 
@@ -85,6 +102,12 @@ def main(argv=None) -> int:
   for regime in regimes:
     if regime not in REGIMES:
       parser.error(f"--regimes: unknown regime {regime!r}; choose from {REGIMES}")
+  try:
+    lo, hi = (float(x) for x in args.tail.split(","))
+  except ValueError:
+    parser.error(f"--tail takes LO,HI (two numbers), got {args.tail!r}")
+  if not 0 < lo <= hi:
+    parser.error(f"--tail: need 0 < LO <= HI, got {args.tail!r}")
   n_ours = sum(i not in PEERS for i in impls)
   total = (n_ours * len(numerics) * len(adjusts) + (len(impls) - n_ours)) * len(regimes) * len(
       PLACEMENTS)
@@ -93,15 +116,19 @@ def main(argv=None) -> int:
     results = sweep(impls, numerics, adjusts, regimes=regimes, progress=bar,
                     dtype=_DTYPES[args.dtype], batch=args.batch, rows=args.rows, keys=args.keys,
                     seed=args.seed, interpret=args.interpret, logits_soft_cap=args.logits_soft_cap,
-                    sink=args.sink)
+                    sink=args.sink, tail=(lo, hi))
   device = jax.devices()[0].device_kind
   title = (f"Tie-stress bias probe: mean signed error of O in {args.dtype} ulps (outward > 0), "
            f"{args.batch}x{args.rows} rows, {args.keys} keys, head dim 64, "
            f"{'' if args.logits_soft_cap is None else f'logits soft cap {args.logits_soft_cap:g}, '}"
            f"{'' if args.sink is None else f'attention sink {args.sink:g}, '}"
+           f"other keys {lo:g}-{hi:g} below the max, "
            f"device: {device}, "
            f"jax {jax.__version__}, {time.time() - start:.0f} s\n\n")
   text = title + bias_table(results)
+  if any(r.implementation not in PEERS for r in results):
+    text += ("\nRow sum: mean LSE - LSE_true (natural log: the relative error of the denominator "
+             "l), in parentheses the fraction of rows below the truth\n\n" + lse_table(results))
   if args.gradients:
     grads = [measure_gradients(impl, nx, mode, beta=beta, dtype=_DTYPES[args.dtype],
                                seed=args.seed, interpret=args.interpret)

@@ -1,14 +1,22 @@
 """The tie-stress rounding-bias probe (paper.md, "Which arithmetic shows which bias").
 
 Inputs: S keys, head dim 64. In every query row two keys tie exactly for the row max M (regime:
-positive, negative, zero, tiny or large M, drawn per row); every other key scores 15-18 below M, so
-the rest of the row carries ~1e-4 of the mass, tiny but not zero. V columns 0-47 are negative.
+positive, negative, zero, tiny or large M, drawn per row); every other key scores 15-18 below M
+(`tail`), so the rest of the row carries ~1e-4 of the mass, tiny but not zero. V columns 0-47 are
+negative.
 The scores are exact in every precision: q_i = (8 M_i, 8, 0...), k_tie = (1, 0, ...),
 k_j = (1, -d_j, 0, ...), scale 1/8, so S_ij = M_i - d_j.
 
 The figure is the mean of (O - O_true) * sign(O_true) over the negative columns, in ulps of the output
 dtype at O_true, where O_true is float64 attention of the same low-precision inputs: +0.25 means
 every half-way case rounded outward, -0.25 inward, ~0 unbiased.
+
+The probe also reports the row sum's error as LSE - LSE_true (natural log, i.e. the relative error of
+the denominator l) for our implementations. With a long tail (tail=(9, 12): ~1-3% of the mass spread
+over ~1000 keys, each block's share below half an ulp of a bf16 l) a bf16 running sum drops the tail
+in every row: LSE is low by ~2e-2 with or without the max adjustment, and only a wider sum
+(Numerics.sum="float32") removes it. That rounding point drove the W_Q growth in the ablation
+(docs/reproduction.md, section 5).
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ REGIMES = ("positive", "negative", "zero", "tiny", "large")
 PLACEMENTS = ("adjacent", "random", "split", "none")   # "none": the no-tie control
 NEGATIVE_COLUMNS = 48
 HEAD_DIM = 64
+TAIL = (15.0, 18.0)   # default distance of the non-max keys below the row max
 SPLIT_AT = 128   # ties at keys 127 and 128: split across blocks for any block_k in 16..128
 # Peers measured beside ours: name -> jax.nn.dot_product_attention implementation. They have no
 # numerics presets or max adjustment.
@@ -43,6 +52,8 @@ class ProbeResult:
   bias_ulp: float     # mean signed error in output ulps (outward > 0)
   abs_err_ulp: float  # mean |error| in output ulps
   nan_count: int
+  lse_bias: float = float("nan")      # mean LSE - LSE_true (relative error of l); NaN for peers
+  lse_low_frac: float = float("nan")  # fraction of rows whose LSE is below the truth
 
 
 def _row_max(regime: str, rng, rows: int) -> np.ndarray:
@@ -60,8 +71,12 @@ def _row_max(regime: str, rng, rows: int) -> np.ndarray:
 
 
 def tie_inputs(regime: str, placement: str, *, batch=4, rows=256, keys=1024,
-               dtype=jnp.bfloat16, seed=0):
-  """-> (q [B,T,1,64], k [B,S,1,64], v [B,S,1,64]) in `dtype`, as described in the module doc."""
+               dtype=jnp.bfloat16, seed=0, tail=TAIL):
+  """-> (q [B,T,1,64], k [B,S,1,64], v [B,S,1,64]) in `dtype`, as described in the module doc;
+  tail: (lo, hi), how far below the row max the other keys score (uniform)."""
+  lo, hi = tail
+  if not 0 < lo <= hi:
+    raise ValueError(f"tail must be (lo, hi) with 0 < lo <= hi, got {tail!r}")
   if placement not in PLACEMENTS:
     raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
   rng = np.random.default_rng(seed)
@@ -72,7 +87,7 @@ def tie_inputs(regime: str, placement: str, *, batch=4, rows=256, keys=1024,
   q[:, :, 0, 1] = 8.0
   k = np.zeros((batch, keys, 1, HEAD_DIM))
   k[:, :, 0, 0] = 1.0
-  k[:, :, 0, 1] = -to_dtype(rng.uniform(15, 18, (batch, keys)))
+  k[:, :, 0, 1] = -to_dtype(rng.uniform(lo, hi, (batch, keys)))
   for b in range(batch):
     if placement == "adjacent":
       tied = (0, 1)
@@ -105,23 +120,31 @@ def signed_ulp_error(out, truth, dtype):
 
 def measure(implementation: str, numerics: str, max_adjust: str, regime: str, placement: str, *,
             beta: float = 2.0, dtype=jnp.bfloat16, batch=4, rows=256, keys=1024, seed=0,
-            interpret: bool = False, logits_soft_cap=None, sink=None) -> ProbeResult:
+            interpret: bool = False, logits_soft_cap=None, sink=None, tail=TAIL) -> ProbeResult:
   """With logits_soft_cap, the truth is the float64 attention of the capped logits (ties stay
   ties: both tied scores map to the same capped value). With `sink` (a float), the one head gets
   that attention-sink logit, and the truth includes it."""
   q, k, v = tie_inputs(regime, placement, batch=batch, rows=rows, keys=keys, dtype=dtype,
-                       seed=seed)
+                       seed=seed, tail=tail)
   sinks = None if sink is None else np.full((1,), sink, np.float32)
   out = _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap,
                    sink)(q, k, v)
-  truth = exact_attention(q, k, v, logits_soft_cap=logits_soft_cap, sinks=sinks)
+  lse_bias = lse_low = float("nan")
+  if implementation not in PEERS:
+    out, lse = out
+    exact = exact_attention_vjp(q, k, v, np.zeros(q.shape, np.float32),
+                                logits_soft_cap=logits_soft_cap, sinks=sinks)
+    truth, lse_err = exact.out, np.asarray(lse, np.float64) - exact.lse
+    lse_bias, lse_low = float(np.mean(lse_err)), float(np.mean(lse_err < 0))
+  else:
+    truth = exact_attention(q, k, v, logits_soft_cap=logits_soft_cap, sinks=sinks)
   err = signed_ulp_error(out, truth, dtype)
   finite = np.isfinite(err)
   nan_count = int(np.size(err) - finite.sum())
   bias = float(err[finite].mean()) if finite.any() else float("nan")
   abs_err = float(np.abs(err[finite]).mean()) if finite.any() else float("nan")
   return ProbeResult(implementation, numerics, max_adjust, beta, regime, placement, bias, abs_err,
-                     nan_count)
+                     nan_count, lse_bias, lse_low)
 
 
 _CACHE: dict = {}
@@ -141,7 +164,8 @@ def _attention(implementation, numerics, max_adjust, beta, interpret, logits_sof
       fn = lambda q, k, v: dot_product_attention(
           q, k, v, implementation=implementation, numerics=numerics, max_adjust=max_adjust,
           beta=beta, interpret=interpret, logits_soft_cap=logits_soft_cap,
-          sinks=None if sink is None else jnp.full((1,), sink, jnp.float32))
+          sinks=None if sink is None else jnp.full((1,), sink, jnp.float32),
+          return_residuals=True)
     _CACHE[key] = jax.jit(fn)
   return _CACHE[key]
 
