@@ -1,6 +1,7 @@
 """reproduction/: the gradient-error bookkeeping against float64, the study on a checkpoint, the
 explosion launcher's plan, outcome classification and report."""
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -248,3 +249,25 @@ def test_ablation_table_and_figure(tmp_path):
     assert ablation.main(["--runs", str(tmp_path / "runs" / "lr0.001"), "--milestones", "500,1000",
                           "--figure", str(tmp_path / "a.png")]) == 0
     assert (tmp_path / "a.png").stat().st_size > 10_000
+
+
+def test_seeds_table_and_figure(tmp_path):
+    from reproduction import seeds
+    rng = np.random.default_rng()
+    for seed in (0, 1):
+        base = list(np.linspace(8, 3, 60) + rng.uniform(-0.01, 0.01, 60))
+        _write_run(explosion.run_dir(tmp_path / f"s{seed}", 3e-3, "paper/off"), base[:30] + [9.0] * 30)
+        _write_run(explosion.run_dir(tmp_path / f"s{seed}", 3e-3, "fast/off"), base)
+    runs = seeds.parse_runs(f"0={tmp_path / 's0'},1={tmp_path / 's1'}")
+    results = seeds.load(runs, 3e-3, ["paper/off", "paper/safe", "fast/off"])
+    assert sorted(results) == [("fast/off", 0), ("fast/off", 1), ("paper/off", 0), ("paper/off", 1)]
+    text = seeds.table(results, milestones=[100, 400])
+    # paper/off sits at 9.0 (> 1.5x its lowest) from step 300 on: a sustained rise in both seeds; fast/off is stable.
+    assert text.count("| paper/off |") == 2 and text.count("diverged") == 2
+    assert "| fast/off | 1 | stable to step 590 |" in text and "| 9.00 |" in text
+    assert seeds.main(["--runs", f"0={tmp_path / 's0'},1={tmp_path / 's1'}",
+                       "--figure", str(tmp_path / "seeds.png")]) == 0
+    assert (tmp_path / "seeds.png").stat().st_size > 10_000
+    for bad in ("x", "a=b", "1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            seeds.parse_runs(bad)
