@@ -150,7 +150,8 @@ def launch(runs: list[Run], *, config: str, time_limit: float | None, extra: lis
             # last checkpoint takes a few seconds more.
             left = end_by - time.time() - START_UP_S
             if left <= 0:
-                raise ValueError(f"--end-by is {-left - START_UP_S:.0f}s past (or too close) at launch")
+                raise ValueError(f"--end-by leaves {left + START_UP_S:.0f}s at launch, less than the "
+                                 f"{START_UP_S:g}s a run takes to start")
             limit = left if limit is None else min(limit, left)
         for run in wave:
             run.out_dir.mkdir(parents=True, exist_ok=True)
