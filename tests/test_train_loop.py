@@ -61,10 +61,13 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     summary = run(cfg, tmp_path / "resumed")
     assert summary["start_step"] == 3
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")  # bitwise equal
-    # A finished run started again has nothing to do.
+    # A finished run started again has nothing to do, and keeps the summary of the run that trained.
+    written = (tmp_path / "resumed" / "summary.json").read_text()
     again = run(cfg, tmp_path / "resumed")
     assert again["start_step"] == again["end_step"] == 6 and again["first_loss"] is None
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    assert (tmp_path / "resumed" / "summary.json").read_text() == written
+    assert json.loads(written)["start_step"] == 3 and json.loads(written)["tokens_per_s"] > 0
 
 
 def test_time_limit_checkpoints_and_the_same_run_resumes(tmp_path):
