@@ -1,14 +1,15 @@
 """Do the explosion arms separate for every seed? Loss per arm and seed, and a table of outcomes.
 
     python -m reproduction.seeds --lr 3e-3 --arms paper/off,paper/safe,fast/off \
-        --runs 0=docs/results/reproduction/explosion,1=out/seed1/explosion,2=out/seed2/explosion \
+        --runs 0=docs/results/reproduction/explosion,1=docs/results/reproduction/seeds/seed1,2=docs/results/reproduction/seeds/seed2 \
         --figure docs/figures/seeds.png
 
 Each --runs entry is SEED=DIR, DIR an `explosion run --out` directory whose runs were trained with
 `--seed SEED` (different initial weights and batch order; `python -m train` refuses to resume a
 checkpoint of another seed). Prints a Markdown table (per arm and seed: outcome, loss at the
-milestones, lowest loss) and writes the figure (training loss against steps: one color per arm,
-one line style per seed).
+milestones, the loss minus the --baseline arm's of the same seed at --compare-step, lowest loss, and
+layer --layer's W_Q spectral norm and largest logit at --monitor-step) and writes the figure
+(training loss against steps: one color per arm, one line style per seed).
 """
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from pathlib import Path
 from reproduction.ablation import at
 from reproduction.explosion import COLORS, outcome, parse_arms, read_run, run_dir, save_figure
 
-MILESTONES = (1000, 2000, 2500, 3000, 4000, 5000)
+# The seed 1 and 2 runs stop at step 2499 (--max-steps 2500): their last logged loss is at 2490 and
+# their last periodic monitor at 2450; seed 0 ran on to ~5,800.
+MILESTONES = (1000, 2000, 2490, 4000, 5000)
+COMPARE_STEP, MONITOR_STEP, LAYER = 2490, 2450, 2
 STYLES = ("-", "--", ":", "-.")
 
 
@@ -44,38 +48,67 @@ def load(runs: dict[int, Path], lr: float, arms: list[str]) -> dict[tuple[str, i
     return out
 
 
-def table(results: dict[tuple[str, int], dict], milestones=MILESTONES) -> str:
+def check_layer(results: dict[tuple[str, int], dict], layer: int) -> None:
+    """ValueError unless every monitor record of every run has `layer`."""
+    for r in results.values():
+        for norms in r["spec_wq"]:
+            if not 0 <= layer < len(norms):
+                raise ValueError(f"layer {layer} is out of range: the runs monitor {len(norms)} layers")
+
+
+def table(results: dict[tuple[str, int], dict], milestones=MILESTONES, *, baseline: str = "fast/off",
+          compare_step: int = COMPARE_STEP, monitor_step: int = MONITOR_STEP, layer: int = LAYER) -> str:
+    check_layer(results, layer)
     head = " | ".join(f"loss at {s}" for s in milestones)
-    lines = [f"| arm | seed | outcome | {head} | lowest loss (step) |",
-             "|---|---|---|" + "---|" * len(milestones) + "---|"]
+    lines = [f"| arm | seed | outcome | {head} | minus {baseline} at {compare_step} | lowest loss (step) "
+             f"| layer-{layer} W_Q / largest logit at {monitor_step} |",
+             "|---|---|---|" + "---|" * len(milestones) + "---|---|---|"]
     for (arm, seed), r in sorted(results.items()):
         cells = []
         for s in milestones:
             loss = at(r["steps"], r["loss"], s)
             cells.append("-" if loss is None else f"{loss:.2f}")
+        base = results.get((baseline, seed))
+        mine = at(r["steps"], r["loss"], compare_step)
+        theirs = None if base is None else at(base["steps"], base["loss"], compare_step)
+        gap = "-" if mine is None or theirs is None else f"{mine - theirs:+.2f}"
+        norm = at(r["monitor_steps"], r["spec_wq"], monitor_step)
+        logit = at(r["monitor_steps"], r["max_logit"], monitor_step)
+        growth = "-" if norm is None else f"{norm[layer]:.1f} / {logit[layer]:,.0f}"
         low = min(r["loss"])
         low_at = r["steps"][r["loss"].index(low)]
         lines.append(f"| {arm} | {seed} | {outcome(r)} | " + " | ".join(cells)
-                     + f" | {low:.2f} ({low_at}) |")
+                     + f" | {gap} | {low:.2f} ({low_at}) | {growth} |")
     return "\n".join(lines) + "\n"
 
 
-def figure(results: dict[tuple[str, int], dict], lr: float, path: Path) -> Path:
+def figure(results: dict[tuple[str, int], dict], lr: float, path: Path, *, layer: int = LAYER,
+           zoom: tuple[int, int] = (1000, COMPARE_STEP)) -> Path:
+    """Loss over the whole runs, loss over `zoom` (where the short seeds separate) and the layer's
+    largest logit (log scale): one color per arm, one line style per seed."""
+    check_layer(results, layer)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     seeds = sorted({seed for _, seed in results})
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (full, near, logit) = plt.subplots(1, 3, figsize=(15, 5))
     for (arm, seed), r in sorted(results.items()):
-        ax.plot(r["steps"], r["loss"], STYLES[seeds.index(seed) % len(STYLES)], lw=1,
-                color=COLORS.get(arm), label=f"{arm}, seed {seed}")
-    ax.set(xlabel="step", ylabel="training loss (mean of 10 steps)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"GPT-2 124M, peak lr {lr:g}: each arm with {len(seeds)} seeds (init and batch "
-                 "order); arms of one seed differ only in attention numerics / max_adjust",
-                 fontsize=9)
+        style = dict(ls=STYLES[seeds.index(seed) % len(STYLES)], lw=1, color=COLORS.get(arm),
+                     label=f"{arm}, seed {seed}")
+        full.plot(r["steps"], r["loss"], **style)
+        inside = [(s, v) for s, v in zip(r["steps"], r["loss"]) if zoom[0] <= s <= zoom[1]]
+        if inside:
+            near.plot(*zip(*inside), **style)
+        logit.plot(r["monitor_steps"], [m[layer] for m in r["max_logit"]], **style)
+    full.set(xlabel="step", ylabel="training loss (mean of 10 steps)", title="loss")
+    near.set(xlabel="step", title=f"loss, steps {zoom[0]}-{zoom[1]}")
+    logit.set(xlabel="step", yscale="log", title=f"largest attention logit, layer {layer}")
+    for ax in (full, near, logit):
+        ax.grid(alpha=0.3)
+    full.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"GPT-2 124M, peak lr {lr:g}: each arm with {len(seeds)} seeds (initial weights and batch "
+                 "order);\narms of one seed differ only in attention numerics / max_adjust", fontsize=10)
     return save_figure(fig, path)
 
 
@@ -85,14 +118,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=parse_runs, required=True, help="SEED=DIR[,SEED=DIR...]")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--arms", type=parse_arms, default=["paper/off", "paper/safe", "fast/off"])
-    parser.add_argument("--milestones", default=",".join(map(str, MILESTONES)))
+    parser.add_argument("--milestones", default=",".join(map(str, MILESTONES)), help="steps of the loss columns")
+    parser.add_argument("--baseline", default="fast/off", help="the arm every arm's loss is compared with")
+    parser.add_argument("--compare-step", type=int, default=COMPARE_STEP)
+    parser.add_argument("--monitor-step", type=int, default=MONITOR_STEP)
+    parser.add_argument("--layer", type=int, default=LAYER, help="the layer of the W_Q / logit column")
     parser.add_argument("--figure", default="docs/figures/seeds.png")
     args = parser.parse_args(argv)
     results = load(args.runs, args.lr, args.arms)
     if not results:
         parser.error(f"no run with metrics for lr {args.lr:g} and arms {args.arms} under --runs")
-    print(table(results, [int(x) for x in args.milestones.split(",") if x]))
-    print(f"figure: {figure(results, args.lr, Path(args.figure))}")
+    try:
+        check_layer(results, args.layer)
+    except ValueError as e:
+        parser.error(f"--layer: {e}")
+    print(table(results, [int(x) for x in args.milestones.split(",") if x], baseline=args.baseline,
+                compare_step=args.compare_step, monitor_step=args.monitor_step, layer=args.layer))
+    print(f"figure: {figure(results, args.lr, Path(args.figure), layer=args.layer)}")
     return 0
 
 

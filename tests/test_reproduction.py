@@ -254,18 +254,25 @@ def test_ablation_table_and_figure(tmp_path):
 def test_seeds_table_and_figure(tmp_path):
     from reproduction import seeds
     rng = np.random.default_rng()
+    bases = {}
     for seed in (0, 1):
-        base = list(np.linspace(8, 3, 60) + rng.uniform(-0.01, 0.01, 60))
+        bases[seed] = base = list(np.linspace(8, 3, 60) + rng.uniform(-0.01, 0.01, 60))
         _write_run(explosion.run_dir(tmp_path / f"s{seed}", 3e-3, "paper/off"), base[:30] + [9.0] * 30)
         _write_run(explosion.run_dir(tmp_path / f"s{seed}", 3e-3, "fast/off"), base)
     runs = seeds.parse_runs(f"0={tmp_path / 's0'},1={tmp_path / 's1'}")
     results = seeds.load(runs, 3e-3, ["paper/off", "paper/safe", "fast/off"])
     assert sorted(results) == [("fast/off", 0), ("fast/off", 1), ("paper/off", 0), ("paper/off", 1)]
-    text = seeds.table(results, milestones=[100, 400])
+    text = seeds.table(results, milestones=[100, 400], compare_step=400, monitor_step=250, layer=1)
     # paper/off sits at 9.0 (> 1.5x its lowest) from step 300 on: a sustained rise in both seeds; fast/off is stable.
     assert text.count("| paper/off |") == 2 and text.count("diverged") == 2
     assert "| fast/off | 1 | stable to step 590 |" in text and "| 9.00 |" in text
-    assert seeds.main(["--runs", f"0={tmp_path / 's0'},1={tmp_path / 's1'}",
+    # The gap to fast/off of the same seed at step 400, and layer 1's W_Q / logit at step 250 (record 25).
+    for seed, base in bases.items():
+        assert f"| paper/off | {seed} |" in text and f"| {9.0 - base[40]:+.2f} |" in text
+    assert text.count("| +0.00 |") == 2 and text.count("| 27.0 / 4 |") == 4
+    with pytest.raises(ValueError, match="layer 2"):
+        seeds.table(results, layer=2, monitor_step=250)
+    assert seeds.main(["--runs", f"0={tmp_path / 's0'},1={tmp_path / 's1'}", "--layer", "1",
                        "--figure", str(tmp_path / "seeds.png")]) == 0
     assert (tmp_path / "seeds.png").stat().st_size > 10_000
     for bad in ("x", "a=b", "1"):
