@@ -7,9 +7,11 @@
 Each --runs entry is SEED=DIR, DIR an `explosion run --out` directory whose runs were trained with
 `--seed SEED` (different initial weights and batch order; `python -m train` refuses to resume a
 checkpoint of another seed). Prints a Markdown table (per arm and seed: outcome, loss at the
-milestones, the loss minus the --baseline arm's of the same seed at --compare-step, lowest loss, and
-layer --layer's W_Q spectral norm and largest logit at --monitor-step) and writes the figure
-(training loss against steps: one color per arm, one line style per seed).
+milestones, the loss minus the --baseline arm's of the same seed at --compare-step, the lowest loss
+up to --compare-step, and layer --layer's W_Q spectral norm and largest logit at --monitor-step) and
+writes the figure (loss over the whole runs, loss from step 1000 to --compare-step, and the layer's
+largest logit: one color per arm, one line style per seed). "stable" in the outcome column is
+explosion.outcome's: no sustained rise past 1.5x the lowest loss, no spike, no non-finite loss.
 """
 from __future__ import annotations
 
@@ -53,14 +55,15 @@ def check_layer(results: dict[tuple[str, int], dict], layer: int) -> None:
     for r in results.values():
         for norms in r["spec_wq"]:
             if not 0 <= layer < len(norms):
-                raise ValueError(f"layer {layer} is out of range: the runs monitor {len(norms)} layers")
+                raise ValueError(f"layer {layer} is out of range: the runs monitor layers 0-{len(norms) - 1}")
 
 
 def table(results: dict[tuple[str, int], dict], milestones=MILESTONES, *, baseline: str = "fast/off",
           compare_step: int = COMPARE_STEP, monitor_step: int = MONITOR_STEP, layer: int = LAYER) -> str:
     check_layer(results, layer)
     head = " | ".join(f"loss at {s}" for s in milestones)
-    lines = [f"| arm | seed | outcome | {head} | minus {baseline} at {compare_step} | lowest loss (step) "
+    lines = [f"| arm | seed | outcome | {head} | minus {baseline} at {compare_step} "
+             f"| lowest loss to {compare_step} (step) "
              f"| layer-{layer} W_Q / largest logit at {monitor_step} |",
              "|---|---|---|" + "---|" * len(milestones) + "---|---|---|"]
     for (arm, seed), r in sorted(results.items()):
@@ -75,8 +78,7 @@ def table(results: dict[tuple[str, int], dict], milestones=MILESTONES, *, baseli
         norm = at(r["monitor_steps"], r["spec_wq"], monitor_step)
         logit = at(r["monitor_steps"], r["max_logit"], monitor_step)
         growth = "-" if norm is None else f"{norm[layer]:.1f} / {logit[layer]:,.0f}"
-        low = min(r["loss"])
-        low_at = r["steps"][r["loss"].index(low)]
+        low, low_at = min((loss, step) for step, loss in zip(r["steps"], r["loss"]) if step <= compare_step)
         lines.append(f"| {arm} | {seed} | {outcome(r)} | " + " | ".join(cells)
                      + f" | {gap} | {low:.2f} ({low_at}) | {growth} |")
     return "\n".join(lines) + "\n"

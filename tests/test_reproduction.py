@@ -118,7 +118,7 @@ def _write_run(directory: Path, losses, *, stopped_at=None):
         step = 10 * i
         rec = {"step": step, "loss": loss, "loss_avg": loss, "grad_norm": 1.0}
         if i % 5 == 0:
-            rec |= {"spec_wq": [1.0 + i, 2.0 + i], "tie_frac": [0.1, 0.2], "max_logit": [3.0, 4.0]}
+            rec |= {"spec_wq": [1.0 + i, 2.0 + i], "tie_frac": [0.1, 0.2], "max_logit": [3.0 + i, 4.0 + i]}
         recs.append(rec)
     if stopped_at is not None:
         recs.append({"step": stopped_at, "loss": None, "stopped": "train: STOPPED"})
@@ -239,7 +239,7 @@ def test_ablation_table_and_figure(tmp_path):
     assert set(runs) == {"paper/safe", "paper+score=float32/safe"}
     text = ablation.table(runs, layer=2)
     # _write_run logs spec_wq [1 + i, 2 + i] at record i (step 10 i): layer 2 at step 1000 is 102.
-    assert "| paper+score=float32/safe | 102.0 / 0.20 / 4 / " in text
+    assert "| paper+score=float32/safe | 102.0 / 0.20 / 104 / " in text
     assert runs["paper/safe"]["branch_step"] is None
     # A branched arm (explosion --trunk) carries its branch step; the milestones are selectable.
     branched = explosion.run_dir(tmp_path / "runs", 1e-3, "paper/safe")
@@ -251,30 +251,36 @@ def test_ablation_table_and_figure(tmp_path):
     assert (tmp_path / "a.png").stat().st_size > 10_000
 
 
-def test_seeds_table_and_figure(tmp_path):
+def test_seeds_table_and_figure(tmp_path, capsys):
     from reproduction import seeds
     rng = np.random.default_rng()
     bases = {}
-    for seed in (0, 1):
-        bases[seed] = base = list(np.linspace(8, 3, 60) + rng.uniform(-0.01, 0.01, 60))
+    for seed, offset in ((0, 0.0), (1, 0.3)):  # distinct baselines: a wrong seed's baseline shows
+        bases[seed] = base = list(np.linspace(8, 3, 60) + offset + rng.uniform(-0.01, 0.01, 60))
         _write_run(explosion.run_dir(tmp_path / f"s{seed}", 3e-3, "paper/off"), base[:30] + [9.0] * 30)
         _write_run(explosion.run_dir(tmp_path / f"s{seed}", 3e-3, "fast/off"), base)
     runs = seeds.parse_runs(f"0={tmp_path / 's0'},1={tmp_path / 's1'}")
     results = seeds.load(runs, 3e-3, ["paper/off", "paper/safe", "fast/off"])
     assert sorted(results) == [("fast/off", 0), ("fast/off", 1), ("paper/off", 0), ("paper/off", 1)]
     text = seeds.table(results, milestones=[100, 400], compare_step=400, monitor_step=250, layer=1)
-    # paper/off sits at 9.0 (> 1.5x its lowest) from step 300 on: a sustained rise in both seeds; fast/off is stable.
-    assert text.count("| paper/off |") == 2 and text.count("diverged") == 2
-    assert "| fast/off | 1 | stable to step 590 |" in text and "| 9.00 |" in text
-    # The gap to fast/off of the same seed at step 400, and layer 1's W_Q / logit at step 250 (record 25).
+    # paper/off sits at 9.0 (> 1.5x its lowest) from step 300 on: a sustained rise in both seeds;
+    # fast/off is stable. Gap to fast/off of the same seed at step 400; lowest loss up to step 400;
+    # layer 1's W_Q / largest logit at step 250 (record 25: 27.0 / 4 + 25).
     for seed, base in bases.items():
-        assert f"| paper/off | {seed} |" in text and f"| {9.0 - base[40]:+.2f} |" in text
-    assert text.count("| +0.00 |") == 2 and text.count("| 27.0 / 4 |") == 4
-    with pytest.raises(ValueError, match="layer 2"):
+        low = min(base[:30])
+        assert (f"| paper/off | {seed} | diverged: loss above 1.5x its minimum {low:.2f} from step 300 on, "
+                f"9.00 at step 590 | {base[10]:.2f} | 9.00 | {9.0 - base[40]:+.2f} "
+                f"| {low:.2f} ({10 * base.index(low)}) | 27.0 / 29 |") in text
+        assert (f"| fast/off | {seed} | stable to step 590 | {base[10]:.2f} | {base[40]:.2f} | +0.00 "
+                f"| {min(base[:41]):.2f} ({10 * base.index(min(base[:41]))}) | 27.0 / 29 |") in text
+    with pytest.raises(ValueError, match="layer 2 is out of range: the runs monitor layers 0-1"):
         seeds.table(results, layer=2, monitor_step=250)
     assert seeds.main(["--runs", f"0={tmp_path / 's0'},1={tmp_path / 's1'}", "--layer", "1",
                        "--figure", str(tmp_path / "seeds.png")]) == 0
     assert (tmp_path / "seeds.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        seeds.main(["--runs", f"0={tmp_path / 's0'}", "--figure", str(tmp_path / "x.png")])
+    assert "--layer: layer 2 is out of range" in capsys.readouterr().err
     for bad in ("x", "a=b", "1"):
         with pytest.raises(argparse.ArgumentTypeError):
             seeds.parse_runs(bad)

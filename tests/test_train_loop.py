@@ -61,13 +61,39 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     summary = run(cfg, tmp_path / "resumed")
     assert summary["start_step"] == 3
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")  # bitwise equal
-    # A finished run started again has nothing to do, and keeps the summary of the run that trained.
-    written = (tmp_path / "resumed" / "summary.json").read_text()
+    # A finished run started again has nothing to do, and keeps the outputs of the run that trained.
+    outputs = ("summary.json", "loss.png")
+    written = {name: (tmp_path / "resumed" / name).read_bytes() for name in outputs}
     again = run(cfg, tmp_path / "resumed")
     assert again["start_step"] == again["end_step"] == 6 and again["first_loss"] is None
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
-    assert (tmp_path / "resumed" / "summary.json").read_text() == written
-    assert json.loads(written)["start_step"] == 3 and json.loads(written)["tokens_per_s"] > 0
+    assert {name: (tmp_path / "resumed" / name).read_bytes() for name in outputs} == written
+    assert json.loads(written["summary.json"])["start_step"] == 3
+    assert json.loads(written["summary.json"])["tokens_per_s"] > 0
+    # ... unless that run was cut off before its summary: then the rerun writes one.
+    (tmp_path / "resumed" / "summary.json").unlink()
+    run(cfg, tmp_path / "resumed")
+    assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["end_step"] == 6
+
+
+def test_a_finished_run_started_again_keeps_its_sample(tmp_path):
+    cfg = micro(max_steps=2, sample_tokens=4)
+    run(cfg, tmp_path)
+    samples = (tmp_path / "samples.txt").read_text()
+    assert samples.count("===== step 2 =====") == 1
+    run(cfg, tmp_path)
+    assert (tmp_path / "samples.txt").read_text() == samples
+
+
+def test_a_stop_on_the_first_step_is_reported(tmp_path, monkeypatch):
+    """The run stops before any loss is recorded: the stop, not a formatting error, reaches the caller."""
+    import train.loop as loop
+
+    def stop(step, *args, **kwargs):
+        raise TrainingStopped(f"train: STOPPED at step {step}: test stop")
+    monkeypatch.setattr(loop, "_check_loss", stop)
+    with pytest.raises(TrainingStopped, match="STOPPED at step 0: test stop"):
+        run(micro(max_steps=3), tmp_path)
 
 
 def test_time_limit_checkpoints_and_the_same_run_resumes(tmp_path):

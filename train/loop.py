@@ -440,8 +440,8 @@ def _write_sample(run: _Run, step: int, text: str) -> None:
 
 
 def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: bool) -> dict:
-    """The final sample, summary.json, the loss plot and the closing log lines (only the log line for a
-    run started again after it finished); re-raises a stop."""
+    """The final sample, summary.json, the loss plot and the closing log lines (only a log line for a
+    run started again after it finished and wrote its summary); re-raises a stop."""
     cfg, mcfg = run.cfg, run.cfg.model
     run.bar.close()
     summary = {
@@ -454,9 +454,10 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
         "wall_s": time.time() - run.t_start, "last_checkpoint": state.last_good, "stopped": stopped,
         "time_limit_reached": timed_out,
     }
-    if run.start >= cfg.max_steps:
+    if run.start >= cfg.max_steps and (run.out_dir / "summary.json").exists():
         # Started again after it finished: summary.json, the plot and the samples stay those of the
-        # run that did the work.
+        # run that did the work. (Without its summary.json, that run was cut off after its last
+        # checkpoint, and this one writes what it can: the plot from metrics.jsonl and the sample.)
         if run.main:
             run.log(f"train: nothing to do: {run.out_dir / 'checkpoints'} is already at step {run.start} >= "
                     f"--max-steps {cfg.max_steps}; summary.json left as it was")
@@ -476,8 +477,9 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
         if summary["tokens_per_s"]:
             run.log(f"train: median {summary['tokens_per_s']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}% "
                     f"({run.peak_note})")
-        run.log(f"train: done in {summary['wall_s']:.0f}s; loss {state.first_loss:.3f} -> "
-                f"{state.last_loss:.3f}; outputs in {run.out_dir}")
+        if state.first_loss is not None:  # None when the first step stopped the run
+            run.log(f"train: done in {summary['wall_s']:.0f}s; loss {state.first_loss:.3f} -> "
+                    f"{state.last_loss:.3f}; outputs in {run.out_dir}")
     run.close()
     if stopped is not None:
         run.log(stopped)
