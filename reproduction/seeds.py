@@ -8,9 +8,10 @@ Each --runs entry is SEED=DIR, DIR an `explosion run --out` directory whose runs
 `--seed SEED` (different initial weights and batch order; `python -m train` refuses to resume a
 checkpoint of another seed). Prints a Markdown table (per arm and seed: outcome, loss at the
 milestones, the loss minus the --baseline arm's of the same seed at --compare-step, the lowest loss
-up to --compare-step, and layer --layer's W_Q spectral norm and largest logit at --monitor-step) and
-writes the figure (loss over the whole runs, loss from step 1000 to --compare-step, and the layer's
-largest logit: one color per arm, one line style per seed). "stable" in the outcome column is
+up to --compare-step, and the largest attention logit and W_Q spectral norm over layers at
+--monitor-step, each with its 1-based layer: the growing layer differs between seeds) and writes the
+figure (loss over the whole runs, loss from step 1000 to --compare-step, and the largest logit over
+layers: one color per arm, one line style per seed). "stable" in the outcome column is
 explosion.outcome's: no sustained rise past 1.5x the lowest loss, no spike, no non-finite loss.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from reproduction.explosion import COLORS, outcome, parse_arms, read_run, run_di
 # The seed 1 and 2 runs stop at step 2499 (--max-steps 2500): their last logged loss is at 2490 and
 # their last periodic monitor at 2450; seed 0 ran on to ~5,800.
 MILESTONES = (1000, 2000, 2490, 4000, 5000)
-COMPARE_STEP, MONITOR_STEP, LAYER = 2490, 2450, 2
+COMPARE_STEP, MONITOR_STEP = 2490, 2450
 STYLES = ("-", "--", ":", "-.")
 
 
@@ -50,22 +51,18 @@ def load(runs: dict[int, Path], lr: float, arms: list[str]) -> dict[tuple[str, i
     return out
 
 
-def check_layer(results: dict[tuple[str, int], dict], layer: int) -> None:
-    """ValueError unless every monitor record of every run has `layer`."""
-    for r in results.values():
-        for norms in r["spec_wq"]:
-            if not 0 <= layer < len(norms):
-                raise ValueError(f"layer {layer} is out of range: the runs monitor layers 0-{len(norms) - 1}")
+def largest(values: list[float]) -> tuple[float, int]:
+    """(largest value, its 1-based layer) of one per-layer monitor record."""
+    return max((v, layer) for layer, v in enumerate(values, 1))
 
 
 def table(results: dict[tuple[str, int], dict], milestones=MILESTONES, *, baseline: str = "fast/off",
-          compare_step: int = COMPARE_STEP, monitor_step: int = MONITOR_STEP, layer: int = LAYER) -> str:
-    check_layer(results, layer)
+          compare_step: int = COMPARE_STEP, monitor_step: int = MONITOR_STEP) -> str:
     head = " | ".join(f"loss at {s}" for s in milestones)
     lines = [f"| arm | seed | outcome | {head} | minus {baseline} at {compare_step} "
              f"| lowest loss to {compare_step} (step) "
-             f"| layer-{layer} W_Q / largest logit at {monitor_step} |",
-             "|---|---|---|" + "---|" * len(milestones) + "---|---|---|"]
+             f"| largest logit (layer) at {monitor_step} | largest W_Q norm (layer) at {monitor_step} |",
+             "|---|---|---|" + "---|" * len(milestones) + "---|---|---|---|"]
     for (arm, seed), r in sorted(results.items()):
         cells = []
         for s in milestones:
@@ -75,20 +72,24 @@ def table(results: dict[tuple[str, int], dict], milestones=MILESTONES, *, baseli
         mine = at(r["steps"], r["loss"], compare_step)
         theirs = None if base is None else at(base["steps"], base["loss"], compare_step)
         gap = "-" if mine is None or theirs is None else f"{mine - theirs:+.2f}"
-        norm = at(r["monitor_steps"], r["spec_wq"], monitor_step)
-        logit = at(r["monitor_steps"], r["max_logit"], monitor_step)
-        growth = "-" if norm is None else f"{norm[layer]:.1f} / {logit[layer]:,.0f}"
+        growth = []
+        for key, fmt in (("max_logit", ",.0f"), ("spec_wq", ".1f")):
+            record = at(r["monitor_steps"], r[key], monitor_step)
+            if record is None:
+                growth.append("-")
+                continue
+            value, layer = largest(record)
+            growth.append(f"{value:{fmt}} ({layer})")
         low, low_at = min((loss, step) for step, loss in zip(r["steps"], r["loss"]) if step <= compare_step)
         lines.append(f"| {arm} | {seed} | {outcome(r)} | " + " | ".join(cells)
-                     + f" | {gap} | {low:.2f} ({low_at}) | {growth} |")
+                     + f" | {gap} | {low:.2f} ({low_at}) | {' | '.join(growth)} |")
     return "\n".join(lines) + "\n"
 
 
-def figure(results: dict[tuple[str, int], dict], lr: float, path: Path, *, layer: int = LAYER,
+def figure(results: dict[tuple[str, int], dict], lr: float, path: Path, *,
            zoom: tuple[int, int] = (1000, COMPARE_STEP)) -> Path:
-    """Loss over the whole runs, loss over `zoom` (where the short seeds separate) and the layer's
-    largest logit (log scale): one color per arm, one line style per seed."""
-    check_layer(results, layer)
+    """Loss over the whole runs, loss over `zoom` (where the short seeds separate) and the largest
+    logit over layers (log scale): one color per arm, one line style per seed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -102,10 +103,10 @@ def figure(results: dict[tuple[str, int], dict], lr: float, path: Path, *, layer
         inside = [(s, v) for s, v in zip(r["steps"], r["loss"]) if zoom[0] <= s <= zoom[1]]
         if inside:
             near.plot(*zip(*inside), **style)
-        logit.plot(r["monitor_steps"], [m[layer] for m in r["max_logit"]], **style)
+        logit.plot(r["monitor_steps"], [max(m) for m in r["max_logit"]], **style)
     full.set(xlabel="step", ylabel="training loss (mean of 10 steps)", title="loss")
     near.set(xlabel="step", title=f"loss, steps {zoom[0]}-{zoom[1]}")
-    logit.set(xlabel="step", yscale="log", title=f"largest attention logit, layer {layer}")
+    logit.set(xlabel="step", yscale="log", title="largest attention logit over layers")
     for ax in (full, near, logit):
         ax.grid(alpha=0.3)
     full.legend(fontsize=7, ncol=2)
@@ -124,19 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default="fast/off", help="the arm every arm's loss is compared with")
     parser.add_argument("--compare-step", type=int, default=COMPARE_STEP)
     parser.add_argument("--monitor-step", type=int, default=MONITOR_STEP)
-    parser.add_argument("--layer", type=int, default=LAYER, help="the layer of the W_Q / logit column")
     parser.add_argument("--figure", default="docs/figures/seeds.png")
     args = parser.parse_args(argv)
     results = load(args.runs, args.lr, args.arms)
     if not results:
         parser.error(f"no run with metrics for lr {args.lr:g} and arms {args.arms} under --runs")
-    try:
-        check_layer(results, args.layer)
-    except ValueError as e:
-        parser.error(f"--layer: {e}")
     print(table(results, [int(x) for x in args.milestones.split(",") if x], baseline=args.baseline,
-                compare_step=args.compare_step, monitor_step=args.monitor_step, layer=args.layer))
-    print(f"figure: {figure(results, args.lr, Path(args.figure), layer=args.layer)}")
+                compare_step=args.compare_step, monitor_step=args.monitor_step))
+    print(f"figure: {figure(results, args.lr, Path(args.figure))}")
     return 0
 
 

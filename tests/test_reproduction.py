@@ -262,25 +262,25 @@ def test_seeds_table_and_figure(tmp_path, capsys):
     runs = seeds.parse_runs(f"0={tmp_path / 's0'},1={tmp_path / 's1'}")
     results = seeds.load(runs, 3e-3, ["paper/off", "paper/safe", "fast/off"])
     assert sorted(results) == [("fast/off", 0), ("fast/off", 1), ("paper/off", 0), ("paper/off", 1)]
-    text = seeds.table(results, milestones=[100, 400], compare_step=400, monitor_step=250, layer=1)
+    text = seeds.table(results, milestones=[100, 400], compare_step=400, monitor_step=250)
     # paper/off sits at 9.0 (> 1.5x its lowest) from step 300 on: a sustained rise in both seeds;
     # fast/off is stable. Gap to fast/off of the same seed at step 400; lowest loss up to step 400;
-    # layer 1's W_Q / largest logit at step 250 (record 25: 27.0 / 4 + 25).
+    # the largest logit and W_Q norm over layers at step 250, both in layer 2 (record 25: [3, 4] + 25
+    # and [1, 2] + 25).
     for seed, base in bases.items():
         low = min(base[:30])
         assert (f"| paper/off | {seed} | diverged: loss above 1.5x its minimum {low:.2f} from step 300 on, "
                 f"9.00 at step 590 | {base[10]:.2f} | 9.00 | {9.0 - base[40]:+.2f} "
-                f"| {low:.2f} ({10 * base.index(low)}) | 27.0 / 29 |") in text
+                f"| {low:.2f} ({10 * base.index(low)}) | 29 (2) | 27.0 (2) |") in text
         assert (f"| fast/off | {seed} | stable to step 590 | {base[10]:.2f} | {base[40]:.2f} | +0.00 "
-                f"| {min(base[:41]):.2f} ({10 * base.index(min(base[:41]))}) | 27.0 / 29 |") in text
-    with pytest.raises(ValueError, match="layer 2 is out of range: the runs monitor layers 0-1"):
-        seeds.table(results, layer=2, monitor_step=250)
-    assert seeds.main(["--runs", f"0={tmp_path / 's0'},1={tmp_path / 's1'}", "--layer", "1",
+                f"| {min(base[:41]):.2f} ({10 * base.index(min(base[:41]))}) | 29 (2) | 27.0 (2) |") in text
+    assert seeds.largest([3.0, 7.5, 7.0]) == (7.5, 2)
+    assert seeds.main(["--runs", f"0={tmp_path / 's0'},1={tmp_path / 's1'}",
                        "--figure", str(tmp_path / "seeds.png")]) == 0
     assert (tmp_path / "seeds.png").stat().st_size > 10_000
     with pytest.raises(SystemExit):
-        seeds.main(["--runs", f"0={tmp_path / 's0'}", "--figure", str(tmp_path / "x.png")])
-    assert "--layer: layer 2 is out of range" in capsys.readouterr().err
+        seeds.main(["--runs", f"0={tmp_path / 's0'}", "--lr", "1e-3", "--figure", str(tmp_path / "x.png")])
+    assert "no run with metrics for lr 0.001" in capsys.readouterr().err
     for bad in ("x", "a=b", "1"):
         with pytest.raises(argparse.ArgumentTypeError):
             seeds.parse_runs(bad)
