@@ -7,11 +7,11 @@ JSON to benchmarks/results/ naming the device, and prints the table last.
   python benchmarks/train_speed.py                          # GPT-2 124M, seq 1024, on the GPU
   python benchmarks/train_speed.py --config tiny --steps 3  # CPU smoke run
 
-Arms: ours = stable_attn (implementation chosen by stable_attn: the Pallas kernel on GPU, the blockwise
-reference elsewhere; --max-adjust safe), ours_off = the same without the max adjustment, cudnn =
-jax.nn.dot_product_attention(implementation="cudnn") (GPU only), xla = jax.nn's XLA attention.
-MFU = tokens/s x (6N + 12 L T d) / (devices x peak), peak = the measured bf16 matmul ceiling on GPU
-(or --peak-tflops).
+Arms: ours = stable_attn (implementation chosen by stable_attn: the Pallas kernel on GPU, the
+blockwise reference elsewhere; --max-adjust safe), ours_off = the same without the max adjustment,
+cudnn = jax.nn.dot_product_attention(implementation="cudnn") (GPU only), xla = jax.nn's XLA
+attention. MFU = tokens/s x (6N + 12 L T d) / (devices x peak), peak = the measured bf16 matmul
+ceiling on GPU (or --peak-tflops).
 """
 
 from __future__ import annotations
@@ -51,147 +51,160 @@ ARMS = {
 
 
 def run_arm(cfg, n_steps: int, warmup: int, mesh, tokens: np.ndarray) -> dict:
-    """Compile, warm up, then time n_steps optimizer steps. tokens: [1, B, T+1] int32 (global)."""
-    mcfg = cfg.model
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GPT(mcfg, rngs=nnx.Rngs(0))), nnx.Param)
-    p_sh = param_shardings(abstract, mesh, cfg.fsdp)
-    params = init_params(cfg, p_sh)
-    tx = make_optimizer(cfg)
-    o_sh = _opt_shardings(tx, jax.eval_shape(tx.init, params), p_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-    b_sh = batch_sharding(mesh, 3, 1)
-    x = jax.device_put(tokens[..., :-1], b_sh)
-    y = jax.device_put(tokens[..., 1:], b_sh)
-    step = jax.jit(make_train_step(graphdef, tx), in_shardings=(p_sh, o_sh, b_sh, b_sh),
-                   out_shardings=(p_sh, o_sh, replicated(mesh)), donate_argnums=(0, 1))
-    t0 = time.perf_counter()
-    compiled = step.lower(params, opt_state, x, y).compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()  # what XLA plans for one step: buffers live at its peak
-    step_gib = None if mem is None else (mem.temp_size_in_bytes + mem.argument_size_in_bytes
-                                         + mem.output_size_in_bytes - mem.alias_size_in_bytes) / 2 ** 30
-    for _ in range(warmup):
-        params, opt_state, _ = compiled(params, opt_state, x, y)
-    jax.block_until_ready(params)
-    t0 = time.perf_counter()
-    for _ in range(n_steps):
-        params, opt_state, m = compiled(params, opt_state, x, y)
-    loss = float(m["loss"])  # waits for the last step
-    elapsed = time.perf_counter() - t0
-    B, T = tokens.shape[1], tokens.shape[2] - 1
-    return {"tokens_per_s": n_steps * B * T / elapsed, "step_ms": 1e3 * elapsed / n_steps,
-            "compile_s": compile_s, "loss": loss, "finite": bool(np.isfinite(loss)),
-            "step_memory_gib": step_gib}
+  """Compile, warm up, then time n_steps optimizer steps. tokens: [1, B, T+1] int32 (global)."""
+  mcfg = cfg.model
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GPT(mcfg, rngs=nnx.Rngs(0))), nnx.Param)
+  p_sh = param_shardings(abstract, mesh, cfg.fsdp)
+  params = init_params(cfg, p_sh)
+  tx = make_optimizer(cfg)
+  o_sh = _opt_shardings(tx, jax.eval_shape(tx.init, params), p_sh, mesh)
+  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  b_sh = batch_sharding(mesh, 3, 1)
+  x = jax.device_put(tokens[..., :-1], b_sh)
+  y = jax.device_put(tokens[..., 1:], b_sh)
+  step = jax.jit(make_train_step(graphdef, tx), in_shardings=(p_sh, o_sh, b_sh, b_sh),
+                 out_shardings=(p_sh, o_sh, replicated(mesh)), donate_argnums=(0, 1))
+  t0 = time.perf_counter()
+  compiled = step.lower(params, opt_state, x, y).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()  # what XLA plans for one step: buffers live at its peak
+  step_gib = None if mem is None else (mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                                       + mem.output_size_in_bytes
+                                       - mem.alias_size_in_bytes) / 2 ** 30
+  for _ in range(warmup):
+    params, opt_state, _ = compiled(params, opt_state, x, y)
+  jax.block_until_ready(params)
+  t0 = time.perf_counter()
+  for _ in range(n_steps):
+    params, opt_state, m = compiled(params, opt_state, x, y)
+  loss = float(m["loss"])  # waits for the last step
+  elapsed = time.perf_counter() - t0
+  B, T = tokens.shape[1], tokens.shape[2] - 1
+  return {"tokens_per_s": n_steps * B * T / elapsed, "step_ms": 1e3 * elapsed / n_steps,
+          "compile_s": compile_s, "loss": loss, "finite": bool(np.isfinite(loss)),
+          "step_memory_gib": step_gib}
 
 
 def label(mcfg) -> str:
-    """Short name of what an arm runs, for the table."""
-    name = attn_lib.short_name(mcfg)
-    return name + (", --remat" if mcfg.remat else "")
+  """Short name of what an arm runs, for the table."""
+  name = attn_lib.short_name(mcfg)
+  return name + (", --remat" if mcfg.remat else "")
 
 
 def peak_memory_gb() -> float | None:
-    stats = jax.local_devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
-    return peak / 2 ** 30 if peak else None
+  stats = jax.local_devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return peak / 2 ** 30 if peak else None
 
 
 def _gib(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
+  return "-" if value is None else f"{value:.2f}"
 
 
 def markdown(rows: list[dict], header: dict) -> str:
-    lines = [f"# GPT-2 training throughput: {header['device']} x{header['devices']}", "",
-             f"config {header['config']} ({header['params_m']:.1f}M params), batch {header['batch']} x seq "
-             f"{header['seq']} (global), {header['steps']} timed steps after {header['warmup']} warm-up, "
-             f"bf16 compute / fp32 master weights, AdamW + clip. jax {header['jax']}. "
-             f"MFU peak: {header['peak_note']}. Step memory: XLA's plan for one compiled step "
-             f"(arguments + outputs + temporaries - donated).", "",
-             "| arm | attention | tokens/s | step ms | MFU | vs cuDNN | compile s | step memory GiB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    base = next((r["tokens_per_s"] for r in rows if r["arm"] == "cudnn" and "tokens_per_s" in r), None)
-    for r in rows:
-        if "tokens_per_s" not in r:
-            lines.append(f"| {r['arm']} | {r['attention']} | - | - | - | - | {r.get('error', 'skipped')[:60]} | - |")
-            continue
-        vs = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
-        lines.append(f"| {r['arm']} | {r['attention']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
-                     f"{100 * r['mfu']:.1f}% | {vs} | {r['compile_s']:.1f} | {_gib(r.get('step_memory_gib'))} |")
-    return "\n".join(lines) + "\n"
+  lines = [f"# GPT-2 training throughput: {header['device']} x{header['devices']}", "",
+           f"config {header['config']} ({header['params_m']:.1f}M params), batch "
+           f"{header['batch']} x seq {header['seq']} (global), {header['steps']} timed steps after "
+           f"{header['warmup']} warm-up, bf16 compute / fp32 master weights, AdamW + clip. "
+           f"jax {header['jax']}. "
+           f"MFU peak: {header['peak_note']}. Step memory: XLA's plan for one compiled step "
+           f"(arguments + outputs + temporaries - donated).", "",
+           "| arm | attention | tokens/s | step ms | MFU | vs cuDNN | compile s "
+           "| step memory GiB |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+  base = next((r["tokens_per_s"] for r in rows if r["arm"] == "cudnn" and "tokens_per_s" in r),
+              None)
+  for r in rows:
+    if "tokens_per_s" not in r:
+      lines.append(f"| {r['arm']} | {r['attention']} | - | - | - | - | "
+                   f"{r.get('error', 'skipped')[:60]} | - |")
+      continue
+    vs = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
+    lines.append(f"| {r['arm']} | {r['attention']} | {r['tokens_per_s']:,.0f} | "
+                 f"{r['step_ms']:.1f} | {100 * r['mfu']:.1f}% | {vs} | {r['compile_s']:.1f} | "
+                 f"{_gib(r.get('step_memory_gib'))} |")
+  return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="gpt2")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="sequences per device per step (default 16 for 1024-token configs, else the config's)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the config's context)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--arms", default="ours,cudnn,xla", help=f"comma-separated, from {', '.join(ARMS)}")
-    p.add_argument("--numerics", default="fast")
-    p.add_argument("--fsdp", action="store_true")
-    p.add_argument("--peak-tflops", type=float, default=None)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--tag", default="", help="suffix of the result files' names (e.g. remat)")
-    args = p.parse_args(argv)
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", default="gpt2")
+  p.add_argument("--batch-size", type=int, default=None,
+                 help="sequences per device per step (default 16 for 1024-token configs, else the "
+                      "config's)")
+  p.add_argument("--seq", type=int, default=None,
+                 help="sequence length (default: the config's context)")
+  p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--arms", default="ours,cudnn,xla",
+                 help=f"comma-separated, from {', '.join(ARMS)}")
+  p.add_argument("--numerics", default="fast")
+  p.add_argument("--fsdp", action="store_true")
+  p.add_argument("--peak-tflops", type=float, default=None)
+  p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+  p.add_argument("--tag", default="", help="suffix of the result files' names (e.g. remat)")
+  args = p.parse_args(argv)
 
-    if args.steps < 1 or args.warmup < 0:
-        raise ValueError(f"need --steps >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
-    base = get_config(args.config)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    for a in arms:
-        if a not in ARMS:
-            raise ValueError(f"--arms: {a!r} is not one of {', '.join(ARMS)}")
-    n_dev = jax.device_count()
-    seq = args.seq or base.model.block_size
-    per_dev = args.batch_size or (16 if seq >= 1024 else base.batch_size)
-    batch = per_dev * n_dev
-    mesh = make_mesh()
-    peak, peak_note = peak_tflops(args.peak_tflops)
-    device = jax.devices()[0].device_kind
-    tokens = np.random.default_rng(0).integers(0, 50257, size=(1, batch, seq + 1), dtype=np.int32)
-    mcfg0 = base.model
-    abstract = nnx.state(nnx.eval_shape(lambda: GPT(mcfg0, rngs=nnx.Rngs(0))), nnx.Param)
-    rows = []
-    for arm in arms:
-        cfg = base.replace(batch_size=batch, grad_accum=1, fsdp=args.fsdp,
-                           model=dict(block_size=seq, numerics=args.numerics if ARMS[arm]["attention"] == "auto"
-                                      else "fast", **ARMS[arm]))
-        fpt = flops_per_token(cfg.model, count_params(abstract, exclude_positions=True))
-        row = {"arm": arm, "attention": label(cfg.model),
-               "attention_detail": attn_lib.describe(cfg.model)}
-        if arm == "cudnn" and jax.default_backend() != "gpu":
-            row["error"] = "skipped: cuDNN needs a GPU"
-            rows.append(row)
-            print(f"[{arm}] skipped (no GPU)", flush=True)
-            continue
-        print(f"[{arm}] {row['attention_detail']} ...", flush=True)
-        try:
-            row.update(run_arm(cfg, args.steps, args.warmup, mesh, tokens))
-            row["mfu"] = row["tokens_per_s"] * fpt / (peak * 1e12 * n_dev)
-            print(f"[{arm}] {row['tokens_per_s']:,.0f} tokens/s, {row['step_ms']:.1f} ms/step, "
-                  f"MFU {100 * row['mfu']:.1f}%, compile {row['compile_s']:.1f}s", flush=True)
-        except Exception as e:  # one failing arm must not lose the others' numbers
-            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-            traceback.print_exc()
-        rows.append(row)
+  if args.steps < 1 or args.warmup < 0:
+    raise ValueError(f"need --steps >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
+  base = get_config(args.config)
+  arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+  for a in arms:
+    if a not in ARMS:
+      raise ValueError(f"--arms: {a!r} is not one of {', '.join(ARMS)}")
+  n_dev = jax.device_count()
+  seq = args.seq or base.model.block_size
+  per_dev = args.batch_size or (16 if seq >= 1024 else base.batch_size)
+  batch = per_dev * n_dev
+  mesh = make_mesh()
+  peak, peak_note = peak_tflops(args.peak_tflops)
+  device = jax.devices()[0].device_kind
+  tokens = np.random.default_rng(0).integers(0, 50257, size=(1, batch, seq + 1), dtype=np.int32)
+  mcfg0 = base.model
+  abstract = nnx.state(nnx.eval_shape(lambda: GPT(mcfg0, rngs=nnx.Rngs(0))), nnx.Param)
+  rows = []
+  for arm in arms:
+    cfg = base.replace(batch_size=batch, grad_accum=1, fsdp=args.fsdp,
+                       model=dict(block_size=seq,
+                                  numerics=args.numerics if ARMS[arm]["attention"] == "auto"
+                                  else "fast", **ARMS[arm]))
+    fpt = flops_per_token(cfg.model, count_params(abstract, exclude_positions=True))
+    row = {"arm": arm, "attention": label(cfg.model),
+           "attention_detail": attn_lib.describe(cfg.model)}
+    if arm == "cudnn" and jax.default_backend() != "gpu":
+      row["error"] = "skipped: cuDNN needs a GPU"
+      rows.append(row)
+      print(f"[{arm}] skipped (no GPU)", flush=True)
+      continue
+    print(f"[{arm}] {row['attention_detail']} ...", flush=True)
+    try:
+      row.update(run_arm(cfg, args.steps, args.warmup, mesh, tokens))
+      row["mfu"] = row["tokens_per_s"] * fpt / (peak * 1e12 * n_dev)
+      print(f"[{arm}] {row['tokens_per_s']:,.0f} tokens/s, {row['step_ms']:.1f} ms/step, "
+            f"MFU {100 * row['mfu']:.1f}%, compile {row['compile_s']:.1f}s", flush=True)
+    except Exception as e:  # one failing arm must not lose the others' numbers
+      row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+      traceback.print_exc()
+    rows.append(row)
 
-    header = {"device": device, "devices": n_dev, "backend": jax.default_backend(), "config": args.config,
-              "params_m": count_params(abstract) / 1e6, "batch": batch, "seq": seq, "steps": args.steps,
-              "warmup": args.warmup, "jax": jax.__version__, "peak_tflops": peak, "peak_note": peak_note,
-              "peak_memory_gb": peak_memory_gb(), "numerics": args.numerics, "fsdp": args.fsdp}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_") + (f"_x{n_dev}" if n_dev > 1 else "")
-    stem = f"train_speed_{args.config}_{slug}" + (f"_{args.tag}" if args.tag else "")
-    table = markdown(rows, header)
-    (out / f"{stem}.md").write_text(table)
-    (out / f"{stem}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")
-    print(f"\nwrote {out / stem}.md and .json\n")
-    print(table)
-    return 0 if all("tokens_per_s" in r or r.get("error", "").startswith("skipped") for r in rows) else 1
+  header = {"device": device, "devices": n_dev, "backend": jax.default_backend(),
+            "config": args.config, "params_m": count_params(abstract) / 1e6, "batch": batch,
+            "seq": seq, "steps": args.steps, "warmup": args.warmup, "jax": jax.__version__,
+            "peak_tflops": peak, "peak_note": peak_note, "peak_memory_gb": peak_memory_gb(),
+            "numerics": args.numerics, "fsdp": args.fsdp}
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  slug = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_") + (f"_x{n_dev}" if n_dev > 1 else "")
+  stem = f"train_speed_{args.config}_{slug}" + (f"_{args.tag}" if args.tag else "")
+  table = markdown(rows, header)
+  (out / f"{stem}.md").write_text(table)
+  (out / f"{stem}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")
+  print(f"\nwrote {out / stem}.md and .json\n")
+  print(table)
+  return 0 if all("tokens_per_s" in r or r.get("error", "").startswith("skipped")
+                  for r in rows) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

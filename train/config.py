@@ -22,117 +22,117 @@ DTYPE_CHOICES = ("bfloat16", "float32", "float16")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """GPT-2 shape and attention options."""
+  """GPT-2 shape and attention options."""
 
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    block_size: int = 1024  # context length T
-    vocab_size: int = 50304  # 50257 padded up to a multiple of 64 (faster matmuls, as nanoGPT)
-    bias: bool = True  # biases in Linear and LayerNorm (GPT-2 has them; the paper's run does not)
-    dtype: str = "bfloat16"  # compute dtype; parameters are always float32 (master weights)
-    attention: str = "auto"  # see train/attention.py
-    max_adjust: str = "safe"
-    numerics: str = "fast"
-    beta: float = 2.0
-    remat: bool = False  # recompute each block in the backward (saves activation memory)
-    # Document masking (--pack-documents): no position attends across an end-of-text token; the
-    # segment ids come from the tokens (train.model.document_ids). Off by default, as in nanoGPT.
-    pack_documents: bool = False
+  n_layer: int = 12
+  n_head: int = 12
+  n_embd: int = 768
+  block_size: int = 1024  # context length T
+  vocab_size: int = 50304  # 50257 padded up to a multiple of 64 (faster matmuls, as nanoGPT)
+  bias: bool = True  # biases in Linear and LayerNorm (GPT-2 has them; the paper's run does not)
+  dtype: str = "bfloat16"  # compute dtype; parameters are always float32 (master weights)
+  attention: str = "auto"  # see train/attention.py
+  max_adjust: str = "safe"
+  numerics: str = "fast"
+  beta: float = 2.0
+  remat: bool = False  # recompute each block in the backward (saves activation memory)
+  # Document masking (--pack-documents): no position attends across an end-of-text token; the
+  # segment ids come from the tokens (train.model.document_ids). Off by default, as in nanoGPT.
+  pack_documents: bool = False
 
-    def __post_init__(self):
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        for name, value, choices in (
-            ("attention", self.attention, ATTENTION_CHOICES),
-            ("max_adjust", self.max_adjust, MAX_ADJUST_CHOICES),
-            ("dtype", self.dtype, DTYPE_CHOICES),
-        ):
-            if value not in choices:
-                raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
-        try:  # a preset, or a preset with rounding points moved ("paper+score=float32")
-            stable_attn.numerics.resolve(self.numerics)
-        except ValueError as e:
-            raise ValueError(f"numerics={self.numerics!r}: {e}") from None
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+  def __post_init__(self):
+    if self.n_embd % self.n_head:
+      raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+    for name, value, choices in (
+        ("attention", self.attention, ATTENTION_CHOICES),
+        ("max_adjust", self.max_adjust, MAX_ADJUST_CHOICES),
+        ("dtype", self.dtype, DTYPE_CHOICES),
+    ):
+      if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    try:  # a preset, or a preset with rounding points moved ("paper+score=float32")
+      stable_attn.numerics.resolve(self.numerics)
+    except ValueError as e:
+      raise ValueError(f"numerics={self.numerics!r}: {e}") from None
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+  @property
+  def head_dim(self) -> int:
+    return self.n_embd // self.n_head
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation, data and logging settings."""
+  """Optimisation, data and logging settings."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    batch_size: int = 16  # global sequences per micro-step
-    grad_accum: int = 32  # micro-steps per optimizer step
-    max_steps: int = 600_000
-    lr: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_steps: int = 2000
-    lr_decay_steps: int | None = None  # cosine reaches min_lr here; None = max_steps
-    weight_decay: float = 0.1  # applied to matrices and embeddings only
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    seed: int = 0
-    corpus: str = "default"
-    # Intervals in steps. eval/monitor also run at the last step; 0 turns them off. Checkpoints are also
-    # written at the end (0 = only then); samples are drawn at the end (sample_tokens 0 = never).
-    eval_every: int = 1000
-    eval_batches: int = 20
-    log_every: int = 10
-    monitor_every: int = 500
-    ckpt_every: int = 1000
-    sample_every: int = 0
-    sample_tokens: int = 200
-    keep_checkpoints: int = 3
-    # Stop when a loss exceeds spike_factor x its running mean (EMA, from step max(100, warmup_steps) on);
-    # 0 disables. A real explosion (loss 3 -> 7+) trips it; ordinary noise does not.
-    spike_factor: float = 2.0
-    fsdp: bool = False
+  model: ModelConfig = field(default_factory=ModelConfig)
+  batch_size: int = 16  # global sequences per micro-step
+  grad_accum: int = 32  # micro-steps per optimizer step
+  max_steps: int = 600_000
+  lr: float = 6e-4
+  min_lr: float = 6e-5
+  warmup_steps: int = 2000
+  lr_decay_steps: int | None = None  # cosine reaches min_lr here; None = max_steps
+  weight_decay: float = 0.1  # applied to matrices and embeddings only
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float = 1.0  # global-norm clipping; 0 disables
+  seed: int = 0
+  corpus: str = "default"
+  # Intervals in steps. eval/monitor also run at the last step; 0 turns them off. Checkpoints are
+  # also written at the end (0 = only then); samples are drawn at the end (sample_tokens 0 = never).
+  eval_every: int = 1000
+  eval_batches: int = 20
+  log_every: int = 10
+  monitor_every: int = 500
+  ckpt_every: int = 1000
+  sample_every: int = 0
+  sample_tokens: int = 200
+  keep_checkpoints: int = 3
+  # Stop when a loss exceeds spike_factor x its running mean (EMA, from step max(100, warmup_steps)
+  # on); 0 disables. A real explosion (loss 3 -> 7+) trips it; ordinary noise does not.
+  spike_factor: float = 2.0
+  fsdp: bool = False
 
-    def __post_init__(self):
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("log_every", "eval_every", "monitor_every", "ckpt_every", "sample_every",
-                     "warmup_steps", "sample_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.lr_decay_steps is not None and self.lr_decay_steps <= 0:
-            raise ValueError(f"lr_decay_steps must be positive, got {self.lr_decay_steps}")
-        if not 0 <= self.b1 < 1 or not 0 <= self.b2 < 1:
-            raise ValueError(f"b1 and b2 must lie in [0, 1), got {self.b1}, {self.b2}")
-        if self.spike_factor and self.spike_factor <= 1:
-            raise ValueError(f"spike_factor must be > 1 (or 0 to disable), got {self.spike_factor}")
+  def __post_init__(self):
+    for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    for name in ("log_every", "eval_every", "monitor_every", "ckpt_every", "sample_every",
+                 "warmup_steps", "sample_tokens"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+      raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+    if self.lr_decay_steps is not None and self.lr_decay_steps <= 0:
+      raise ValueError(f"lr_decay_steps must be positive, got {self.lr_decay_steps}")
+    if not 0 <= self.b1 < 1 or not 0 <= self.b2 < 1:
+      raise ValueError(f"b1 and b2 must lie in [0, 1), got {self.b1}, {self.b2}")
+    if self.spike_factor and self.spike_factor <= 1:
+      raise ValueError(f"spike_factor must be > 1 (or 0 to disable), got {self.spike_factor}")
 
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.grad_accum * self.model.block_size
+  @property
+  def tokens_per_step(self) -> int:
+    return self.batch_size * self.grad_accum * self.model.block_size
 
-    @property
-    def decay_steps(self) -> int:
-        return self.lr_decay_steps or self.max_steps
+  @property
+  def decay_steps(self) -> int:
+    return self.lr_decay_steps or self.max_steps
 
-    def replace(self, **changes) -> "TrainConfig":
-        """Copy with top-level fields changed; model fields may be passed as `model=dict(...)`."""
-        model = changes.pop("model", None)
-        if isinstance(model, dict):
-            model = dataclasses.replace(self.model, **model)
-        if model is not None:
-            changes["model"] = model
-        return dataclasses.replace(self, **changes)
+  def replace(self, **changes) -> "TrainConfig":
+    """Copy with top-level fields changed; model fields may be passed as `model=dict(...)`."""
+    model = changes.pop("model", None)
+    if isinstance(model, dict):
+      model = dataclasses.replace(self.model, **model)
+    if model is not None:
+      changes["model"] = model
+    return dataclasses.replace(self, **changes)
 
 
 def _gpt2(n_layer, n_head, n_embd, **train) -> TrainConfig:
-    return TrainConfig(model=ModelConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd), **train)
+  return TrainConfig(model=ModelConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd), **train)
 
 
 CONFIGS: dict[str, TrainConfig] = {
@@ -141,18 +141,19 @@ CONFIGS: dict[str, TrainConfig] = {
     "gpt2-medium": _gpt2(24, 16, 1024, batch_size=8, grad_accum=64, lr=3e-4, min_lr=3e-5),
     "gpt2-large": _gpt2(36, 20, 1280, batch_size=8, grad_accum=64, lr=2.5e-4, min_lr=2.5e-5),
     "gpt2-xl": _gpt2(48, 25, 1600, batch_size=4, grad_accum=128, lr=2e-4, min_lr=2e-5),
-    # The paper's failing run (paper.md, "Setup of the failing run"; its repo's train.py): GPT-2 small
-    # without biases, lr 1e-3 after 2000 warm-up steps, cosine to 1e-5 over 600k steps, no weight decay,
-    # b2 0.95, clip 1.0, 524,288 tokens per step (32 x 16 x 1024), bf16 compute.
+    # The paper's failing run (paper.md, "Setup of the failing run"; its repo's train.py): GPT-2
+    # small without biases, lr 1e-3 after 2000 warm-up steps, cosine to 1e-5 over 600k steps, no
+    # weight decay, b2 0.95, clip 1.0, 524,288 tokens per step (32 x 16 x 1024), bf16 compute.
     "paper": TrainConfig(
         model=ModelConfig(bias=False),
         batch_size=32, grad_accum=16, max_steps=600_000, lr=1e-3, min_lr=1e-5, warmup_steps=2000,
         weight_decay=0.0, monitor_every=100, spike_factor=1.5,
     ),
-    # The reproduction's loss-explosion attempt (docs/reproduction.md): the paper's model and optimiser,
-    # its failing arithmetic by default (--numerics paper --max-adjust off), but a 16x smaller batch
-    # (32 x 1024 tokens), 500 warm-up steps and the larger registry corpus, so that thousands of steps
-    # fit in one GPU-budget run. Multi-epoch by necessity (9.9M tokens); the peak lr is set per arm.
+    # The reproduction's loss-explosion attempt (docs/reproduction.md): the paper's model and
+    # optimiser, its failing arithmetic by default (--numerics paper --max-adjust off), but a 16x
+    # smaller batch (32 x 1024 tokens), 500 warm-up steps and the larger registry corpus, so that
+    # thousands of steps fit in one GPU-budget run. Multi-epoch by necessity (9.9M tokens); the peak
+    # lr is set per arm.
     "repro": TrainConfig(
         model=ModelConfig(bias=False, numerics="paper", max_adjust="off"),
         corpus="mix", batch_size=32, grad_accum=1, max_steps=20_000, lr=1e-3, min_lr=1e-5,
@@ -172,6 +173,6 @@ CONFIGS: dict[str, TrainConfig] = {
 
 
 def get_config(name: str) -> TrainConfig:
-    if name not in CONFIGS:
-        raise ValueError(f"--config {name!r} is unknown; choose one of {', '.join(CONFIGS)}")
-    return CONFIGS[name]
+  if name not in CONFIGS:
+    raise ValueError(f"--config {name!r} is unknown; choose one of {', '.join(CONFIGS)}")
+  return CONFIGS[name]

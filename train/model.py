@@ -20,75 +20,75 @@ from .tokenizer import EOT
 
 
 def _normal(std: float):
-    return nnx.initializers.normal(stddev=std)
+  return nnx.initializers.normal(stddev=std)
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        dt = jnp.dtype(cfg.dtype)
-        # One fused projection; columns [0:C] are W_Q, [C:2C] W_K, [2C:3C] W_V (monitors slice it).
-        self.c_attn = nnx.Linear(cfg.n_embd, 3 * cfg.n_embd, use_bias=cfg.bias, dtype=dt,
-                                 kernel_init=_normal(0.02), rngs=rngs)
-        # GPT-2's scaled init of the projections that write into the residual stream.
-        self.c_proj = nnx.Linear(cfg.n_embd, cfg.n_embd, use_bias=cfg.bias, dtype=dt,
-                                 kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), rngs=rngs)
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    dt = jnp.dtype(cfg.dtype)
+    # One fused projection; columns [0:C] are W_Q, [C:2C] W_K, [2C:3C] W_V (monitors slice it).
+    self.c_attn = nnx.Linear(cfg.n_embd, 3 * cfg.n_embd, use_bias=cfg.bias, dtype=dt,
+                             kernel_init=_normal(0.02), rngs=rngs)
+    # GPT-2's scaled init of the projections that write into the residual stream.
+    self.c_proj = nnx.Linear(cfg.n_embd, cfg.n_embd, use_bias=cfg.bias, dtype=dt,
+                             kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), rngs=rngs)
 
-    def __call__(self, x, tap=None, segment_ids=None):
-        """x: [B, T, C] float32 -> ([B, T, C] compute dtype, captured).
+  def __call__(self, x, tap=None, segment_ids=None):
+    """x: [B, T, C] float32 -> ([B, T, C] compute dtype, captured).
 
-        captured = {"x": x, "q", "k", "v": each [B, T, N, H] compute dtype, "segment_ids": [B, T] or
-        None} for the monitors and the gradient study. `tap` (optional, [B, T, N, H] compute dtype,
-        zeros) is added to the attention output: the gradient of the loss with respect to it is the
-        dO that the attention backward sees. segment_ids: document ids (document masking) or None.
-        """
-        cfg = self.cfg
-        B, T, C = x.shape
-        qkv = self.c_attn(x)
-        q, k, v = (a.reshape(B, T, cfg.n_head, cfg.head_dim) for a in jnp.split(qkv, 3, axis=-1))
-        y = causal_attention(q, k, v, implementation=cfg.attention, max_adjust=cfg.max_adjust,
-                             numerics=cfg.numerics, beta=cfg.beta, segment_ids=segment_ids)
-        if tap is not None:
-            y = y + tap
-        captured = {"x": x, "q": q, "k": k, "v": v, "segment_ids": segment_ids}
-        return self.c_proj(y.reshape(B, T, C)), captured
+    captured = {"x": x, "q", "k", "v": each [B, T, N, H] compute dtype, "segment_ids": [B, T] or
+    None} for the monitors and the gradient study. `tap` (optional, [B, T, N, H] compute dtype,
+    zeros) is added to the attention output: the gradient of the loss with respect to it is the
+    dO that the attention backward sees. segment_ids: document ids (document masking) or None.
+    """
+    cfg = self.cfg
+    B, T, C = x.shape
+    qkv = self.c_attn(x)
+    q, k, v = (a.reshape(B, T, cfg.n_head, cfg.head_dim) for a in jnp.split(qkv, 3, axis=-1))
+    y = causal_attention(q, k, v, implementation=cfg.attention, max_adjust=cfg.max_adjust,
+                         numerics=cfg.numerics, beta=cfg.beta, segment_ids=segment_ids)
+    if tap is not None:
+      y = y + tap
+    captured = {"x": x, "q": q, "k": k, "v": v, "segment_ids": segment_ids}
+    return self.c_proj(y.reshape(B, T, C)), captured
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        dt = jnp.dtype(cfg.dtype)
-        self.c_fc = nnx.Linear(cfg.n_embd, 4 * cfg.n_embd, use_bias=cfg.bias, dtype=dt,
-                               kernel_init=_normal(0.02), rngs=rngs)
-        self.c_proj = nnx.Linear(4 * cfg.n_embd, cfg.n_embd, use_bias=cfg.bias, dtype=dt,
-                                 kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), rngs=rngs)
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    dt = jnp.dtype(cfg.dtype)
+    self.c_fc = nnx.Linear(cfg.n_embd, 4 * cfg.n_embd, use_bias=cfg.bias, dtype=dt,
+                           kernel_init=_normal(0.02), rngs=rngs)
+    self.c_proj = nnx.Linear(4 * cfg.n_embd, cfg.n_embd, use_bias=cfg.bias, dtype=dt,
+                             kernel_init=_normal(0.02 / math.sqrt(2 * cfg.n_layer)), rngs=rngs)
 
-    def __call__(self, x):
-        # GPT-2 uses the tanh approximation of GELU.
-        return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True))
+  def __call__(self, x):
+    # GPT-2 uses the tanh approximation of GELU.
+    return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True))
 
 
 def _layer_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    # float32 statistics whatever the compute dtype (autocast keeps LayerNorm in fp32 too).
-    return nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_bias=cfg.bias, dtype=jnp.float32, rngs=rngs)
+  # float32 statistics whatever the compute dtype (autocast keeps LayerNorm in fp32 too).
+  return nnx.LayerNorm(cfg.n_embd, epsilon=1e-5, use_bias=cfg.bias, dtype=jnp.float32, rngs=rngs)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.ln_1 = _layer_norm(cfg, rngs)
-        self.attn = CausalSelfAttention(cfg, rngs=rngs)
-        self.ln_2 = _layer_norm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.ln_1 = _layer_norm(cfg, rngs)
+    self.attn = CausalSelfAttention(cfg, rngs=rngs)
+    self.ln_2 = _layer_norm(cfg, rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, tap=None, segment_ids=None):
-        """x: [B, T, C] float32 residual stream -> (same, the attention's captured inputs)."""
-        a, captured = self.attn(self.ln_1(x), tap, segment_ids)
-        x = x + a.astype(jnp.float32)
-        x = x + self.mlp(self.ln_2(x)).astype(jnp.float32)
-        return x, captured
+  def __call__(self, x, tap=None, segment_ids=None):
+    """x: [B, T, C] float32 residual stream -> (same, the attention's captured inputs)."""
+    a, captured = self.attn(self.ln_1(x), tap, segment_ids)
+    x = x + a.astype(jnp.float32)
+    x = x + self.mlp(self.ln_2(x)).astype(jnp.float32)
+    return x, captured
 
 
 def _block_forward(block: Block, x, tap=None, segment_ids=None):
-    return block(x, tap, segment_ids)
+  return block(x, tap, segment_ids)
 
 
 # Recomputes the block in the backward pass instead of storing its activations (--remat), except
@@ -99,58 +99,60 @@ _block_forward_remat = nnx.remat(
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.wte = nnx.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=_normal(0.02), rngs=rngs)
-        self.wpe = nnx.Embed(cfg.block_size, cfg.n_embd, embedding_init=_normal(0.02), rngs=rngs)
-        self.h = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
-        self.ln_f = _layer_norm(cfg, rngs)
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.wte = nnx.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=_normal(0.02), rngs=rngs)
+    self.wpe = nnx.Embed(cfg.block_size, cfg.n_embd, embedding_init=_normal(0.02), rngs=rngs)
+    self.h = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
+    self.ln_f = _layer_norm(cfg, rngs)
 
-    def __call__(self, idx, *, capture: bool = False, taps=None):
-        """idx: [B, T] int32 token ids, T <= block_size.
+  def __call__(self, idx, *, capture: bool = False, taps=None):
+    """idx: [B, T] int32 token ids, T <= block_size.
 
-        Returns logits [B, T, vocab_size] in the compute dtype; with capture=True also the list of
-        per-layer attention inputs (dicts of x [B, T, C] and q, k, v [B, T, N, H], see
-        CausalSelfAttention). `taps`: None or one zero [B, T, N, H] array per layer added to the
-        attention outputs, so that a gradient with respect to taps yields each layer's dO.
-        """
-        cfg = self.cfg
-        B, T = idx.shape
-        if T > cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {cfg.block_size}")
-        x = self.wte(idx) + self.wpe(jnp.arange(T))[None]
-        layers = []
-        if taps is not None and len(taps) != cfg.n_layer:
-            raise ValueError(f"taps must hold one array per layer ({cfg.n_layer}), got {len(taps)}")
-        forward = _block_forward_remat if cfg.remat and not capture else _block_forward
-        segment_ids = document_ids(idx) if cfg.pack_documents else None
-        for i, block in enumerate(self.h):
-            x, captured = forward(block, x, None if taps is None else taps[i], segment_ids)
-            if capture:
-                layers.append(captured)
-        x = self.ln_f(x)
-        dt = jnp.dtype(cfg.dtype)
-        # Tied LM head: the token embedding, transposed, in the compute dtype.
-        logits = jnp.dot(x.astype(dt), self.wte.embedding[...].astype(dt).T)
-        return (logits, layers) if capture else logits
+    Returns logits [B, T, vocab_size] in the compute dtype; with capture=True also the list of
+    per-layer attention inputs (dicts of x [B, T, C] and q, k, v [B, T, N, H], see
+    CausalSelfAttention). `taps`: None or one zero [B, T, N, H] array per layer added to the
+    attention outputs, so that a gradient with respect to taps yields each layer's dO.
+    """
+    cfg = self.cfg
+    B, T = idx.shape
+    if T > cfg.block_size:
+      raise ValueError(f"sequence length {T} exceeds block_size {cfg.block_size}")
+    x = self.wte(idx) + self.wpe(jnp.arange(T))[None]
+    layers = []
+    if taps is not None and len(taps) != cfg.n_layer:
+      raise ValueError(f"taps must hold one array per layer ({cfg.n_layer}), got {len(taps)}")
+    forward = _block_forward_remat if cfg.remat and not capture else _block_forward
+    segment_ids = document_ids(idx) if cfg.pack_documents else None
+    for i, block in enumerate(self.h):
+      x, captured = forward(block, x, None if taps is None else taps[i], segment_ids)
+      if capture:
+        layers.append(captured)
+    x = self.ln_f(x)
+    dt = jnp.dtype(cfg.dtype)
+    # Tied LM head: the token embedding, transposed, in the compute dtype.
+    logits = jnp.dot(x.astype(dt), self.wte.embedding[...].astype(dt).T)
+    return (logits, layers) if capture else logits
 
 
 def document_ids(idx, eot: int = EOT):
-    """int32 [B, T]: the document of each position of a packed row. An end-of-text token closes its
-    document, so the ids count the end-of-text tokens strictly before each position."""
-    ends = (idx == eot).astype(jnp.int32)
-    return jnp.cumsum(ends, axis=-1) - ends
+  """int32 [B, T]: the document of each position of a packed row. An end-of-text token closes its
+  document, so the ids count the end-of-text tokens strictly before each position."""
+  ends = (idx == eot).astype(jnp.int32)
+  return jnp.cumsum(ends, axis=-1) - ends
 
 
 def count_params(model_or_state, *, exclude_positions: bool = False) -> int:
-    """Number of parameters (optionally without the position table, as the MFU formula wants)."""
-    params = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
-    total = sum(x.size for x in jax.tree.leaves(params))
-    if exclude_positions:
-        total -= sum(x.size for x in jax.tree.leaves(params["wpe"]))
-    return int(total)
+  """Number of parameters (optionally without the position table, as the MFU formula wants)."""
+  params = (nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module)
+            else model_or_state)
+  total = sum(x.size for x in jax.tree.leaves(params))
+  if exclude_positions:
+    total -= sum(x.size for x in jax.tree.leaves(params["wpe"]))
+  return int(total)
 
 
 def flops_per_token(cfg: ModelConfig, n_params_no_pos: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12*L*T*d for attention."""
-    return 6.0 * n_params_no_pos + 12.0 * cfg.n_layer * cfg.block_size * cfg.n_embd
+  """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12*L*T*d for
+  attention."""
+  return 6.0 * n_params_no_pos + 12.0 * cfg.n_layer * cfg.block_size * cfg.n_embd

@@ -1,8 +1,8 @@
 """Devices and hosts: jax.distributed start-up, the 'data' mesh, parameter and batch shardings.
 
-Data parallel: every device holds a slice of the batch; parameters and optimizer state are replicated,
-or with FSDP sharded along their largest dimension divisible by the device count (XLA inserts the
-all-gathers and reduce-scatters).
+Data parallel: every device holds a slice of the batch; parameters and optimizer state are
+replicated, or with FSDP sharded along their largest dimension divisible by the device count (XLA
+inserts the all-gathers and reduce-scatters).
 """
 
 from __future__ import annotations
@@ -19,69 +19,70 @@ _WORLD_SIZE_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_NUM_PROCESSES")
 
 
 def maybe_initialize_distributed(force: bool = False) -> bool:
-    """Call jax.distributed.initialize() when the environment describes a multi-process job.
+  """Call jax.distributed.initialize() when the environment describes a multi-process job.
 
-    Must run before anything touches a JAX backend. Returns whether it initialised.
-    """
-    multi = any(os.environ.get(k) for k in _MULTI_PROCESS_ENV) or any(
-        int(os.environ.get(k, "1") or 1) > 1 for k in _WORLD_SIZE_ENV)
-    if not (force or multi):
-        return False
-    # JAX reads the coordinator address from JAX_COORDINATOR_ADDRESS and detects SLURM / Open MPI / ...
-    # itself; for a hand-launched job the process count and id come from JAX_NUM_PROCESSES and
-    # JAX_PROCESS_ID.
-    kwargs = {}
-    if os.environ.get("JAX_NUM_PROCESSES"):
-        kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
-    if os.environ.get("JAX_PROCESS_ID"):
-        kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
-    jax.distributed.initialize(**kwargs)
-    return True
+  Must run before anything touches a JAX backend. Returns whether it initialised.
+  """
+  multi = any(os.environ.get(k) for k in _MULTI_PROCESS_ENV) or any(
+      int(os.environ.get(k, "1") or 1) > 1 for k in _WORLD_SIZE_ENV)
+  if not (force or multi):
+    return False
+  # JAX reads the coordinator address from JAX_COORDINATOR_ADDRESS and detects SLURM / Open MPI /
+  # ... itself; for a hand-launched job the process count and id come from JAX_NUM_PROCESSES and
+  # JAX_PROCESS_ID.
+  kwargs = {}
+  if os.environ.get("JAX_NUM_PROCESSES"):
+    kwargs["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
+  if os.environ.get("JAX_PROCESS_ID"):
+    kwargs["process_id"] = int(os.environ["JAX_PROCESS_ID"])
+  jax.distributed.initialize(**kwargs)
+  return True
 
 
 def make_mesh() -> Mesh:
-    """1-D mesh over every device of every host, axis 'data'."""
-    devices = np.asarray(jax.devices())
-    return Mesh(devices, ("data",))
+  """1-D mesh over every device of every host, axis 'data'."""
+  devices = np.asarray(jax.devices())
+  return Mesh(devices, ("data",))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
+  return NamedSharding(mesh, P())
 
 
 def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int) -> NamedSharding:
-    spec = [None] * ndim
-    spec[batch_axis] = "data"
-    return NamedSharding(mesh, P(*spec))
+  spec = [None] * ndim
+  spec[batch_axis] = "data"
+  return NamedSharding(mesh, P(*spec))
 
 
 def param_shardings(params, mesh: Mesh, fsdp: bool):
-    """Sharding per parameter leaf: replicated, or (FSDP) split along its largest divisible dim."""
-    n = mesh.shape["data"]
+  """Sharding per parameter leaf: replicated, or (FSDP) split along its largest divisible dim."""
+  n = mesh.shape["data"]
 
-    def one(x):
-        if not fsdp or n == 1 or x.ndim == 0:
-            return replicated(mesh)
-        dims = sorted(range(x.ndim), key=lambda d: -x.shape[d])
-        for d in dims:
-            if x.shape[d] % n == 0:
-                spec = [None] * x.ndim
-                spec[d] = "data"
-                return NamedSharding(mesh, P(*spec))
-        return replicated(mesh)
+  def one(x):
+    if not fsdp or n == 1 or x.ndim == 0:
+      return replicated(mesh)
+    dims = sorted(range(x.ndim), key=lambda d: -x.shape[d])
+    for d in dims:
+      if x.shape[d] % n == 0:
+        spec = [None] * x.ndim
+        spec[d] = "data"
+        return NamedSharding(mesh, P(*spec))
+    return replicated(mesh)
 
-    return jax.tree.map(one, params)
+  return jax.tree.map(one, params)
 
 
 def host_rows(global_batch: int) -> slice:
-    """This process's rows of the global batch (contiguous, in process order)."""
-    n, i = jax.process_count(), jax.process_index()
-    if global_batch % n:
-        raise ValueError(f"batch_size {global_batch} is not divisible by the {n} processes")
-    per = global_batch // n
-    return slice(i * per, (i + 1) * per)
+  """This process's rows of the global batch (contiguous, in process order)."""
+  n, i = jax.process_count(), jax.process_index()
+  if global_batch % n:
+    raise ValueError(f"batch_size {global_batch} is not divisible by the {n} processes")
+  per = global_batch // n
+  return slice(i * per, (i + 1) * per)
 
 
-def to_global(local: np.ndarray, sharding: NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:
-    """Assemble a global jax.Array from each host's rows (works unchanged on a single host)."""
-    return jax.make_array_from_process_local_data(sharding, local, global_shape)
+def to_global(local: np.ndarray, sharding: NamedSharding,
+              global_shape: tuple[int, ...]) -> jax.Array:
+  """Assemble a global jax.Array from each host's rows (works unchanged on a single host)."""
+  return jax.make_array_from_process_local_data(sharding, local, global_shape)

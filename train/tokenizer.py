@@ -25,20 +25,20 @@ N_VOCAB = 50257
 
 @functools.cache
 def gpt2_encoding() -> tiktoken.Encoding:
-    """tiktoken Encoding "gpt2" (r50k pattern, <|endoftext|> = 50256, n_vocab 50257)."""
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(ASSETS / "vocab.bpe"),
-        encoder_json_file=str(ASSETS / "encoder.json"),
-        # tiktoken raises ValueError if a file does not match its pinned hash.
-        vocab_bpe_hash=VOCAB_BPE_SHA256,
-        encoder_json_hash=ENCODER_JSON_SHA256,
-    )
-    enc = tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                            special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=N_VOCAB)
-    return enc
+  """tiktoken Encoding "gpt2" (r50k pattern, <|endoftext|> = 50256, n_vocab 50257)."""
+  ranks = data_gym_to_mergeable_bpe_ranks(
+      vocab_bpe_file=str(ASSETS / "vocab.bpe"),
+      encoder_json_file=str(ASSETS / "encoder.json"),
+      # tiktoken raises ValueError if a file does not match its pinned hash.
+      vocab_bpe_hash=VOCAB_BPE_SHA256,
+      encoder_json_hash=ENCODER_JSON_SHA256,
+  )
+  enc = tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                          special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=N_VOCAB)
+  return enc
 
 
 def describe() -> dict:
-    """Tokenizer provenance for the data meta JSON."""
-    return {"name": "gpt2", "n_vocab": N_VOCAB, "eot": EOT, "source": SOURCE,
-            "encoder_json_sha256": ENCODER_JSON_SHA256, "vocab_bpe_sha256": VOCAB_BPE_SHA256}
+  """Tokenizer provenance for the data meta JSON."""
+  return {"name": "gpt2", "n_vocab": N_VOCAB, "eot": EOT, "source": SOURCE,
+          "encoder_json_sha256": ENCODER_JSON_SHA256, "vocab_bpe_sha256": VOCAB_BPE_SHA256}
