@@ -33,12 +33,10 @@ from flax import nnx  # noqa: E402
 
 from train import attention as attn_lib  # noqa: E402
 from train.config import get_config  # noqa: E402
-from train.loop import _opt_shardings, init_params  # noqa: E402
 from train.metrics import peak_tflops  # noqa: E402
-from train.model import GPT, count_params, flops_per_token  # noqa: E402
-from train.optim import make_optimizer  # noqa: E402
-from train.sharding import batch_sharding, make_mesh, param_shardings, replicated  # noqa: E402
-from train.step import make_train_step  # noqa: E402
+from train.model import abstract_model, count_params, flops_per_token  # noqa: E402
+from train.sharding import make_mesh  # noqa: E402
+from train.step import make_training  # noqa: E402
 
 ARMS = {
     "ours": dict(attention="auto", max_adjust="safe"),
@@ -52,20 +50,13 @@ ARMS = {
 
 def run_arm(cfg, n_steps: int, warmup: int, mesh, tokens: np.ndarray) -> dict:
   """Compile, warm up, then time n_steps optimizer steps. tokens: [1, B, T+1] int32 (global)."""
-  mcfg = cfg.model
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GPT(mcfg, rngs=nnx.Rngs(0))), nnx.Param)
-  p_sh = param_shardings(abstract, mesh, cfg.fsdp)
-  params = init_params(cfg, p_sh)
-  tx = make_optimizer(cfg)
-  o_sh = _opt_shardings(tx, jax.eval_shape(tx.init, params), p_sh, mesh)
-  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-  b_sh = batch_sharding(mesh, 3, 1)
-  x = jax.device_put(tokens[..., :-1], b_sh)
-  y = jax.device_put(tokens[..., 1:], b_sh)
-  step = jax.jit(make_train_step(graphdef, tx), in_shardings=(p_sh, o_sh, b_sh, b_sh),
-                 out_shardings=(p_sh, o_sh, replicated(mesh)), donate_argnums=(0, 1))
+  # The trainer's own set-up (train.step.make_training): what is timed is the step it trains with.
+  training = make_training(cfg, mesh)
+  params, opt_state = training.params, training.opt_state
+  x = jax.device_put(tokens[..., :-1], training.batch_sharding)
+  y = jax.device_put(tokens[..., 1:], training.batch_sharding)
   t0 = time.perf_counter()
-  compiled = step.lower(params, opt_state, x, y).compile()
+  compiled = training.train_step.lower(params, opt_state, x, y).compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()  # what XLA plans for one step: buffers live at its peak
   step_gib = None if mem is None else (mem.temp_size_in_bytes + mem.argument_size_in_bytes
@@ -161,8 +152,7 @@ def main(argv=None) -> int:
   peak, peak_note = peak_tflops(args.peak_tflops)
   device = jax.devices()[0].device_kind
   tokens = np.random.default_rng(0).integers(0, 50257, size=(1, batch, seq + 1), dtype=np.int32)
-  mcfg0 = base.model
-  abstract = nnx.state(nnx.eval_shape(lambda: GPT(mcfg0, rngs=nnx.Rngs(0))), nnx.Param)
+  abstract = nnx.state(abstract_model(base.model), nnx.Param)
   rows = []
   for arm in arms:
     cfg = base.replace(batch_size=batch, grad_accum=1, fsdp=args.fsdp,

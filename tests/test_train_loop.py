@@ -53,6 +53,17 @@ def test_loss_falls_and_outputs_written(tmp_path):
   assert (tmp_path / "loss.png").stat().st_size > 1000
   assert "step 12" in (tmp_path / "samples.txt").read_text()
   assert summary["last_loss"] == recs[-1]["loss"] and summary["stopped"] is None
+  # The loop trains with train.step.make_training's state and step, the set-up that
+  # benchmarks/train_speed.py times: the same first loss.
+  from train import data as data_lib
+  from train.sharding import make_mesh
+  from train.step import make_training
+  training = make_training(cfg, make_mesh())
+  data = data_lib.load_data(ALICE, progress=False, log=lambda _: None)
+  x, y = data_lib.train_batch(data, 0, seed=cfg.seed, batch_size=cfg.batch_size,
+                              grad_accum=cfg.grad_accum, block_size=cfg.model.block_size)
+  _, _, m = training.train_step(training.params, training.opt_state, x, y)
+  assert float(m["loss"]) == recs[0]["loss"]
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):

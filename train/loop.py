@@ -15,7 +15,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
 from . import attention as attn_lib
@@ -23,12 +22,13 @@ from . import data as data_lib
 from .checkpoint import Checkpointer
 from .config import TrainConfig
 from .metrics import MetricsLogger, peak_tflops, plot_loss, to_python
-from .model import GPT, count_params, flops_per_token
+# abstract_model and init_params are imported from here by reproduction/gradients.py.
+from .model import abstract_model, count_params, flops_per_token  # noqa: F401
 from .monitors import make_monitor_fn
-from .optim import lr_schedule, make_optimizer
+from .optim import lr_schedule
 from .sample import generate_text, make_sampler
-from .sharding import batch_sharding, host_rows, make_mesh, param_shardings, replicated, to_global
-from .step import make_eval_step, make_train_step
+from .sharding import batch_sharding, host_rows, make_mesh, replicated, to_global
+from .step import init_params, make_eval_step, make_training  # noqa: F401
 
 MONITOR_ROWS = 4  # sequences of the first validation batch that the attention monitors look at
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
@@ -95,23 +95,12 @@ def _due(step: int, every: int) -> bool:
   return every > 0 and step % every == 0
 
 
-def abstract_model(cfg):
-  """The model with abstract (shape-only) parameters."""
-  return nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
-
-
-def init_params(cfg: TrainConfig, shardings=None):
-  """Float32 parameters (an nnx.State), created directly on their shardings by a jitted init."""
-  def init():
-    return nnx.split(GPT(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param)[1]
-  return jax.jit(init, out_shardings=shardings)()
-
-
 def train(cfg: TrainConfig, opts: RunOptions) -> dict:
   """Run (or resume) training as configured; returns a summary dict (also written to
-  DIR/summary.json)."""
-  ("Per step: the evaluations due, one optimizer step, metrics, checkpoints (cf. nanoGPT's "
-   "train.py).")
+  DIR/summary.json).
+
+  Per step: the evaluations due, one optimizer step, metrics, checkpoints (cf. nanoGPT's train.py).
+  """
   run, params, opt_state, state = _set_up(cfg, opts)
   stopped, timed_out = None, False
   try:
@@ -232,20 +221,15 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   log(f"data: {data.source}: {data.train.size:,} train / {data.val.size:,} val tokens")
 
   mesh = make_mesh()
-  graphdef, abstract_params = nnx.split(abstract_model(mcfg), nnx.Param)
-  p_sh = param_shardings(abstract_params, mesh, cfg.fsdp)
-  params = init_params(cfg, p_sh)
-  tx = make_optimizer(cfg)
-  o_sh = _opt_shardings(tx, jax.eval_shape(tx.init, params), p_sh, mesh)
-  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  training = make_training(cfg, mesh)
+  graphdef, params, opt_state = training.graphdef, training.params, training.opt_state
+  p_sh = training.param_shardings
   rep = replicated(mesh)
-  b_sh3, b_sh2 = batch_sharding(mesh, 3, 1), batch_sharding(mesh, 2, 0)
+  b_sh3, b_sh2 = training.batch_sharding, batch_sharding(mesh, 2, 0)
   fpt = flops_per_token(mcfg, count_params(params, exclude_positions=True))
   peak, peak_note = peak_tflops(opts.peak_tflops)
   log(f"train: {count_params(params) / 1e6:.2f}M parameters; {fpt / 1e6:.1f} MFLOP/token; "
       f"MFU peak: {peak_note}")
-  train_step = jax.jit(make_train_step(graphdef, tx), in_shardings=(p_sh, o_sh, b_sh3, b_sh3),
-                       out_shardings=(p_sh, o_sh, rep), donate_argnums=(0, 1))
   eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(p_sh, b_sh2, b_sh2),
                       out_shardings=rep)
   monitor = jax.jit(make_monitor_fn(graphdef, mcfg), out_shardings=rep)
@@ -261,7 +245,7 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
              desc=opts.config_name, dynamic_ncols=True, unit="step")
   run = _Run(cfg=cfg, opts=opts, out_dir=out_dir, main=main, log=log, data=data,
              rows=host_rows(cfg.batch_size), train_sharding=b_sh3, eval_sharding=b_sh2,
-             train_step=train_step, eval_step=eval_step, monitor=monitor,
+             train_step=training.train_step, eval_step=eval_step, monitor=monitor,
              monitor_x=to_global(mon_x, rep, mon_x.shape),
              sampler=make_sampler(graphdef, mcfg.block_size), schedule=lr_schedule(cfg),
              flops_per_token=fpt, peak=peak, peak_note=peak_note, ckpt=ckpt, metrics=metrics,
@@ -284,15 +268,6 @@ def _log_config(log: _Log, cfg: TrainConfig, opts: RunOptions) -> None:
       f"accum x {mcfg.block_size}; {cfg.max_steps} steps; lr {cfg.lr:g} (warm-up "
       f"{cfg.warmup_steps}, cosine to {cfg.min_lr:g} at {cfg.decay_steps}); AdamW b1 {cfg.b1} "
       f"b2 {cfg.b2} wd {cfg.weight_decay}; clip {cfg.grad_clip}")
-
-
-def _opt_shardings(tx, abstract_opt, p_sh, mesh):
-  """Optimizer-state shardings: moments follow their parameters, scalars (counts) are replicated."""
-  import optax
-  rep = replicated(mesh)
-  return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, p_sh,
-                               transform_non_params=lambda _: rep,
-                               is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _resume(ckpt: Checkpointer, params, opt_state, cfg: TrainConfig, opts: RunOptions,

@@ -135,6 +135,11 @@ class GPT(nnx.Module):
     return (logits, layers) if capture else logits
 
 
+def abstract_model(cfg: ModelConfig) -> GPT:
+  """The model with abstract (shape-only) parameters: its structure, at no memory cost."""
+  return nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+
+
 def document_ids(idx, eot: int = EOT):
   """int32 [B, T]: the document of each position of a packed row. An end-of-text token closes its
   document, so the ids count the end-of-text tokens strictly before each position."""

@@ -11,6 +11,8 @@ import os
 
 import jax
 import numpy as np
+import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # Environment variables that mean "this process is one of several" to jax.distributed.initialize().
@@ -71,6 +73,18 @@ def param_shardings(params, mesh: Mesh, fsdp: bool):
     return replicated(mesh)
 
   return jax.tree.map(one, params)
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state, p_shardings,
+                        mesh: Mesh):
+  """Optimizer-state shardings: moments follow their parameters, scalars (counts) are replicated.
+
+  abstract_opt_state: `jax.eval_shape(tx.init, params)`; p_shardings: `param_shardings(...)`.
+  """
+  rep = replicated(mesh)
+  return optax.tree_map_params(tx, lambda _, s: s, abstract_opt_state, p_shardings,
+                               transform_non_params=lambda _: rep,
+                               is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def host_rows(global_batch: int) -> slice:

@@ -1,11 +1,21 @@
-"""The jitted computations: loss, one optimizer step with gradient accumulation, evaluation."""
+"""The jitted computations: loss, one optimizer step with gradient accumulation, evaluation; and
+`make_training`, the set-up that the training loop and benchmarks/train_speed.py share."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from .config import TrainConfig
+from .model import GPT, abstract_model
+from .optim import make_optimizer
+from .sharding import batch_sharding, optimizer_shardings, param_shardings, replicated
 
 
 def loss_fn(params, graphdef, x, y):
@@ -49,3 +59,42 @@ def make_eval_step(graphdef):
     return loss_fn(params, graphdef, x, y)
 
   return evaluate
+
+
+def init_params(cfg: TrainConfig, shardings=None):
+  """Float32 parameters (an nnx.State), created directly on their shardings by a jitted init."""
+  def init():
+    return nnx.split(GPT(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param)[1]
+  return jax.jit(init, out_shardings=shardings)()
+
+
+@dataclass
+class Training:
+  """What training a config on a mesh needs: fresh arrays, their shardings and the jitted step."""
+
+  graphdef: nnx.GraphDef  # the model's structure; nnx.merge(graphdef, params) is the model
+  tx: optax.GradientTransformation
+  params: Any  # nnx.State of float32 parameters, seeded by cfg.seed
+  opt_state: Any
+  param_shardings: Any  # pytrees of NamedSharding matching params / opt_state
+  opt_shardings: Any
+  batch_sharding: NamedSharding  # of train batches x, y: [grad_accum, batch_size, block_size]
+  # (params, opt_state, x, y) -> (params, opt_state, {"loss", "grad_norm"}); donates params and
+  # opt_state, so pass the returned ones on.
+  train_step: Callable
+
+
+def make_training(cfg: TrainConfig, mesh: Mesh) -> Training:
+  """Initialises parameters and optimizer state on their shardings over `mesh` (data parallel, or
+  FSDP with cfg.fsdp) and jits the train step with those shardings."""
+  graphdef, abstract_params = nnx.split(abstract_model(cfg.model), nnx.Param)
+  p_sh = param_shardings(abstract_params, mesh, cfg.fsdp)
+  params = init_params(cfg, p_sh)
+  tx = make_optimizer(cfg)
+  o_sh = optimizer_shardings(tx, jax.eval_shape(tx.init, params), p_sh, mesh)
+  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  b_sh = batch_sharding(mesh, 3, 1)
+  step = jax.jit(make_train_step(graphdef, tx), in_shardings=(p_sh, o_sh, b_sh, b_sh),
+                 out_shardings=(p_sh, o_sh, replicated(mesh)), donate_argnums=(0, 1))
+  return Training(graphdef=graphdef, tx=tx, params=params, opt_state=opt_state,
+                  param_shardings=p_sh, opt_shardings=o_sh, batch_sharding=b_sh, train_step=step)

@@ -1,0 +1,35 @@
+"""benchmarks/train_speed.py times the trainer's own set-up through public functions of train."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "train_speed.py"
+
+
+def test_train_speed_uses_only_public_names_of_train():
+  """No private import, and no second copy of the set-up (params, optimizer, shardings, jit)."""
+  imported = {}
+  for node in ast.walk(ast.parse(SCRIPT.read_text())):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "train":
+      for alias in node.names:
+        imported[alias.name] = node.module
+  private = sorted(name for name in imported if name.startswith("_"))
+  assert not private, f"benchmarks/train_speed.py imports private names of train: {private}"
+  assert imported.get("make_training") == "train.step"
+  # What make_training does, train_speed must not redo.
+  redone = {"make_train_step", "make_optimizer", "init_params", "param_shardings"} & set(imported)
+  assert not redone, redone
+
+
+def test_train_speed_runs_on_cpu(tmp_path, capsys, monkeypatch):
+  from benchmarks import train_speed
+  from tests.test_train_loop import micro
+  # --config tiny made smaller still: the script's own path in a fraction of the compile time.
+  monkeypatch.setattr(train_speed, "get_config", lambda name: micro())
+  rc = train_speed.main(["--config", "tiny", "--seq", "16", "--batch-size", "2", "--steps", "1",
+                         "--warmup", "0", "--arms", "xla", "--out", str(tmp_path)])
+  assert rc == 0
+  table = capsys.readouterr().out
+  assert "| xla | jax.nn xla |" in table
+  assert (tmp_path / "train_speed_tiny_cpu.md").exists(), sorted(tmp_path.iterdir())
