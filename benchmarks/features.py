@@ -4,11 +4,11 @@
                                                             # kernel where it covers the call)
     PYTHONPATH=. python benchmarks/features.py --smoke      # tiny shapes, interpret mode, CPU
 
-Packed: one row of 8 documents of 1024 tokens (T = 8192, causal, segment ids) against the same
-documents unpacked (a batch of 8 rows of 1024), and against the packed row without document masking
-(one causal sequence of 8192). Block skipping should make the packed row cost about what its
-documents cost alone. Soft cap and sinks: B4 T4096 N16 H128 causal with logits_soft_cap=50, and
-with sinks (one per head), against neither.
+Packed: one row of T = 8192 tokens (N16 H128, causal, segment ids) holding 8 documents of 1024, 64
+of 128, or one of 8192, against the same documents unpacked (a batch of rows, no segment ids; for
+one document: the same row without segment ids). The segment block ranges (stable_attn.blocks)
+should make a packed row cost about what its documents cost alone. Soft cap and sinks: B4 T4096
+N16 H128 causal with logits_soft_cap=50, and with sinks (one per head), against neither.
 Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks). Writes
 benchmarks/results/features_<device>.md and prints it.
 """
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stable_attn  # noqa: E402
 from benchmarks import attention as bench  # noqa: E402
 from stable_attn import backends  # noqa: E402
-from stable_attn.api import canonicalize  # noqa: E402
+from stable_attn.api import Options, canonicalize  # noqa: E402
 
 
 def _fwd_bwd(implementation, interpret, **kwargs):
@@ -52,7 +52,8 @@ def main(argv=None):
   p.add_argument("--blocks", type=int, default=5)
   p.add_argument("--out-dir", default=bench.RESULTS)
   args = p.parse_args(argv)
-  docs, doc_len, N, H = (4, 32, 2, 32) if args.smoke else (8, 1024, 16, 128)
+  N, H = (2, 32) if args.smoke else (16, 128)
+  packings = ([(4, 32), (1, 128)] if args.smoke else [(8, 1024), (64, 128), (1, 8192)])
   cap_shape = (1, 64, 2, 32) if args.smoke else (4, 4096, 16, 128)
   calls, blocks = (1, 1) if args.smoke else (args.calls, args.blocks)
   interpret = args.smoke
@@ -61,7 +62,7 @@ def main(argv=None):
   for impl in args.implementations.split(","):
     def timed(name, shape, **kwargs):
       q, k, v, do = _inputs(shape)
-      spec, ops, _ = canonicalize(q, k, v, interpret=interpret, **kwargs)
+      spec, ops, _ = canonicalize(q, k, v, options=Options(interpret=interpret, **kwargs))
       backend = backends.load(impl)
       reason = backend.covers(spec, ops)
       if reason is None and not (interpret or backend.is_available()):
@@ -74,20 +75,19 @@ def main(argv=None):
       rows.append((impl, name, ms, ""))
       return ms
 
-    ids = jnp.asarray(np.repeat(np.arange(docs), doc_len)[None], jnp.int32)
-    packed = timed(f"packed: 1 x {docs * doc_len}, {docs} documents", (1, docs * doc_len, N, H),
-                   is_causal=True, q_segment_ids=ids)
-    alone = timed(f"unpacked: {docs} x {doc_len}", (docs, doc_len, N, H), is_causal=True)
-    whole = timed(f"one causal row of {docs * doc_len} (no segments)", (1, docs * doc_len, N, H),
-                  is_causal=True)
+    for docs, doc_len in packings:
+      ids = jnp.asarray(np.repeat(np.arange(docs), doc_len)[None], jnp.int32)
+      packed = timed(f"packed: 1 x {docs * doc_len}, {docs} documents of {doc_len}",
+                     (1, docs * doc_len, N, H), is_causal=True, q_segment_ids=ids)
+      alone = timed(f"unpacked: {docs} x {doc_len}, no segment ids", (docs, doc_len, N, H),
+                    is_causal=True)
+      rows.append((impl, f"packed / unpacked, {docs} x {doc_len}", packed / alone, "ratio"))
     capped = timed(f"B{cap_shape[0]} T{cap_shape[1]} N{cap_shape[2]} H{cap_shape[3]} causal, "
                    "soft cap 50", cap_shape, is_causal=True, logits_soft_cap=50.0)
     plain = timed(f"B{cap_shape[0]} T{cap_shape[1]} N{cap_shape[2]} H{cap_shape[3]} causal, "
                   "no cap", cap_shape, is_causal=True)
     sunk = timed(f"B{cap_shape[0]} T{cap_shape[1]} N{cap_shape[2]} H{cap_shape[3]} causal, "
                  "sinks", cap_shape, is_causal=True, sinks=jnp.zeros(cap_shape[2], jnp.float32))
-    rows.append((impl, "packed / unpacked", packed / alone, "ratio"))
-    rows.append((impl, "packed / one causal row", packed / whole, "ratio"))
     rows.append((impl, "soft cap / no cap", capped / plain, "ratio"))
     rows.append((impl, "sinks / none", sunk / plain, "ratio"))
 

@@ -1,7 +1,9 @@
 """stable_attn.dot_product_attention: argument checking, canonical operands, dispatch."""
 from __future__ import annotations
 
-from typing import Optional, Union
+import dataclasses
+import inspect
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -11,13 +13,43 @@ from stable_attn import backends
 from stable_attn import numerics as numerics_lib
 from stable_attn.backends import IMPLEMENTATIONS, default_implementation
 from stable_attn.numerics import Numerics
-from stable_attn.spec import AttentionSpec, Operands
+from stable_attn.spec import OPERANDS, AttentionSpec, Operand, Operands
 from stable_attn import tile
 from stable_attn.tile import MAX_ADJUST_MODES
 
-__all__ = ["dot_product_attention", "choose_implementation", "default_implementation",
-           "canonicalize", "IMPLEMENTATIONS"]
+__all__ = ["dot_product_attention", "attend", "choose_implementation", "default_implementation",
+           "canonicalize", "Options", "IMPLEMENTATIONS"]
 _SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# How error messages name the logical axes (stable_attn.spec).
+_LETTERS = {"batch": "B", "query": "T", "key": "S", "heads": "N", "kv_heads": "K", "head_dim": "H"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The keyword arguments of `dot_product_attention` (after query, key, value, bias, mask), as one
+  object: what `canonicalize`, `choose_implementation` and `stable_attn.flax.make_attention_fn`
+  take. Fields, defaults and meaning are dot_product_attention's (a test keeps them equal)."""
+  scale: Optional[float] = None
+  is_causal: bool = False
+  query_seq_lengths: Any = None
+  key_value_seq_lengths: Any = None
+  local_window_size: Union[int, tuple[int, int], None] = None
+  implementation: Optional[str] = None
+  max_adjust: str = "safe"
+  beta: float = 2.0
+  numerics: Union[str, Numerics] = "fast"
+  interpret: bool = False
+  config: Any = None
+  q_segment_ids: Any = None
+  kv_segment_ids: Any = None
+  logits_soft_cap: Optional[float] = None
+  sinks: Any = None
+  return_residuals: bool = False
+
+  @classmethod
+  def of(cls, arguments: dict) -> "Options":
+    """The options among a function's arguments (its `locals()`)."""
+    return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls)})
 
 
 def dot_product_attention(
@@ -51,7 +83,7 @@ def dot_product_attention(
     scale: multiplies Q K^T; default 1/sqrt(H).
     is_causal: key s is visible to query t only if s <= t (top-left aligned when T != S).
     query_seq_lengths, key_value_seq_lengths: int32 [B]; positions at or past the length are
-      padding. Padded query rows return zeros.
+      padding. Padded query rows return zeros. Lengths above T (S) mean T (S).
     local_window_size: int w or (left, right): query t sees keys t - left .. t + right.
     implementation: None (the fastest available backend that covers the call, see
       `choose_implementation` and docs/dispatch.md), or one of IMPLEMENTATIONS: "pallas_mosaic_gpu"
@@ -67,7 +99,9 @@ def dot_product_attention(
     q_segment_ids, kv_segment_ids: int [B, T] and [B, S] (or [T], [S]) document ids of packed
       sequences: query t sees key s only if their ids are equal (combined with everything else;
       causal stays relative to positions in the row). kv_segment_ids may be omitted when T == S.
-      A query whose segment has no visible key returns 0 with zero gradients.
+      A query whose segment has no visible key returns 0 with zero gradients. Key blocks that
+      share no document with a query block are skipped (exactly so for ids that do not decrease
+      along the row, as packing produces).
     logits_soft_cap: None or a float > 0: the logits scale * QK^T + bias become
       cap * tanh(logits / cap) before masking and the max adjustment (Gemma-style).
     sinks: None or float [N] (finite), one logit per query head that joins every row's softmax
@@ -84,23 +118,28 @@ def dot_product_attention(
     row's softmax denominator over its visible keys and sink (-inf for rows with neither),
     differentiable too.
   """
-  spec, ops, unbatched = canonicalize(
-      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, max_adjust=max_adjust, beta=beta, numerics=numerics,
-      interpret=interpret, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      logits_soft_cap=logits_soft_cap, sinks=sinks, return_residuals=return_residuals)
-  out, lse = backends.run(implementation, spec, ops, config)
+  return attend(query, key, value, bias, mask, Options.of(locals()))
+
+
+def attend(query, key, value, bias=None, mask=None, options: Optional["Options"] = None):
+  """dot_product_attention with its keyword arguments as one `Options` object."""
+  options = Options() if options is None else options
+  spec, ops, unbatched = canonicalize(query, key, value, bias, mask, options)
+  out, lse = backends.run(options.implementation, spec, ops, options.config)
   if unbatched:
     out, lse = out[0], lse[0]
-  return (out, lse) if return_residuals else out
+  return (out, lse) if options.return_residuals else out
 
 
-def choose_implementation(query, key, value, bias=None, mask=None, **kwargs) -> backends.Choice:
+def choose_implementation(query, key, value, bias=None, mask=None, **options) -> backends.Choice:
   """What implementation=None runs for these arguments (same as dot_product_attention's), and why
   each faster backend was passed over: `Choice(name, passed_over={name: reason})`."""
-  spec, ops, _ = canonicalize(query, key, value, bias, mask, **kwargs)
+  spec, ops, _ = canonicalize(query, key, value, bias, mask, Options(**options))
   return backends.choose(spec, ops)
+
+
+choose_implementation.__signature__ = inspect.signature(dot_product_attention).replace(
+    return_annotation=backends.Choice)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,28 +156,50 @@ def _as_4d(x, name, allow_3d):
   return x
 
 
-def _broadcastable(x, name, target, dtype_check):
-  x = jnp.asarray(x)
-  if x.ndim > 4:
-    raise ValueError(f"{name} must have rank <= 4 (broadcastable to [B,N,T,S]={target}), "
+def _kind_ok(row: Operand, dtype) -> bool:
+  if row.dtype == "bool":
+    return dtype == jnp.bool_
+  if row.dtype == "int":
+    return jnp.issubdtype(dtype, jnp.integer)
+  return jnp.issubdtype(dtype, jnp.floating)
+
+
+_KIND_NAMES = {"int": "an integer", "float": "a floating-point", "bool": "a boolean"}
+
+
+def _check_broadcastable(row: Operand, x, sizes: dict):
+  """bias / mask: rank <= 4, left-padded to 4, each dim 1 or the full size."""
+  target = tuple(sizes[a] for a in row.axes)
+  letters = ",".join(_LETTERS[a] for a in row.axes)
+  if x.ndim > len(target):
+    raise ValueError(f"{row.arg} must have rank <= 4 (broadcastable to [{letters}]={target}), "
                      f"got shape {x.shape}")
-  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  x = x.reshape((1,) * (len(target) - x.ndim) + x.shape)
   for dim, (have, want) in enumerate(zip(x.shape, target)):
     if have not in (1, want):
-      raise ValueError(f"{name} of shape {x.shape} is not broadcastable to [B,N,T,S]={target} "
+      raise ValueError(f"{row.arg} of shape {x.shape} is not broadcastable to [{letters}]={target} "
                        f"(dimension {dim})")
-  dtype_check(x)
+  if not _kind_ok(row, x.dtype):
+    if row.dtype == "bool":
+      raise ValueError(f"mask must be boolean (True = attend), got {x.dtype}; pass additive masks "
+                       f"as bias")
+    raise ValueError(f"{row.arg} must be floating point, got {x.dtype}")
   return x
 
 
-def _lengths(x, name, batch, default):
-  if x is None:
-    return jnp.full((batch,), default, jnp.int32)
+def _check_operand(row: Operand, x, sizes: dict, unbatched: bool):
+  """An optional or per-row operand, checked against its table row -> the canonical array."""
   x = jnp.asarray(x)
-  if x.shape != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"{name} must be an integer array of shape [B]=({batch},), "
-                     f"got {x.dtype}{list(x.shape)}")
-  return x.astype(jnp.int32)
+  if row.broadcast:
+    return _check_broadcastable(row, x, sizes)
+  if unbatched and row.axes[0] == "batch" and x.ndim == len(row.axes) - 1 and x.ndim > 0:
+    x = x[None]
+  want = tuple(sizes[a] for a in row.axes)
+  if x.shape != want or not _kind_ok(row, x.dtype):
+    letters = ", ".join(_LETTERS[a] for a in row.axes)
+    raise ValueError(f"{row.arg} must be {_KIND_NAMES[row.dtype]} array of shape [{letters}]="
+                     f"{want}, got {x.dtype}{list(x.shape)}")
+  return x.astype(jnp.int32) if row.dtype == "int" else x
 
 
 def safe_offsets(heads: int, length: int, p_dtype) -> jax.Array:
@@ -149,39 +210,19 @@ def safe_offsets(heads: int, length: int, p_dtype) -> jax.Array:
                             jnp.arange(heads, dtype=jnp.int32)[:, None], p_dtype)
 
 
-def _segment_ids(q_segment_ids, kv_segment_ids, batch, T, S, unbatched):
-  if q_segment_ids is None:
-    if kv_segment_ids is not None:
+def _segment_ids(options: Options, T: int, S: int):
+  q_ids, kv_ids = options.q_segment_ids, options.kv_segment_ids
+  if q_ids is None:
+    if kv_ids is not None:
       raise ValueError("kv_segment_ids was given without q_segment_ids; pass both (or only "
                        "q_segment_ids when T == S)")
     return None, None
-  if kv_segment_ids is None:
+  if kv_ids is None:
     if T != S:
       raise ValueError(f"kv_segment_ids is required when the key length S={S} differs from the "
                        f"query length T={T}")
-    kv_segment_ids = q_segment_ids
-
-  def check(x, name, dim, length):
-    x = jnp.asarray(x)
-    if unbatched and x.ndim == 1:
-      x = x[None]
-    if x.shape != (batch, length) or not jnp.issubdtype(x.dtype, jnp.integer):
-      raise ValueError(f"{name} must be an integer array of shape [B, {dim}]=({batch}, {length}), "
-                       f"got {x.dtype}{list(x.shape)}")
-    return x.astype(jnp.int32)
-
-  return (check(q_segment_ids, "q_segment_ids", "T", T),
-          check(kv_segment_ids, "kv_segment_ids", "S", S))
-
-
-def _sinks(sinks, heads):
-  if sinks is None:
-    return None
-  sinks = jnp.asarray(sinks)
-  if sinks.shape != (heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
-    raise ValueError(f"sinks must be a floating-point array of shape [N]=({heads},) (one logit per "
-                     f"query head), got {sinks.dtype}{list(sinks.shape)}")
-  return sinks
+    kv_ids = q_ids
+  return q_ids, kv_ids
 
 
 def _soft_cap(cap):
@@ -211,12 +252,8 @@ def _window(local_window_size):
   return left, right
 
 
-def canonicalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                 query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                 max_adjust="safe", beta=2.0, numerics="fast", interpret=False,
-                 q_segment_ids=None, kv_segment_ids=None, logits_soft_cap=None, sinks=None,
-                 return_residuals=False):
-  """Checks the arguments of dot_product_attention -> (AttentionSpec, Operands, unbatched)."""
+def _qkv(query, key, value):
+  """Checks q, k, v -> (q, k, v as 4-D, unbatched)."""
   unbatched = jnp.ndim(query) == 3
   q = _as_4d(query, "query", True)
   k = _as_4d(key, "key", unbatched)
@@ -226,7 +263,7 @@ def canonicalize(query, key, value, bias=None, mask=None, *, scale=None, is_caus
     raise ValueError(f"key must be [B={B}, S, K, H={H}] to match query {q.shape}, got {k.shape}")
   if v.shape != k.shape:
     raise ValueError(f"value must have the shape of key {k.shape}, got {v.shape}")
-  S, K = k.shape[1], k.shape[2]
+  K = k.shape[2]
   if N % K:
     raise ValueError(f"the number of key/value heads K={K} (key {k.shape}) must divide the number "
                      f"of query heads N={N} (query {q.shape})")
@@ -235,43 +272,55 @@ def canonicalize(query, key, value, bias=None, mask=None, *, scale=None, is_caus
   if k.dtype != q.dtype or v.dtype != q.dtype:
     raise ValueError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, "
                      f"{v.dtype}")
-  if min(T, S, H) == 0:
+  if min(T, k.shape[1], H) == 0:
     raise ValueError(f"empty attention: query {q.shape}, key {k.shape}")
+  return q, k, v, unbatched
 
-  target = (B, N, T, S)
 
-  def check_bias(x):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"bias must be floating point, got {x.dtype}")
-
-  def check_mask(x):
-    if x.dtype != jnp.bool_:
-      raise ValueError(f"mask must be boolean (True = attend), got {x.dtype}; pass additive masks "
-                       f"as bias")
-
-  bias = None if bias is None else _broadcastable(bias, "bias", target, check_bias)
-  mask = None if mask is None else _broadcastable(mask, "mask", target, check_mask)
-  q_lens = _lengths(query_seq_lengths, "query_seq_lengths", B, T)
-  kv_lens = _lengths(key_value_seq_lengths, "key_value_seq_lengths", B, S)
-
-  if max_adjust not in MAX_ADJUST_MODES:
-    raise ValueError(f"max_adjust must be one of {MAX_ADJUST_MODES}, got {max_adjust!r}")
-  if not np.isfinite(beta) or beta < 1.0:
-    raise ValueError(f"beta must be a finite number >= 1, got {beta!r}")
+def _spec(options: Options, head_dim: int) -> AttentionSpec:
+  if options.max_adjust not in MAX_ADJUST_MODES:
+    raise ValueError(f"max_adjust must be one of {MAX_ADJUST_MODES}, got {options.max_adjust!r}")
+  if not np.isfinite(options.beta) or options.beta < 1.0:
+    raise ValueError(f"beta must be a finite number >= 1, got {options.beta!r}")
+  scale = options.scale
   if scale is None:
-    scale = 1.0 / float(np.sqrt(H))
+    scale = 1.0 / float(np.sqrt(head_dim))
   elif not np.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale!r}")
-  q_seg, kv_seg = _segment_ids(q_segment_ids, kv_segment_ids, B, T, S, unbatched)
-  numerics = numerics_lib.resolve(numerics)
-  offset = None
-  if max_adjust == "safe":
-    offset = safe_offsets(N, T, numerics.dtypes(q.dtype).p)
-  spec = AttentionSpec(scale=float(scale), is_causal=bool(is_causal),
-                       window=_window(local_window_size), max_adjust=max_adjust, beta=float(beta),
-                       numerics=numerics, interpret=bool(interpret),
-                       has_lengths=query_seq_lengths is not None or key_value_seq_lengths is not None,
-                       logits_soft_cap=_soft_cap(logits_soft_cap),
-                       return_residuals=bool(return_residuals))
-  ops = Operands(q, k, v, bias, mask, q_lens, kv_lens, q_seg, kv_seg, offset, _sinks(sinks, N))
-  return spec, ops, unbatched
+  return AttentionSpec(
+      scale=float(scale), is_causal=bool(options.is_causal),
+      window=_window(options.local_window_size), max_adjust=options.max_adjust,
+      beta=float(options.beta), numerics=numerics_lib.resolve(options.numerics),
+      interpret=bool(options.interpret),
+      has_lengths=(options.query_seq_lengths is not None
+                   or options.key_value_seq_lengths is not None),
+      logits_soft_cap=_soft_cap(options.logits_soft_cap),
+      return_residuals=bool(options.return_residuals))
+
+
+def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Options] = None):
+  """Checks the arguments of dot_product_attention -> (AttentionSpec, Operands, unbatched).
+
+  Every operand with an argument is checked against its row of the operand table
+  (stable_attn.spec.OPERANDS): shape from its logical axes, dtype from its rule.
+  """
+  options = Options() if options is None else options
+  q, k, v, unbatched = _qkv(query, key, value)
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
+  spec = _spec(options, H)
+  q_seg, kv_seg = _segment_ids(options, T, S)
+  given = dict(bias=bias, mask=mask, q_lens=options.query_seq_lengths,
+               kv_lens=options.key_value_seq_lengths, q_seg=q_seg, kv_seg=kv_seg,
+               sinks=options.sinks)
+  arrays = dict(q=q, k=k, v=v)
+  for name, x in given.items():
+    row = OPERANDS[name]
+    if x is not None:
+      arrays[name] = _check_operand(row, x, sizes, unbatched)
+    elif row.counts is not None:   # lengths are always present: the full extent
+      arrays[name] = jnp.full((B,), sizes[row.counts], jnp.int32)
+  if spec.max_adjust == "safe":
+    arrays["offset"] = safe_offsets(N, T, spec.numerics.dtypes(q.dtype).p)
+  return spec, OPERANDS.make(**arrays), unbatched

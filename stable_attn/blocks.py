@@ -4,19 +4,28 @@ Causal and local-window attention skip blocks that are entirely invisible; every
 (reference and kernels) uses these bounds, so they visit the same blocks in the same order. The
 `full_*` sub-ranges are the blocks that every row sees whole: kernels run those without the
 visibility mask (identical results, less arithmetic).
+
+Packed sequences (segment ids) are ranges too: `segment_sections` computes, once per call, each
+query block's range of key blocks that can share a document with it (and each key block's range
+of query blocks), and inside it the blocks whose queries and keys all belong to one document.
+`kv_sections` / `q_sections` intersect those with the causal / window / length ranges, so a
+kernel loops over a packed row's own document only, and runs its inside unmasked.
 Arguments may be Python ints or traced int32 scalars (Pallas program ids, loop indices).
 """
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from stable_attn.layout import cdiv
 
 __all__ = ["cdiv", "kv_block_range", "q_block_range", "full_kv_range", "full_q_range",
-           "kv_sections", "q_sections", "split_loop"]
+           "kv_sections", "q_sections", "segment_sections", "intersect", "within_segments",
+           "split_loop"]
 
 
 def kv_block_range(q_start, block_q: int, block_k: int, num_kv_blocks, *, causal: bool, window,
@@ -104,25 +113,86 @@ def _clamp_subrange(lo, hi, flo, fhi):
 
 
 def kv_sections(q_start, block_q: int, block_k: int, num_kv_blocks, *, causal: bool, window,
-                q_len, kv_len, has_mask: bool):
+                q_len, kv_len, has_mask: bool, segments=None):
   """(lo, flo, fhi, hi): the key blocks [lo, hi) that query rows [q_start, +block_q) visit, and
-  inside them [flo, fhi), the blocks all those rows see whole."""
+  inside them [flo, fhi), the blocks all those rows see whole. `segments`: the query block's
+  (lo, flo, fhi, hi) from `segment_sections` (per="query"), intersected in."""
   lo, hi = kv_block_range(q_start, block_q, block_k, num_kv_blocks, causal=causal, window=window,
                           kv_len=kv_len)
   flo, fhi = full_kv_range(q_start, block_q, block_k, lo, hi, causal=causal, window=window,
                            q_len=q_len, kv_len=kv_len, has_mask=has_mask)
-  return lo, flo, fhi, hi
+  return intersect((lo, flo, fhi, hi), segments)
 
 
 def q_sections(k_start, block_k: int, block_q: int, num_q_blocks, *, causal: bool, window, q_len,
-               kv_len, has_mask: bool):
+               kv_len, has_mask: bool, segments=None):
   """(lo, flo, fhi, hi): the query blocks that see key columns [k_start, +block_k), and inside
-  them the blocks whose rows all see the whole key block."""
+  them the blocks whose rows all see the whole key block. `segments`: the key block's
+  (lo, flo, fhi, hi) from `segment_sections` (per="key"), intersected in."""
   lo, hi = q_block_range(k_start, block_k, block_q, num_q_blocks, causal=causal, window=window,
                          q_len=q_len)
   flo, fhi = full_q_range(k_start, block_k, block_q, lo, hi, causal=causal, window=window,
                           q_len=q_len, kv_len=kv_len, has_mask=has_mask)
+  return intersect((lo, flo, fhi, hi), segments)
+
+
+def intersect(sections, other: Optional[tuple] = None):
+  """The blocks both (lo, flo, fhi, hi) visit, and inside them those both see whole."""
+  if other is None:
+    return tuple(sections)
+  lo = jnp.maximum(sections[0], other[0])
+  hi = jnp.maximum(lo, jnp.minimum(sections[3], other[3]))
+  flo, fhi = _clamp_subrange(lo, hi, jnp.maximum(sections[1], other[1]),
+                             jnp.minimum(sections[2], other[2]))
   return lo, flo, fhi, hi
+
+
+def within_segments(lo, hi, segments: Optional[tuple] = None):
+  """The blocks [lo, hi) that also lie in a block's packed-sequence range (lo, flo, fhi, hi from
+  `segment_sections`), for loops that mask every block they visit."""
+  if segments is None:
+    return lo, hi
+  lo, _, _, hi = intersect((lo, lo, lo, hi), segments)
+  return lo, hi
+
+
+def segment_sections(q_seg: jax.Array, kv_seg: jax.Array, block_q: int, block_k: int, *,
+                     per: str) -> jax.Array:
+  """Packed sequences as block ranges, computed once per call (plain XLA, outside the kernels).
+
+  q_seg [B, Tp], kv_seg [B, Sp]: segment ids padded to multiples of block_q / block_k (padding
+  repeats the last id). Returns int32 [B, n, 4]: for each query block (per="query", n = Tp //
+  block_q) the (lo, flo, fhi, hi) of key blocks whose id range overlaps the query block's -- the
+  only ones that can share a segment with it -- and inside them [flo, fhi), the blocks whose
+  queries and keys all hold one and the same id; for each key block (per="key") the same over
+  query blocks. For ids that never decrease along a row (packing) the overlapping blocks are
+  contiguous and the range is exact; for other ids it is the hull (blocks inside it that share
+  nothing run masked, still correct) and the one-document run is kept only if contiguous.
+  """
+  q_lo, q_hi = _block_ids(q_seg, block_q)                     # [B, nq]
+  k_lo, k_hi = _block_ids(kv_seg, block_k)                    # [B, nk]
+  share = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])
+  whole = ((q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :]
+           & (k_lo[:, None, :] == q_lo[:, :, None]))       # [B, nq, nk]
+  if per == "key":
+    share, whole = jnp.swapaxes(share, 1, 2), jnp.swapaxes(whole, 1, 2)
+  elif per != "query":
+    raise ValueError(f"per must be 'query' or 'key', got {per!r}")
+  n = share.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  hi = jnp.max(jnp.where(share, idx + 1, 0), axis=-1)
+  lo = jnp.minimum(jnp.min(jnp.where(share, idx, n), axis=-1), hi)   # nothing shared: [0, 0)
+  flo = jnp.min(jnp.where(whole, idx, n), axis=-1)
+  fhi = jnp.max(jnp.where(whole, idx + 1, 0), axis=-1)
+  contiguous = jnp.sum(whole, axis=-1) == fhi - flo
+  flo, fhi = _clamp_subrange(lo, hi, jnp.where(contiguous, flo, lo), jnp.where(contiguous, fhi, lo))
+  return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+
+
+def _block_ids(seg: jax.Array, block: int):
+  """(smallest, largest) id of every block of a [B, L] id array -> two [B, L // block]."""
+  blocked = seg.reshape(seg.shape[0], seg.shape[1] // block, block)
+  return jnp.min(blocked, axis=-1), jnp.max(blocked, axis=-1)
 
 
 def split_loop(lo, flo, fhi, hi, body, carry):

@@ -20,7 +20,8 @@ from stable_attn.spec import AttentionSpec, Operands
 
 # forward(spec, config, ops) -> (O [B,T,N,H], O residual [B,T,N,H], LSE fp32 [B,N,T])
 Forward = Callable[[AttentionSpec, Hashable, Operands], tuple]
-# backward(spec, config, ops, o_residual, lse, dO, dLSE or None) -> (dq, dk, dv, dbias or None)
+# backward(spec, config, ops, o_residual, lse, dO, dLSE or None) -> (dq, dk, dv, dbias or None):
+# the gradients of the operand table's `grad` rows, in table order.
 Backward = Callable[..., tuple]
 RESIDUAL_NAMES = ("attn_out", "attn_lse")
 
@@ -72,7 +73,7 @@ def make_flash_attention(forward: Forward, backward: Backward,
       # computed here once in jnp for every backend (and partitioned by XLA).
       delta = jnp.swapaxes(tile.delta(do, o_residual), 1, 2)           # [B, N, T]
       dsinks = tile.sink_grad(ops.sinks, lse, shifted_delta(delta, dlse)).astype(ops.sinks.dtype)
-    return (Operands(dq, dk, dv, dbias, None, None, None, sinks=dsinks),)
+    return (type(ops)(q=dq, k=dk, v=dv, q_lens=None, kv_lens=None, bias=dbias, sinks=dsinks),)
 
   attention.defvjp(attention_fwd, attention_bwd)
   return attention

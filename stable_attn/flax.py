@@ -6,32 +6,36 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import jax.numpy as jnp
 
-from stable_attn.api import dot_product_attention
-
-_OPTIONS = ("scale", "is_causal", "local_window_size", "implementation", "max_adjust", "beta",
-            "numerics", "interpret", "logits_soft_cap")
+from stable_attn.api import Options, attend, dot_product_attention
 
 
 def make_attention_fn(**options):
   """Returns attention_fn(query, key, value, bias=None, mask=None, ...) with Flax's signature.
 
-  `options` are keyword arguments of stable_attn.dot_product_attention (scale, is_causal,
-  local_window_size, implementation, max_adjust, beta, numerics, interpret, logits_soft_cap).
-  Flax's masks may be float (1 = attend) or bool; extra leading batch dims are flattened. Dropout
-  on attention weights is not supported: a non-zero dropout_rate outside deterministic mode raises
-  ValueError. Segment ids: Flax's attention modules never pass them (they build a mask, e.g.
-  nnx.make_attention_mask(ids, ids, jnp.equal), which works here too), so attention_fn takes
-  q_segment_ids / kv_segment_ids ([..., T] / [..., S]) as keywords for callers that can pass them
-  (a custom module or a functools.partial); the kernels then skip key blocks of other documents.
+  `options` are the keyword arguments of stable_attn.dot_product_attention (the same names and
+  defaults; `stable_attn.api.Options`), fixed for every call. Flax's masks may be float
+  (1 = attend) or bool; extra leading batch dims are flattened; `is_causal` from Flax's call is
+  or-ed with the option. Dropout on attention weights is not supported: a non-zero dropout_rate
+  outside deterministic mode raises ValueError. Segment ids: Flax's attention modules never pass
+  them (they build a mask, e.g. nnx.make_attention_mask(ids, ids, jnp.equal), which works here
+  too), so attention_fn takes q_segment_ids / kv_segment_ids ([..., T] / [..., S]) as keywords for
+  callers that can pass them (a custom module or a functools.partial); the kernels then skip key
+  blocks of other documents.
   """
-  unknown = sorted(set(options) - set(_OPTIONS))
+  names = [f.name for f in dataclasses.fields(Options)]
+  unknown = sorted(set(options) - set(names))
   if unknown:
-    raise ValueError(f"make_attention_fn got unknown options {unknown}; expected a subset of "
-                     f"{list(_OPTIONS)}")
+    raise ValueError(f"make_attention_fn got unknown options {unknown}; expected keyword "
+                     f"arguments of stable_attn.dot_product_attention: {names}")
+  fixed = Options(**options)
+  if fixed.return_residuals:
+    raise ValueError("make_attention_fn cannot take return_residuals=True: Flax's attention "
+                     "modules expect attention_fn to return the output alone")
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
@@ -50,19 +54,21 @@ def make_attention_fn(**options):
       mask = mask != 0
     batch_shape = query.shape[:-3]
     flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[-3:])
-    flat_mask = lambda x: None if x is None or x.ndim <= 4 else x.reshape(
-        (-1,) + x.shape[-3:])
-    kwargs = dict(options)
-    kwargs["is_causal"] = bool(options.get("is_causal", False) or is_causal)
+    flat_pairwise = lambda x: x if x is None or x.ndim <= 4 else flat(x)
+    flat_ids = lambda x: None if x is None else x.reshape((-1, x.shape[-1]))
+    call = dataclasses.replace(fixed, is_causal=bool(fixed.is_causal or is_causal))
     if q_segment_ids is not None:
-      segment_batch = lambda x: None if x is None else x.reshape((-1, x.shape[-1]))
-      kwargs.update(q_segment_ids=segment_batch(q_segment_ids),
-                    kv_segment_ids=segment_batch(kv_segment_ids))
-    out = dot_product_attention(
-        flat(query), flat(key), flat(value),
-        bias if bias is None or bias.ndim <= 4 else flat_mask(bias),
-        mask if mask is None or mask.ndim <= 4 else flat_mask(mask), **kwargs)
+      call = dataclasses.replace(call, q_segment_ids=flat_ids(q_segment_ids),
+                                 kv_segment_ids=flat_ids(kv_segment_ids))
+    out = attend(flat(query), flat(key), flat(value), flat_pairwise(bias), flat_pairwise(mask),
+                 call)
     return out.reshape(batch_shape + out.shape[-3:])
 
   attention_fn.__signature__ = inspect.signature(attention_fn)
   return attention_fn
+
+
+# The options of dot_product_attention, keyword-only, with their defaults.
+make_attention_fn.__signature__ = inspect.Signature(
+    [p for p in inspect.signature(dot_product_attention).parameters.values()
+     if p.kind is inspect.Parameter.KEYWORD_ONLY])

@@ -1,9 +1,12 @@
-"""How a call's arrays are laid out for the backends: one description, shared.
+"""How a call's arrays are padded for the backends: one host-side helper, shared by all of them.
 
-`Geometry` holds the static sizes of a call (from canonical `spec.Operands`); the helpers pad
-sequences and head dims, move heads in front of the sequence when a backend wants that, and pad
-the query/key dims of a broadcastable bias or mask while keeping its size-1 dims (never
-materialised). Backends choose their block multiples; the description is the same everywhere.
+`Geometry` holds the static sizes of a call; `pad_operands` pads every operand's "query", "key"
+and "head_dim" dims to a backend's block multiples following its row of the operand table
+(`stable_attn.spec.OPERANDS`: zeros, or the last value repeated for segment ids; broadcast dims of
+size 1 stay 1, never materialised) and clamps the lengths to T and S, so that padding is never
+visible. `pad_to` / `unpad` do the same for the backward's inputs and the outputs, named by their
+logical axes. Backends choose their block multiples and any further memory layout (heads-major,
+lane broadcasts); the padding is the same everywhere.
 """
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from stable_attn.spec import Operands
+
+# The axes padding changes, and the Padded field that holds each one's padded size.
+_PADDED_AXES = {"query": "T", "key": "S", "head_dim": "H"}
 
 
 def cdiv(a, b):
@@ -52,53 +58,58 @@ class Geometry:
     """Query heads per key/value head: query head n reads key/value head n // G."""
     return self.N // self.K
 
+  def size(self, axis: str) -> int:
+    return dict(batch=self.B, query=self.T, key=self.S, heads=self.N, kv_heads=self.K,
+                head_dim=self.H)[axis]
+
   def padded(self, q_multiple: int, kv_multiple: int, head_dim: int | None = None) -> Padded:
     return Padded(round_up(self.T, q_multiple), round_up(self.S, kv_multiple),
                   self.H if head_dim is None else head_dim)
 
 
-def lengths(ops: Operands, geo: Geometry):
-  """(q_lens, kv_lens) int32 [B], clamped to T and S so that padding is never visible."""
-  return (jnp.minimum(ops.q_lens, geo.T).astype(jnp.int32),
-          jnp.minimum(ops.kv_lens, geo.S).astype(jnp.int32))
-
-
 def pad_axis(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
+  """x with dim `axis` padded at the end to `size`: with `fill`, or the last value if "edge"."""
   if x.shape[axis] == size:
     return x
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, size - x.shape[axis])
+  if isinstance(fill, str) and fill == "edge":
+    return jnp.pad(x, widths, mode="edge")
   return jnp.pad(x, widths, constant_values=fill)
 
 
-def pad_seq_head(x: jax.Array, length: int, head_dim: int) -> jax.Array:
-  """[B, L, heads, H] -> [B, length, heads, head_dim], zero padded (the caller's layout)."""
-  return pad_axis(pad_axis(x, 1, length), 3, head_dim)
-
-
-def heads_major(x: jax.Array, length: int, head_dim: int) -> jax.Array:
-  """[B, L, heads, H] -> [B, heads, length, head_dim], zero padded."""
-  return pad_seq_head(x, length, head_dim).swapaxes(1, 2)
-
-
-def from_heads_major(x: jax.Array, length: int, head_dim: int) -> jax.Array:
-  """[B, heads, Lp, Hp] -> [B, length, heads, head_dim]."""
-  return jnp.swapaxes(x[:, :, :length, :head_dim], 1, 2)
-
-
-def unpad(x: jax.Array, length: int, head_dim: int) -> jax.Array:
-  """[B, Lp, heads, Hp] -> [B, length, heads, head_dim] (a no-op when nothing was padded)."""
-  if x.shape[1] == length and x.shape[3] == head_dim:
-    return x
-  return x[:, :length, :, :head_dim]
-
-
-def pad_pairwise(x, geo: Geometry, padded: Padded, fill=0):
-  """A bias or mask [Bb, Nb, Tb, Sb] (each dim 1 or full) with its full T / S dims padded."""
-  if x is None:
-    return None
-  if x.shape[2] != 1:
-    x = pad_axis(x, 2, padded.T, fill)
-  if x.shape[3] != 1:
-    x = pad_axis(x, 3, padded.S, fill)
+def pad_to(x: jax.Array, axes, padded: Padded, fill=0, *, broadcast: bool = False) -> jax.Array:
+  """x, whose dims are the logical `axes`, with its query / key / head_dim dims padded. With
+  `broadcast`, dims of size 1 are broadcast dims and stay 1."""
+  for dim, axis in enumerate(axes):
+    if axis in _PADDED_AXES and not (broadcast and x.shape[dim] == 1):
+      x = pad_axis(x, dim, getattr(padded, _PADDED_AXES[axis]), fill)
   return x
+
+
+def unpad(x: jax.Array, axes, geo: Geometry) -> jax.Array:
+  """x, whose dims are the logical `axes`, sliced back to the call's sizes (a no-op when nothing
+  was padded)."""
+  index = tuple(slice(0, geo.size(a)) if a in _PADDED_AXES else slice(None) for a in axes)
+  if all(x.shape[d] == geo.size(a) for d, a in enumerate(axes) if a in _PADDED_AXES):
+    return x
+  return x[index]
+
+
+def pad_operands(ops: Operands, padded: Padded) -> Operands:
+  """Every operand padded by its table row's rule; lengths clamped to T and S (lengths past the
+  end mean the whole sequence, as in jax.nn, and never expose padding)."""
+  geo = Geometry.of(ops)
+  out = {}
+  for row, x in type(ops).TABLE.present(ops):
+    if row.counts is not None:
+      out[row.name] = jnp.minimum(x, geo.size(row.counts)).astype(jnp.int32)
+    else:
+      out[row.name] = pad_to(x, row.axes, padded, "edge" if row.fill == "edge" else 0,
+                             broadcast=row.broadcast)
+  return type(ops).TABLE.make(**out)
+
+
+def heads_major(x: jax.Array) -> jax.Array:
+  """[B, L, heads, H] -> [B, heads, L, H] (the TPU kernels' and the reference's layout)."""
+  return jnp.swapaxes(x, 1, 2)

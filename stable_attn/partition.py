@@ -3,22 +3,19 @@
 XLA cannot split a Pallas call: inside a jit over sharded arrays it would gather q, k and v onto
 every device. `partitioned(forward, backward)` wraps a backend's two passes in
 `jax.experimental.custom_partitioning`, so that each device runs the kernels on its own batch rows
-and heads:
+and heads. Every rule here is derived from the operand table (`stable_attn.spec`): an array is
+split along its "batch" axis like the query's batch and along its "heads" / "kv_heads" axis like
+the query's heads; its other axes ("query", "key", "head_dim") stay whole; a broadcast dim of size
+1 is replicated (the gradient of such a bias is then summed over the devices). The backward's own
+inputs (O residual, dO: ROW_AXES; LSE, dLSE: LSE_AXES) and every output follow the same rule, so
+adding an operand is one table row.
 
-  q, o, dO, dq      [B, T, N, H]   batch and heads as the query is sharded
-  k, v, dk, dv      [B, S, K, H]   the same axes (K must divide by the heads' shard count; a query
-                                   head's kv head stays on its device)
-  bias, mask        [Bb, Nb, T, S] like the query where full, replicated where broadcast (their
-                                   gradient is then summed over the devices)
-  lengths, ids      [B], [B, T|S]  like the batch;  safe offsets [N, T], sinks [N]: like the heads
-  LSE, dLSE         [B, N, T]
-
-Sequence (T, S) or head-dim sharding raises ValueError: the kernels need whole rows (with Auto
-axes it is raised while XLA partitions the program, wrapped in its JaxRuntimeError; with Explicit
-axes at trace time). Explicit axes are made Auto around the kernels (`jax.sharding.auto_axes`), the
-results keep the inputs' shardings. A single-device program runs the kernels directly; so does
-`shard_map` (Pallas needs `check_vma=False` there). Under `jax.vmap` the vmapped axis joins the
-batch (custom_partitioning has no batching rule of its own).
+Sequence (T, S) or head-dim sharding of q, k or v raises ValueError: the kernels need whole rows
+(with Auto axes it is raised while XLA partitions the program, wrapped in its JaxRuntimeError;
+with Explicit axes at trace time). Explicit axes are made Auto around the kernels
+(`jax.sharding.auto_axes`), the results keep the inputs' shardings. A single-device program runs
+the kernels directly; so does `shard_map` (Pallas needs `check_vma=False` there). Under
+`jax.vmap` the vmapped axis joins the batch (custom_partitioning has no batching rule of its own).
 """
 from __future__ import annotations
 
@@ -33,23 +30,50 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, 
                                                   custom_partitioning)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, auto_axes
 
-from stable_attn.spec import Operands
+from stable_attn.spec import LSE_AXES, PARTITIONABLE, ROW_AXES, Operand, OperandTable
+
+# The backward's inputs after the operands, in order: O residual, LSE, dO, dLSE (when given).
+_BACKWARD_INPUTS = (Operand("o_res", ROW_AXES, "input"), Operand("lse", LSE_AXES, "float32"),
+                    Operand("do", ROW_AXES, "input"), Operand("dlse", LSE_AXES, "float32"))
+# The forward's outputs: O, O residual, LSE.
+_FORWARD_OUTPUTS = (ROW_AXES, ROW_AXES, LSE_AXES)
 
 
 class _Layout(NamedTuple):
-  """Static: which operand fields are present (in Operands order) and whether dLSE is passed."""
+  """Static: the operand table, the operands present (in table order), whether dLSE is passed."""
+  table: OperandTable
   names: tuple
   with_dlse: bool = False
 
+  def rows(self, n_arrays: int | None = None):
+    """Table rows of the operands, then of the backward's inputs, for n_arrays arrays."""
+    rows = [self.table[name] for name in self.names] + list(_BACKWARD_INPUTS)
+    return rows[:len(self.names) if n_arrays is None else n_arrays]
 
-def _ops(layout: _Layout, arrays) -> Operands:
-  present = dict(zip(layout.names, arrays))
-  return Operands(**{f: present.get(f) for f in Operands._fields})
+  def ops(self, arrays):
+    return self.table.make(**dict(zip(self.names, arrays)))
+
+  def grad_rows(self):
+    """The operands whose gradients the backward kernels return, in order."""
+    return [self.table[name] for name in self.names if self.table[name].grad]
 
 
-def _flat(ops: Operands):
-  names = tuple(f for f in Operands._fields if getattr(ops, f) is not None)
-  return names, [getattr(ops, f) for f in names]
+def _flat(ops):
+  present = type(ops).TABLE.present(ops)
+  return _Layout(type(ops).TABLE, tuple(r.name for r, _ in present)), [x for _, x in present]
+
+
+def _sizes(rows, shapes) -> dict:
+  """{axis: full size}, read off the arrays that are neither broadcast nor lengths."""
+  sizes = {}
+  for row, shape in zip(rows, shapes):
+    if not row.broadcast and row.counts is None:
+      sizes.update(zip(row.axes, shape))
+  return sizes
+
+
+def _broadcast_dim(row: Operand, dim: int, shape, sizes) -> bool:
+  return row.broadcast and shape[dim] == 1 and sizes[row.axes[dim]] != 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,6 +83,9 @@ def _flat(ops: Operands):
 class _Axes(NamedTuple):
   batch: object   # mesh axis name(s) of the batch dim, or None
   heads: object   # mesh axis name(s) of the query-head dim, or None
+
+  def of(self, axis: str):
+    return {"batch": self.batch, "heads": self.heads, "kv_heads": self.heads}.get(axis)
 
 
 def _spec(arg, ndim: int):
@@ -74,53 +101,39 @@ def _axis_size(mesh, axes) -> int:
 
 
 def _axes(mesh, layout: _Layout, args) -> _Axes:
+  """The mesh axes of the query's batch and heads; ValueError where q, k or v are split along an
+  axis the kernels need whole, or the heads cannot follow the query's."""
   shapes = dict(zip(layout.names, args))
-  q, k = shapes["q"], shapes["k"]
-  b, t, n, h = _spec(q, 4)
-  if t is not None or h is not None:
-    raise ValueError(f"stable_attn.dot_product_attention partitions over batch and heads only; the "
-                     f"query is sharded as {P(b, t, n, h)} (its sequence or head dim over {t or h})."
-                     f" Reshard q/k/v to P(batch_axes, None, head_axes, None) first")
-  kb, ks, kn, kh = _spec(k, 4)
-  if ks is not None or kh is not None:
-    raise ValueError(f"stable_attn.dot_product_attention partitions over batch and heads only; the "
-                     f"key is sharded as {P(kb, ks, kn, kh)}. Reshard k/v to P(batch_axes, None, "
-                     f"head_axes, None) first")
+  for name, what in (("q", "query"), ("k", "key"), ("v", "value")):
+    row = layout.table[name]
+    spec = _spec(shapes[name], len(row.axes))
+    split = [(a, s) for a, s in zip(row.axes, spec) if s is not None and a not in PARTITIONABLE]
+    if split:
+      raise ValueError(f"stable_attn.dot_product_attention partitions over batch and heads only; "
+                       f"the {what} is sharded as {P(*spec)} (its {split[0][0]} dim over "
+                       f"{split[0][1]}). Reshard q/k/v to P(batch_axes, None, head_axes, None) "
+                       f"first")
+  q_spec = dict(zip(layout.table["q"].axes, _spec(shapes["q"], 4)))
+  n = q_spec["heads"]
   shards = _axis_size(mesh, n)
-  N, K = q.shape[2], k.shape[2]
+  N, K = shapes["q"].shape[2], shapes["k"].shape[2]
   if n is not None and (N % shards or K % shards):
     raise ValueError(f"the query heads are sharded {shards} ways over {n}, which must divide both "
                      f"N={N} query heads and K={K} key/value heads (each device keeps whole GQA "
                      f"groups); shard fewer ways or replicate the heads")
-  return _Axes(b, n)
+  return _Axes(q_spec["batch"], n)
 
 
-def _arg_specs(layout: _Layout, args, axes: _Axes, extra: int = 0):
-  """PartitionSpecs of the operands (in layout order) and of `extra` trailing backward inputs
-  (O residual, LSE, dO and dLSE)."""
-  b, n = axes
-  shapes = dict(zip(layout.names, args))
-  B, N = shapes["q"].shape[0], shapes["q"].shape[2]
-  specs = []
-  for name in layout.names:
-    x = shapes[name]
-    if name in ("q", "k", "v"):
-      specs.append(P(b, None, n, None))
-    elif name in ("bias", "mask"):
-      specs.append(P(b if x.shape[0] == B > 1 else None, n if x.shape[1] == N > 1 else None,
-                     None, None))
-    elif name in ("q_lens", "kv_lens"):
-      specs.append(P(b))
-    elif name in ("q_seg", "kv_seg"):
-      specs.append(P(b, None))
-    elif name == "offset":
-      specs.append(P(n, None))
-    elif name == "sinks":
-      specs.append(P(n))
-    else:  # pragma: no cover - a new Operands field must be added here
-      raise AssertionError(f"no sharding for operand {name!r}")
-  backward_inputs = [P(b, None, n, None), P(b, n, None), P(b, None, n, None), P(b, n, None)]
-  return specs + backward_inputs[:extra]
+def _partition_spec(row: Operand, shape, sizes, axes: _Axes) -> P:
+  return P(*(None if _broadcast_dim(row, d, shape, sizes) else axes.of(a)
+             for d, a in enumerate(row.axes)))
+
+
+def _arg_specs(layout: _Layout, args, axes: _Axes):
+  """PartitionSpecs of the operands (in layout order), then of the backward's inputs."""
+  rows = layout.rows(len(args))
+  sizes = _sizes(rows, [a.shape for a in args])
+  return [_partition_spec(row, a.shape, sizes, axes) for row, a in zip(rows, args)]
 
 
 def _named(mesh, specs):
@@ -132,48 +145,30 @@ def _named(mesh, specs):
 # ---------------------------------------------------------------------------------------------
 
 def _rule(layout: _Layout, value_types, n_results: int, backward: bool):
+  rows = layout.rows(len(value_types))
   shapes = [tuple(t.shape) for t in value_types]
-  named = dict(zip(layout.names, shapes))
-  B, T, N, _ = named["q"]
-  S, K = named["k"][1], named["k"][2]
-  G = N // K
-  q_heads = CompoundFactor("kvh", "grp") if G > 1 else "kvh"
-  sizes = {"grp": G} if G > 1 else {}
-  unique = iter(f"one{i}" for i in range(64))
-  one = lambda: next(unique)
-  mappings = []
-  for name, shape in zip(layout.names, shapes):
-    if name == "q":
-      mappings.append(ArrayMapping("b", "t", q_heads, "h"))
-    elif name in ("k", "v"):
-      mappings.append(ArrayMapping("b", "s", "kvh", "h"))
-    elif name in ("bias", "mask"):
-      Bb, Nb, Tb, Sb = shape
-      mappings.append(ArrayMapping("b" if Bb == B else one(), q_heads if Nb == N else one(),
-                                   "t" if Tb == T else one(), "s" if Sb == S else one()))
-    elif name in ("q_lens", "kv_lens"):
-      mappings.append(ArrayMapping("b"))
-    elif name == "q_seg":
-      mappings.append(ArrayMapping("b", "t"))
-    elif name == "kv_seg":
-      mappings.append(ArrayMapping("b", "s"))
-    elif name == "offset":
-      mappings.append(ArrayMapping(q_heads, "t"))
-    elif name == "sinks":
-      mappings.append(ArrayMapping(q_heads))
-  rows = ArrayMapping("b", "t", q_heads, "h")
-  lse = ArrayMapping("b", q_heads, "t")
+  sizes = _sizes(rows, shapes)
+  G = sizes["heads"] // sizes["kv_heads"]
+  factors = {"batch": "b", "query": "t", "key": "s", "kv_heads": "kvh", "head_dim": "h",
+             "heads": CompoundFactor("kvh", "grp") if G > 1 else "kvh"}
+  unique = iter(f"one{i}" for i in range(1 << 10))
+
+  def mapping(row: Operand, shape):
+    return ArrayMapping(*(next(unique) if _broadcast_dim(row, d, shape, sizes) else factors[a]
+                          for d, a in enumerate(row.axes)))
+
+  mappings = [mapping(row, shape) for row, shape in zip(rows, shapes)]
   if backward:
-    mappings += [rows, lse, rows] + ([lse] if layout.with_dlse else [])
-    results = [rows, ArrayMapping("b", "s", "kvh", "h"), ArrayMapping("b", "s", "kvh", "h")]
-    if "bias" in layout.names:
-      results.append(mappings[layout.names.index("bias")])
+    by_name = dict(zip(layout.names, mappings))
+    results = [by_name[row.name] for row in layout.grad_rows()]
   else:
-    results = [rows, rows, lse]
+    results = [ArrayMapping(*(factors[a] for a in axes)) for axes in _FORWARD_OUTPUTS]
   assert len(results) == n_results
+  # The factors the kernels need whole, in order of first appearance (as Shardy requires).
+  whole = [factors[a] for row in rows for a in row.axes if a not in PARTITIONABLE]
   return SdyShardingRule(tuple(mappings), tuple(results),
-                         # in order of first appearance (q's t and h, then k's s), as Shardy requires
-                         need_replication_factors=("t", "h", "s"), **sizes)
+                         need_replication_factors=tuple(dict.fromkeys(whole)),
+                         **({"grp": G} if G > 1 else {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,13 +191,13 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
   for the specs where when(spec) holds (and run as given for the others)."""
 
   def fwd_flat(spec, config, layout, *arrays):
-    return tuple(forward(spec, config, _ops(layout, arrays)))
+    return tuple(forward(spec, config, layout.ops(arrays)))
 
   def bwd_flat(spec, config, layout, *arrays):
     n = len(layout.names)
     o_res, lse, do = arrays[n:n + 3]
     dlse = arrays[n + 3] if layout.with_dlse else None
-    grads = backward(spec, config, _ops(layout, arrays[:n]), o_res, lse, do, dlse)
+    grads = backward(spec, config, layout.ops(arrays[:n]), o_res, lse, do, dlse)
     return tuple(g for g in grads if g is not None)
 
   fwd_cp = custom_partitioning(fwd_flat, static_argnums=(0, 1, 2))
@@ -210,39 +205,32 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
 
   def fwd_shardings(spec, config, layout, mesh, args):
     axes = _axes(mesh, layout, args)
-    specs = _arg_specs(layout, args, axes)
-    b, n = axes
-    outs = (P(b, None, n, None), P(b, None, n, None), P(b, n, None))
-    return _named(mesh, specs), _named(mesh, outs)
+    outs = [P(*(axes.of(a) for a in out_axes)) for out_axes in _FORWARD_OUTPUTS]
+    return _named(mesh, _arg_specs(layout, args, axes)), _named(mesh, outs)
 
   def fwd_partition(spec, config, layout, mesh, args, result_shape):
     in_shardings, out_shardings = fwd_shardings(spec, config, layout, mesh, args)
     return mesh, functools.partial(fwd_flat, spec, config, layout), out_shardings, in_shardings
 
   def bwd_shardings(spec, config, layout, mesh, args):
-    n_ops = len(layout.names)
-    axes = _axes(mesh, layout, args[:n_ops])
-    specs = _arg_specs(layout, args[:n_ops], axes, extra=len(args) - n_ops)
-    outs = list(specs[:3])   # dq like q, dk like k, dv like v
-    if "bias" in layout.names:
-      outs.append(specs[layout.names.index("bias")])
+    axes = _axes(mesh, layout, args[:len(layout.names)])
+    specs = _arg_specs(layout, args, axes)
+    by_name = dict(zip(layout.names, specs))
+    outs = [by_name[row.name] for row in layout.grad_rows()]   # each gradient like its operand
     return axes, _named(mesh, specs), _named(mesh, outs)
 
   def bwd_partition(spec, config, layout, mesh, args, result_shape):
     axes, in_shardings, out_shardings = bwd_shardings(spec, config, layout, mesh, args)
-    bias_spec = in_shardings[layout.names.index("bias")].spec if "bias" in layout.names else None
+    grad_rows = layout.grad_rows()
 
     def local(*arrays):
-      grads = bwd_flat(spec, config, layout, *arrays)
-      if bias_spec is None:
-        return grads
-      # Where the bias is broadcast over a sharded dim, each device holds a partial sum.
-      summed = [ax for ax, kept in ((axes.batch, bias_spec[0]), (axes.heads, bias_spec[1]))
-                if ax is not None and kept is None]
-      dbias = grads[3]
-      for ax in summed:
-        dbias = lax.psum(dbias, ax)
-      return grads[:3] + (dbias,)
+      grads = list(bwd_flat(spec, config, layout, *arrays))
+      # Where an operand is broadcast over a sharded axis, each device holds a partial sum.
+      for i, (row, sharding) in enumerate(zip(grad_rows, out_shardings)):
+        for axis, kept in zip(row.axes, sharding.spec):
+          if axes.of(axis) is not None and kept is None:
+            grads[i] = lax.psum(grads[i], axes.of(axis))
+      return tuple(grads)
 
     return mesh, local, out_shardings, in_shardings
 
@@ -252,26 +240,25 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
   def forward_partitioned(spec, config, ops):
     if not when(spec):
       return forward(spec, config, ops)
-    names, arrays = _flat(ops)
-    layout = _Layout(names)
+    layout, arrays = _flat(ops)
     call = lambda *a: _batched(lambda *b: fwd_cp(spec, config, layout, *b), layout, a,
-                               n_outputs=3)
-    return _auto_axes(call, layout, arrays, lambda b, n, specs: (
-        P(b, None, n, None), P(b, None, n, None), P(b, n, None)))
+                               grads=False)
+    return _auto_axes(call, layout, arrays, lambda axes, specs: [
+        P(*(axes.of(a) for a in out_axes)) for out_axes in _FORWARD_OUTPUTS])
 
   def backward_partitioned(spec, config, ops, o_res, lse, do, dlse=None):
     if not when(spec):
       return backward(spec, config, ops, o_res, lse, do, dlse)
-    names, arrays = _flat(ops)
-    layout = _Layout(names, dlse is not None)
+    layout, arrays = _flat(ops)
+    layout = layout._replace(with_dlse=dlse is not None)
     extra = [o_res, lse, do] + ([dlse] if dlse is not None else [])
-    n_out = 4 if ops.bias is not None else 3
+    grad_rows = layout.grad_rows()
     call = lambda *a: _batched(lambda *b: bwd_cp(spec, config, layout, *b), layout, a,
-                               n_outputs=n_out)
-    bias_at = names.index("bias") if ops.bias is not None else None
-    grads = _auto_axes(call, layout, arrays + extra, lambda b, n, specs: tuple(specs[:3]) + (
-        (specs[bias_at],) if bias_at is not None else ()))
-    return tuple(grads) + ((None,) if ops.bias is None else ())
+                               grads=True)
+    grads = _auto_axes(call, layout, arrays + extra, lambda axes, specs: [
+        specs[layout.names.index(row.name)] for row in grad_rows])
+    by_name = dict(zip([row.name for row in grad_rows], grads))
+    return tuple(by_name.get(row.name) for row in layout.table.rows if row.grad)
 
   return forward_partitioned, backward_partitioned
 
@@ -283,7 +270,7 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
 def _auto_axes(call: Callable, layout: _Layout, arrays, out_specs: Callable):
   """call(*arrays), with the mesh's Explicit axes made Auto inside it (where custom_partitioning
   splits the kernels) when the operands' types carry shardings; a sequence-sharded query is
-  rejected here, at trace time. out_specs(batch_axes, head_axes, operand_specs) -> result specs."""
+  rejected here, at trace time. out_specs(axes, operand specs) -> result specs."""
   sharding = jax.typeof(arrays[0]).sharding
   mesh = getattr(sharding, "mesh", None)
   explicit = tuple(name for name, kind in zip(getattr(mesh, "axis_names", ()),
@@ -292,20 +279,24 @@ def _auto_axes(call: Callable, layout: _Layout, arrays, out_specs: Callable):
   if not explicit:
     return call(*arrays)
   n_ops = len(layout.names)
-  axes = _axes(mesh, layout, [jax.typeof(x) for x in arrays[:n_ops]])
-  specs = [P(*_spec(jax.typeof(x), 4)) if name in ("q", "k", "v", "bias") else None
-           for name, x in zip(layout.names, arrays[:n_ops])]
+  types = [jax.typeof(x) for x in arrays[:n_ops]]
+  axes = _axes(mesh, layout, types)
+  specs = [P(*_spec(t, t.ndim)) for t in types]
   return auto_axes(lambda *a: tuple(call(*a)), axes=explicit,
-                   out_sharding=out_specs(*axes, specs))(*arrays)
+                   out_sharding=tuple(out_specs(axes, specs)))(*arrays)
 
 
 # ---------------------------------------------------------------------------------------------
 # vmap: custom_partitioning has no batching rule; fold the vmapped axis into the batch
 # ---------------------------------------------------------------------------------------------
 
-def _batched(call: Callable, layout: _Layout, arrays, n_outputs: int):
-  """call(*arrays) under a custom_vmap rule: a vmapped axis becomes part of the batch dim (dim 0
-  of every operand); a broadcast (size-1 batch) bias or mask that is vmapped is expanded first."""
+def _batched(call: Callable, layout: _Layout, arrays, *, grads: bool):
+  """call(*arrays) under a custom_vmap rule: a vmapped axis becomes part of the batch axis of every
+  array that has one (its dim 0); a broadcast batch dim is expanded where the vmapped instances
+  differ. An array without a batch axis (per-head sinks and offsets) cannot be vmapped. With
+  `grads`, the outputs are the gradients of layout.grad_rows(), each returned per instance and
+  summed back over a broadcast batch dim."""
+  n_outputs = len(layout.grad_rows()) if grads else len(_FORWARD_OUTPUTS)
 
   @jax.custom_batching.custom_vmap
   def run(*arrays):
@@ -313,36 +304,37 @@ def _batched(call: Callable, layout: _Layout, arrays, n_outputs: int):
 
   @run.def_vmap
   def rule(axis_size, in_batched, *arrays):
+    rows = layout.rows(len(arrays))
     B = arrays[0].shape[1] if in_batched[0] else arrays[0].shape[0]
-    names = list(layout.names) + ["o_res", "lse", "do", "dlse"][:len(arrays) - len(layout.names)]
     merged = []
-    for name, x, batched in zip(names, arrays, in_batched):
+    for row, x, batched in zip(rows, arrays, in_batched):
+      if "batch" not in row.axes:
+        if batched:
+          raise ValueError(f"jax.vmap over the {row.arg or row.name} operand is not supported by "
+                           f"the Pallas kernels (it has no batch axis, {list(row.axes)}, and is "
+                           f"shared by the batch); vmap over the other operands only, or use "
+                           f"implementation='reference' or 'xla'")
+        merged.append(x)
+        continue
       if not batched:
-        if name in ("bias", "mask") and x.shape[0] == 1:
+        if row.broadcast and x.shape[0] == 1 and not (grads and row.grad):
           merged.append(x)   # still broadcast over the merged batch
           continue
-        if name in ("offset", "sinks"):
-          merged.append(x)   # per head (and position): the same for every batch row
-          continue
         x = jnp.broadcast_to(x, (axis_size,) + x.shape)
-      elif name == "sinks":
-        raise ValueError("jax.vmap over attention sinks is not supported by the Pallas kernels "
-                         "(their sinks are per head, shared by the batch); vmap over the other "
-                         "operands only, or use implementation='reference' or 'xla'")
-      if name in ("bias", "mask") and x.shape[1] == 1:
+      if row.broadcast and x.shape[1] == 1:
         x = jnp.broadcast_to(x, (axis_size, B) + x.shape[2:])
       merged.append(x.reshape((axis_size * x.shape[1],) + x.shape[2:]))
-    outs = call(*merged)
-    unmerge = lambda y: y.reshape((axis_size, y.shape[0] // axis_size) + y.shape[1:])
-    outs = [unmerge(y) for y in outs]
-    if len(outs) == 4 and "bias" in layout.names:   # dbias back to the bias's own batch dim
-      bias = arrays[layout.names.index("bias")]
-      batched = in_batched[layout.names.index("bias")]
-      own_b = bias.shape[1] if batched else bias.shape[0]
-      dbias = outs[3]
-      if own_b == 1:
-        dbias = jnp.sum(dbias, axis=1, keepdims=True)
-      outs[3] = dbias if batched else jnp.sum(dbias, axis=0)
+    outs = [y.reshape((axis_size, y.shape[0] // axis_size) + y.shape[1:]) for y in call(*merged)]
+    if grads:
+      outs = _own_batch(layout, arrays, in_batched, outs)
     return tuple(outs), (True,) * n_outputs
 
   return run(*arrays)
+
+
+def _own_batch(layout: _Layout, arrays, in_batched, grads):
+  """Each broadcast operand's gradient summed back over the batch dim it broadcast over."""
+  own = {name: x.shape[1] if batched else x.shape[0]
+         for name, x, batched in zip(layout.names, arrays, in_batched)}
+  return [jnp.sum(g, axis=1, keepdims=True) if row.broadcast and own[row.name] == 1 else g
+          for row, g in zip(layout.grad_rows(), grads)]

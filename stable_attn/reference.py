@@ -12,7 +12,7 @@ the chosen `Numerics` done exactly. It runs on any backend and is differentiable
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import jax
@@ -21,8 +21,10 @@ from jax import lax
 
 from stable_attn import blocks, tile
 from stable_attn.flash import make_flash_attention, reduce_to_shape, shifted_delta
-from stable_attn.layout import Geometry, from_heads_major, heads_major, pad_axis, pad_pairwise
-from stable_attn.spec import AttentionSpec, Operands
+from stable_attn.layout import Geometry, Padded, heads_major, pad_operands, pad_to, unpad
+from stable_attn.spec import LSE_AXES, OPERANDS, ROW_AXES, AttentionSpec, Operands
+
+KV_AXES = OPERANDS["k"].axes
 
 DEFAULT_BLOCK_Q = 64
 DEFAULT_BLOCK_K = 64
@@ -188,27 +190,42 @@ def segment_mask(ops: Operands):
   return same if ops.mask is None else ops.mask & same
 
 
-def _layout(ops: Operands, blk: Blocks):
-  """Heads-major, padded operands: q [B,N,Tp,H], k/v [B,N,Sp,H] (GQA repeated: a reference need not
-  be frugal), bias/mask (segment ids folded in) broadcast to [B,N,Tp,Sp]."""
-  ops = ops._replace(mask=segment_mask(ops))
+class _Layout(NamedTuple):
+  """Heads-major, padded arrays: q [B,N,Tp,H], k/v [B,N,Sp,H] (GQA repeated: a reference need not
+  be frugal), bias/mask (segment ids folded in) broadcast to [B,N,Tp,Sp] or None; the padded
+  operands (lengths clamped), and the segment block ranges (per query block, per key block)."""
+  geo: Geometry
+  pad: Padded
+  x: Operands
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  bias: Optional[jax.Array]
+  mask: Optional[jax.Array]
+  kv_ranges: Optional[jax.Array]   # [B, nq, 4]
+  q_ranges: Optional[jax.Array]    # [B, nk, 4]
+
+
+def _layout(ops: Operands, blk: Blocks) -> _Layout:
   geo = Geometry.of(ops)
   pad = geo.padded(blk.block_q, blk.block_k)
-  q = heads_major(ops.q, pad.T, geo.H)
-  k = jnp.repeat(heads_major(ops.k, pad.S, geo.H), geo.G, axis=1)
-  v = jnp.repeat(heads_major(ops.v, pad.S, geo.H), geo.G, axis=1)
-
-  def full(x, fill):
-    if x is None:
-      return None
-    x = jnp.broadcast_to(x, (geo.B, geo.N, geo.T, geo.S))
-    return pad_pairwise(x, geo, pad, fill)
-
-  return geo, pad, q, k, v, full(ops.bias, 0), full(ops.mask, False)
+  x = pad_operands(ops, pad)
+  full = lambda a: None if a is None else jnp.broadcast_to(a, (geo.B, geo.N, pad.T, pad.S))
+  repeat = lambda a: jnp.repeat(heads_major(a), geo.G, axis=1)
+  kv_ranges = q_ranges = None
+  if x.q_seg is not None:
+    kv_ranges, q_ranges = (blocks.segment_sections(x.q_seg, x.kv_seg, blk.block_q, blk.block_k,
+                                                   per=per) for per in ("query", "key"))
+  return _Layout(geo, pad, x, heads_major(x.q), repeat(x.k), repeat(x.v), full(x.bias),
+                 full(segment_mask(x)), kv_ranges, q_ranges)
 
 
 def _slice(x, start, size, axis):
   return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _visited(lo, hi, ranges):
+  return blocks.within_segments(lo, hi, None if ranges is None else tuple(ranges))
 
 
 def _tile_scores(spec: AttentionSpec, dt, q_blk, k_blk, b_blk, m_blk, q_pos, k_pos, q_len, kv_len):
@@ -218,16 +235,22 @@ def _tile_scores(spec: AttentionSpec, dt, q_blk, k_blk, b_blk, m_blk, q_pos, k_p
                      bias=b_blk, dt=dt, round_fn=_ROUND, soft_cap=spec.logits_soft_cap)
 
 
+def _axis(x):
+  return None if x is None else 0
+
+
 def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
   bq, bk = blk.block_q, blk.block_k
   dt = spec.numerics.dtypes(ops.q.dtype)
-  geo, pad, q, k, v, bias, mask = _layout(ops, blk)
+  lay = _layout(ops, blk)
+  geo, pad, x = lay.geo, lay.pad, lay.x
   num_kv = pad.S // bk
 
-  def one_block(q_blk, k_all, v_all, bias_rows, mask_rows, q_len, kv_len, offset, sink, q_start):
+  def one_block(q_blk, k_all, v_all, bias_rows, mask_rows, q_len, kv_len, ranges, offset, sink,
+                q_start):
     q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
-    lo, hi = blocks.kv_block_range(q_start, bq, bk, num_kv, causal=spec.is_causal,
-                                   window=spec.window, kv_len=kv_len)
+    lo, hi = _visited(*blocks.kv_block_range(q_start, bq, bk, num_kv, causal=spec.is_causal,
+                                             window=spec.window, kv_len=kv_len), ranges)
 
     def body(j, carry):
       acc, stats = carry
@@ -245,34 +268,34 @@ def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
     acc, stats = lax.fori_loop(lo, hi, body, init)
     return tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=_ROUND, sink=sink)
 
-  q_blocks = q.reshape(geo.B, geo.N, pad.T // bq, bq, geo.H)
-  rows = lambda x: None if x is None else x.reshape(geo.B, geo.N, pad.T // bq, bq, pad.S)
-  starts = jnp.arange(pad.T // bq, dtype=jnp.int32) * bq
-  offsets = None   # [N, Tp // bq, bq]
-  if ops.offset is not None:
-    offsets = pad_axis(ops.offset, 1, pad.T).reshape(geo.N, pad.T // bq, bq)
-  b_ax = None if bias is None else 0
-  m_ax = None if mask is None else 0
-  o_ax = None if offsets is None else 0
-  s_ax = None if ops.sinks is None else 0
-  fn = jax.vmap(one_block, (0, None, None, b_ax, m_ax, None, None, o_ax, None, 0))   # q blocks
-  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, None, None, o_ax, s_ax, None))             # heads
-  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, None, None, None))                   # batch
-  o, o_res, lse = fn(q_blocks, k, v, rows(bias), rows(mask), ops.q_lens, ops.kv_lens, offsets,
-                     ops.sinks, starts)
-  to_btnh = lambda x: from_heads_major(x.reshape(geo.B, geo.N, pad.T, geo.H), geo.T, geo.H)
-  return to_btnh(o), to_btnh(o_res), lse.reshape(geo.B, geo.N, pad.T)[:, :, :geo.T]
+  nq = pad.T // bq
+  rows = lambda a: None if a is None else a.reshape(geo.B, geo.N, nq, bq, pad.S)
+  starts = jnp.arange(nq, dtype=jnp.int32) * bq
+  offsets = None if x.offset is None else x.offset.reshape(geo.N, nq, bq)
+  b_ax, m_ax, r_ax = _axis(lay.bias), _axis(lay.mask), _axis(lay.kv_ranges)
+  o_ax, s_ax = _axis(offsets), _axis(x.sinks)
+  fn = jax.vmap(one_block, (0, None, None, b_ax, m_ax, None, None, r_ax, o_ax, None, 0))  # q blocks
+  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, None, None, None, o_ax, s_ax, None))          # heads
+  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, r_ax, None, None, None))                # batch
+  o, o_res, lse = fn(lay.q.reshape(geo.B, geo.N, nq, bq, geo.H), lay.k, lay.v, rows(lay.bias),
+                     rows(lay.mask), x.q_lens, x.kv_lens, lay.kv_ranges, offsets, x.sinks, starts)
+  to_btnh = lambda a: unpad(jnp.swapaxes(a.reshape(geo.B, geo.N, pad.T, geo.H), 1, 2), ROW_AXES,
+                            geo)
+  return to_btnh(o), to_btnh(o_res), unpad(lse.reshape(geo.B, geo.N, pad.T), LSE_AXES, geo)
 
 
 def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, dlse=None):
   bq, bk = blk.block_q, blk.block_k
   dt = spec.numerics.dtypes(ops.q.dtype)
   in_dtype = ops.q.dtype
-  geo, pad, q, k, v, bias, mask = _layout(ops, blk)
-  do_h = heads_major(do, pad.T, geo.H)
-  delta = tile.delta(do_h, heads_major(o_res, pad.T, geo.H))               # [B, N, Tp]
-  delta = shifted_delta(delta, None if dlse is None else pad_axis(dlse, 2, pad.T))
-  lse = pad_axis(lse, 2, pad.T)
+  lay = _layout(ops, blk)
+  geo, pad, x = lay.geo, lay.pad, lay.x
+  rows_p = lambda a: heads_major(pad_to(a, ROW_AXES, pad))
+  do_h = rows_p(do)
+  delta = tile.delta(do_h, rows_p(o_res))                                    # [B, N, Tp]
+  delta = shifted_delta(delta, None if dlse is None else pad_to(dlse, LSE_AXES, pad))
+  lse = pad_to(lse, LSE_AXES, pad)
+  q, k, v, bias, mask = lay.q, lay.k, lay.v, lay.bias, lay.mask
 
   def tile_grads(q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, b_blk, m_blk, q_pos, k_pos,
                  q_len, kv_len):
@@ -282,10 +305,10 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
 
   # dQ (and dS for dbias): each query block loops over its visible key blocks.
   def dq_block(q_blk, k_all, v_all, do_blk, lse_blk, delta_blk, bias_rows, mask_rows, q_len,
-               kv_len, q_start):
+               kv_len, ranges, q_start):
     q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
-    lo, hi = blocks.kv_block_range(q_start, bq, bk, pad.S // bk, causal=spec.is_causal,
-                                   window=spec.window, kv_len=kv_len)
+    lo, hi = _visited(*blocks.kv_block_range(q_start, bq, bk, pad.S // bk, causal=spec.is_causal,
+                                             window=spec.window, kv_len=kv_len), ranges)
 
     def body(j, carry):
       dq, ds_rows = carry
@@ -305,10 +328,10 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
 
   # dK, dV: each key block loops over the query blocks that see it.
   def dkv_block(k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_cols, mask_cols, q_len,
-                kv_len, k_start):
+                kv_len, ranges, k_start):
     k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
-    lo, hi = blocks.q_block_range(k_start, bk, bq, pad.T // bq, causal=spec.is_causal,
-                                  window=spec.window, q_len=q_len)
+    lo, hi = _visited(*blocks.q_block_range(k_start, bk, bq, pad.T // bq, causal=spec.is_causal,
+                                            window=spec.window, q_len=q_len), ranges)
 
     def body(i, carry):
       dk, dv = carry
@@ -327,32 +350,34 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
     return lax.fori_loop(lo, hi, body, (zeros, zeros))
 
   nq, nk = pad.T // bq, pad.S // bk
-  b_ax = None if bias is None else 0
-  m_ax = None if mask is None else 0
+  b_ax, m_ax = _axis(bias), _axis(mask)
   q_starts = jnp.arange(nq, dtype=jnp.int32) * bq
   k_starts = jnp.arange(nk, dtype=jnp.int32) * bk
-  row_blocks = lambda x: None if x is None else x.reshape(geo.B, geo.N, nq, bq, *x.shape[3:])
+  row_blocks = lambda a: None if a is None else a.reshape(geo.B, geo.N, nq, bq, *a.shape[3:])
 
-  fn = jax.vmap(dq_block, (0, None, None, 0, 0, 0, b_ax, m_ax, None, None, 0))
-  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None))
-  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, 0, None))
+  r_ax = _axis(lay.kv_ranges)
+  fn = jax.vmap(dq_block, (0, None, None, 0, 0, 0, b_ax, m_ax, None, None, r_ax, 0))
+  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None, None))
+  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, 0, r_ax, None))
   dq, ds = fn(row_blocks(q), k, v, row_blocks(do_h), row_blocks(lse), row_blocks(delta),
-              row_blocks(bias), row_blocks(mask), ops.q_lens, ops.kv_lens, q_starts)
+              row_blocks(bias), row_blocks(mask), x.q_lens, x.kv_lens, lay.kv_ranges, q_starts)
 
-  col_blocks = lambda x: None if x is None else jnp.moveaxis(
-      x.reshape(geo.B, geo.N, pad.T, nk, bk), 3, 2)                           # [B,N,nk,Tp,bk]
-  fn = jax.vmap(dkv_block, (0, 0, None, None, None, None, b_ax, m_ax, None, None, 0))
-  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None))
-  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, 0, None))
-  kv_blocks = lambda x: x.reshape(geo.B, geo.N, nk, bk, geo.H)
+  col_blocks = lambda a: None if a is None else jnp.moveaxis(
+      a.reshape(geo.B, geo.N, pad.T, nk, bk), 3, 2)                           # [B,N,nk,Tp,bk]
+  r_ax = _axis(lay.q_ranges)
+  fn = jax.vmap(dkv_block, (0, 0, None, None, None, None, b_ax, m_ax, None, None, r_ax, 0))
+  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None, None))
+  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, 0, r_ax, None))
+  kv_blocks = lambda a: a.reshape(geo.B, geo.N, nk, bk, geo.H)
   dk, dv = fn(kv_blocks(k), kv_blocks(v), q, do_h, lse, delta, col_blocks(bias),
-              col_blocks(mask), ops.q_lens, ops.kv_lens, k_starts)
+              col_blocks(mask), x.q_lens, x.kv_lens, lay.q_ranges, k_starts)
 
-  dq = from_heads_major(dq.reshape(geo.B, geo.N, pad.T, geo.H), geo.T, geo.H).astype(in_dtype)
+  to_btnh = lambda a, length_axes: unpad(jnp.swapaxes(a, 1, 2), length_axes, geo)
+  dq = to_btnh(dq.reshape(geo.B, geo.N, pad.T, geo.H), ROW_AXES).astype(in_dtype)
 
-  def per_kv_head(x, like):
-    x = x.reshape(geo.B, geo.K, geo.G, pad.S, geo.H).sum(2)
-    return from_heads_major(x, geo.S, geo.H).astype(like.dtype)
+  def per_kv_head(a, like):
+    a = a.reshape(geo.B, geo.K, geo.G, pad.S, geo.H).sum(2)
+    return to_btnh(a, KV_AXES).astype(like.dtype)
 
   dbias = None
   if ops.bias is not None:

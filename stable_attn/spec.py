@@ -1,12 +1,30 @@
-"""The static description of one attention call, shared by every implementation."""
+"""The static description of one call (`AttentionSpec`) and the table of its arrays (`OPERANDS`).
+
+Every array a call carries is one row of `OPERANDS`: its name, its logical axes, how padding fills
+it, its dtype rule, whether it is optional, may broadcast, or gets a gradient from the backward
+kernels. `Operands`, the pytree the backends receive, is built from the table; so are the
+argument checks of `stable_attn.api`, the padding of `stable_attn.layout`, the Pallas BlockSpecs
+of the kernels and the sharding and vmap rules of `stable_attn.partition`. Adding an operand is
+one row here (and the code that uses it).
+
+Logical axes: "batch" B, "query" T, "key" S, "heads" N (query heads), "kv_heads" K, "head_dim" H.
+"batch", "heads" and "kv_heads" may be partitioned (split over devices, vmapped); the kernels need
+whole "query", "key" and "head_dim" extents.
+"""
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
 
 from stable_attn.numerics import Numerics
+
+AXES = ("batch", "query", "key", "heads", "kv_heads", "head_dim")
+PARTITIONABLE = ("batch", "heads", "kv_heads")
+ROW_AXES = ("batch", "query", "heads", "head_dim")    # O, dO, the O residual: shaped like q
+LSE_AXES = ("batch", "heads", "query")                # LSE, delta, dLSE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,24 +44,122 @@ class AttentionSpec:
   return_residuals: bool = False            # the caller also wants the (differentiable) LSE
 
 
-class Operands(NamedTuple):
-  """Canonical arrays: q [B,T,N,H], k/v [B,S,K,H], bias/mask 4-D broadcastable to [B,N,T,S] (size-1
-  dims kept, never materialised) or None, q_lens/kv_lens int32 [B] (always present), q_seg int32
-  [B,T] and kv_seg int32 [B,S] (both or neither: query t sees key s only if their ids match),
-  offset fp32 [N,T] (max_adjust="safe" only), sinks float [N] or None."""
-  q: jax.Array
-  k: jax.Array
-  v: jax.Array
-  bias: Optional[jax.Array]
-  mask: Optional[jax.Array]
-  q_lens: jax.Array
-  kv_lens: jax.Array
-  q_seg: Optional[jax.Array] = None
-  kv_seg: Optional[jax.Array] = None
-  # max_adjust="safe"'s per-row offsets, fp32 [N, T] in natural units (tile.safe_offset of each
-  # query head and position), else None. An operand rather than recomputed in every kernel: one
-  # definition, and a partitioned call gets each shard's global rows.
-  offset: Optional[jax.Array] = None
-  # Attention sinks: [N] logits, one per query head, that join every row's softmax denominator
-  # without a value (gpt-oss / splash); differentiable. None without sinks.
-  sinks: Optional[jax.Array] = None
+@dataclasses.dataclass(frozen=True)
+class Operand:
+  """One row of the operand table.
+
+  Attributes:
+    name: the field of `Operands`.
+    axes: logical axes of its dims (see the module docstring); "batch" comes first when present.
+    dtype: "input" (q's dtype), "float" (any floating dtype), "bool", "int" (any integer dtype,
+      stored as int32) or "float32".
+    fill: how padding of its "query", "key" and "head_dim" dims is filled: "zero" (0 / False) or
+      "edge" (the last value repeated: a block's id range stays as tight as its real ids).
+    counts: for lengths, the axis they count; they are clamped to that axis's size.
+    optional: None when absent.
+    broadcast: its dims may be 1 where the axis is larger (broadcast, never materialised).
+    grad: the backward kernels return its gradient (flash.py derives the others).
+    arg: the argument of dot_product_attention it comes from (None: built by canonicalize).
+  """
+  name: str
+  axes: tuple[str, ...]
+  dtype: str
+  fill: str = "zero"
+  counts: Optional[str] = None
+  optional: bool = False
+  broadcast: bool = False
+  grad: bool = False
+  arg: Optional[str] = None
+
+  def __post_init__(self):
+    assert set(self.axes) <= set(AXES) and ("batch" not in self.axes or self.axes[0] == "batch"), self
+
+  def sizes(self, shape) -> dict:
+    """{axis: size} of an array of this row (broadcast dims of size 1 included as 1)."""
+    return dict(zip(self.axes, shape))
+
+
+class OperandTable:
+  """The rows, in `Operands` field order; `tuple_type` is the pytree built from them."""
+
+  def __init__(self, rows):
+    self.rows = tuple(rows)
+    self.by_name = {r.name: r for r in self.rows}
+    # Required fields first (no default), optional ones default to None.
+    order = [r.name for r in self.rows]
+    required = [r.name for r in self.rows if not r.optional]
+    assert order[:len(required)] == required, "required operands come first"
+    base = collections.namedtuple("Operands", order, defaults=[None] * (len(order) - len(required)))
+    self.tuple_type = type("Operands", (base,), {
+        "__slots__": (), "TABLE": self, "__doc__": _doc(self.rows),
+        "__module__": __name__})
+
+  def __getitem__(self, name: str) -> Operand:
+    return self.by_name[name]
+
+  def make(self, **arrays):
+    """Operands from the arrays given by name; every other field is None."""
+    return self.tuple_type(**{r.name: arrays.get(r.name) for r in self.rows})
+
+  def with_row(self, row: Operand) -> "OperandTable":
+    """A new table with one more (optional) row: how a new operand is added, and tested."""
+    return OperandTable(self.rows + (row,))
+
+  def present(self, ops):
+    """(row, array) of every operand that is not None, in table order."""
+    return [(r, getattr(ops, r.name)) for r in self.rows if getattr(ops, r.name) is not None]
+
+  def sizes(self, ops) -> dict:
+    """{axis: full size} read off the required operands (q and k give every axis)."""
+    sizes = {}
+    for row in self.rows:
+      x = getattr(ops, row.name)
+      if x is not None and not row.broadcast and row.counts is None:
+        sizes.update(row.sizes(x.shape))
+    return sizes
+
+
+def _doc(rows) -> str:
+  lines = ["Canonical arrays of one call (a pytree; absent optional operands are None):"]
+  for r in rows:
+    extra = ", ".join(x for x in ("optional" if r.optional else "",
+                                  "broadcastable" if r.broadcast else "") if x)
+    lines.append(f"  {r.name}: [{', '.join(r.axes)}] {r.dtype}{' (' + extra + ')' if extra else ''}")
+  return "\n".join(lines)
+
+
+OPERANDS = OperandTable([
+    Operand("q", ROW_AXES, "input", grad=True, arg="query"),
+    Operand("k", ("batch", "key", "kv_heads", "head_dim"), "input", grad=True, arg="key"),
+    Operand("v", ("batch", "key", "kv_heads", "head_dim"), "input", grad=True, arg="value"),
+    # Lengths are always present (T and S when not given), clamped to T and S.
+    Operand("q_lens", ("batch",), "int", counts="query", arg="query_seq_lengths"),
+    Operand("kv_lens", ("batch",), "int", counts="key", arg="key_value_seq_lengths"),
+    # 4-D, each dim full or 1; added to the scaled scores / True = attend.
+    Operand("bias", ("batch", "heads", "query", "key"), "float", optional=True, broadcast=True,
+            grad=True, arg="bias"),
+    Operand("mask", ("batch", "heads", "query", "key"), "bool", optional=True, broadcast=True,
+            arg="mask"),
+    # Packed documents: both or neither; query t sees key s only if their ids match.
+    Operand("q_seg", ("batch", "query"), "int", fill="edge", optional=True, arg="q_segment_ids"),
+    Operand("kv_seg", ("batch", "key"), "int", fill="edge", optional=True, arg="kv_segment_ids"),
+    # max_adjust="safe"'s per-row offsets in natural units (tile.safe_offset of each query head and
+    # position). An operand rather than recomputed in every kernel: one definition, and a
+    # partitioned call gets each shard's global rows.
+    Operand("offset", ("heads", "query"), "float32", optional=True),
+    # Attention sinks: one logit per query head joining every row's denominator without a value
+    # (gpt-oss / splash). Differentiable; its gradient needs only delta (flash.py).
+    Operand("sinks", ("heads",), "float", optional=True, arg="sinks"),
+])
+Operands = OPERANDS.tuple_type
+
+
+class BackwardInputs(NamedTuple):
+  """What the backward kernels read besides the operands: dO (ROW_AXES, the input dtype), the
+  forward's LSE and delta = rowsum(dO * O) (LSE_AXES, fp32), each padded like the operands."""
+  do: jax.Array
+  lse: jax.Array
+  delta: jax.Array
+
+
+BACKWARD_AXES = BackwardInputs(ROW_AXES, LSE_AXES, LSE_AXES)

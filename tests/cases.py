@@ -80,14 +80,15 @@ def make_inputs(case: dict, dtype, seed: int):
                 key_value_seq_lengths=None if "kv_lens" not in case else jnp.asarray(
                     case["kv_lens"], jnp.int32))
   if case.get("segments"):
-    kwargs.update(segment_ids(rng, B, T, S))
+    kwargs.update(segment_ids(rng, B, T, S, case.get("docs", 4)))
   return (q, k, v, bias, mask), kwargs, d_out
 
 
-def segment_ids(rng, B: int, T: int, S: int) -> dict:
-  """Monotone document ids per row (packing); for T != S, key documents are drawn separately, so
-  some query documents have no key. kv_segment_ids is omitted when T == S (it defaults to q's)."""
-  draw = lambda n: np.cumsum(rng.random((B, n)) < 4.0 / n, axis=1).astype(np.int32)
+def segment_ids(rng, B: int, T: int, S: int, docs: int = 4) -> dict:
+  """Monotone document ids per row (packing, about `docs` documents a row); for T != S, key
+  documents are drawn separately, so some query documents have no key. kv_segment_ids is omitted
+  when T == S (it defaults to q's)."""
+  draw = lambda n: np.cumsum(rng.random((B, n)) < docs / n, axis=1).astype(np.int32)
   ids = {"q_segment_ids": jnp.asarray(draw(T))}
   if S != T:
     ids["kv_segment_ids"] = jnp.asarray(draw(S))

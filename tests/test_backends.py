@@ -55,8 +55,8 @@ def test_flax_adapters_load_lazily():
 
 
 def test_spec_records_whether_lengths_were_given():
-  from stable_attn.api import canonicalize
+  from stable_attn.api import Options, canonicalize
   lens = jnp.array([20], jnp.int32)
   assert not canonicalize(q, q, q)[0].has_lengths
-  assert canonicalize(q, q, q, query_seq_lengths=lens)[0].has_lengths
-  assert canonicalize(q, q, q, key_value_seq_lengths=lens)[0].has_lengths
+  assert canonicalize(q, q, q, options=Options(query_seq_lengths=lens))[0].has_lengths
+  assert canonicalize(q, q, q, options=Options(key_value_seq_lengths=lens))[0].has_lengths

@@ -51,9 +51,9 @@ class TestJitVariants(chex.TestCase):
 
 def test_block_sizes_do_not_change_the_result():
   from stable_attn.reference import blockwise_attention
-  from stable_attn.api import canonicalize
+  from stable_attn.api import Options, canonicalize
   (q, k, v, bias, mask), kwargs, _ = make_inputs(case_by_name("window_lengths"), jnp.float32, 5)
-  spec, ops, _ = canonicalize(q, k, v, bias, mask, max_adjust="safe", **kwargs)
+  spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(max_adjust="safe", **kwargs))
   outs = [blockwise_attention(spec, ops, block_q=bq, block_k=bk)
           for bq, bk in ((16, 16), (8, 32), (64, 64), (128, 16))]
   for o in outs[1:]:

@@ -244,11 +244,11 @@ def test_gpu_backward_deterministic(name):
 def test_lowers_for_cuda(bias):
   """The compiled kernels (Triton lowering, not interpret mode) lower on a CPU host for CUDA:
   forward, delta, dK/dV and dQ, with and without the dS output of a bias."""
-  from stable_attn.api import canonicalize
+  from stable_attn.api import Options, canonicalize
   q = jnp.zeros((2, 300, 4, 64), bf16)
   kv = jnp.zeros((2, 300, 2, 64), bf16)
   b = jnp.zeros((1, 1, 1, 300), f32) if bias else None
-  spec, ops, _ = canonicalize(q, kv, kv, b, is_causal=True)
+  spec, ops, _ = canonicalize(q, kv, kv, b, options=Options(is_causal=True))
   config = tuning.resolve(64, bf16, 300, 300, writes_ds=bias)
   text = cases.lower_vjp_for_cuda(lambda o: pallas_gpu._flash(spec, config, o), ops)
   assert text.count("triton") >= 4

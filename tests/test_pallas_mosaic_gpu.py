@@ -19,7 +19,7 @@ import pytest
 
 import stable_attn
 from stable_attn import blocks, tile
-from stable_attn.api import canonicalize
+from stable_attn.api import Options, canonicalize
 from stable_attn.layout import Padded
 from stable_attn.diagnostics import REGIMES, tie_inputs
 from stable_attn.reference import exact_attention
@@ -39,7 +39,7 @@ def _spec_ops(shape=(2, 128, 4, 64), kv_heads=2, dtype=bf16, **kwargs):
   q = jnp.zeros((B, T, N, H), dtype)
   kv = jnp.zeros((B, T, kv_heads, H), dtype)
   bias, mask = kwargs.pop("bias", None), kwargs.pop("mask", None)
-  spec, ops, _ = canonicalize(q, kv, kv, bias, mask, **kwargs)
+  spec, ops, _ = canonicalize(q, kv, kv, bias, mask, Options(**kwargs))
   return spec, ops
 
 

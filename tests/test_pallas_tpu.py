@@ -100,7 +100,8 @@ def _skip_inputs(c, dtype, seed):
     mask.reshape(-1)[0] = True
     mask = jnp.asarray(mask)
   lens = lambda x, n: jnp.full((c["B"],), n, jnp.int32) if x is None else jnp.asarray(x, jnp.int32)
-  ops = Operands(q, k, v, bias, mask, lens(c["q_lens"], c["T"]), lens(c["kv_lens"], c["S"]))
+  ops = Operands(q=q, k=k, v=v, bias=bias, mask=mask, q_lens=lens(c["q_lens"], c["T"]),
+                 kv_lens=lens(c["kv_lens"], c["S"]))
   return ops, d_out
 
 
@@ -195,9 +196,9 @@ def test_lowers_to_mosaic(device_kind, dtype, max_adjust, numerics, sinks):
   # dQ: default blocks (128 rows: lane-major LSE/delta); dK/dV: 32-row blocks (lane-broadcast).
   B, T, S, N, K, H = 2, 300, 300, 4, 2, 64
   z = lambda *shape: jnp.zeros(shape, dtype)
-  ops = Operands(z(B, T, N, H), z(B, S, K, H), z(B, S, K, H), z(1, N, 1, S),
-                 jnp.ones((B, 1, T, S), bool), jnp.full((B,), T, jnp.int32),
-                 jnp.full((B,), S, jnp.int32))
+  ops = Operands(q=z(B, T, N, H), k=z(B, S, K, H), v=z(B, S, K, H), bias=z(1, N, 1, S),
+                 mask=jnp.ones((B, 1, T, S), bool), q_lens=jnp.full((B,), T, jnp.int32),
+                 kv_lens=jnp.full((B,), S, jnp.int32))
   spec = AttentionSpec(scale=0.125, is_causal=True, window=(64, 0), max_adjust=max_adjust,
                        beta=2.0, numerics=numerics_lib.resolve(numerics), interpret=False)
   sizes = kernels.BlockSizes(block_q=16, block_k=128, block_q_dkv=32, block_k_dkv=256)
@@ -247,8 +248,8 @@ def test_bad_block_sizes(sizes, match):
   q, kv = _small(jnp.bfloat16)
   spec = AttentionSpec(scale=0.1, is_causal=False, window=None, max_adjust="safe", beta=2.0,
                        numerics=numerics_lib.FAST, interpret=True)
-  ops = _offsets_for(spec, Operands(q, kv, kv, None, None, jnp.array([16], jnp.int32),
-                                    jnp.array([16], jnp.int32)))
+  ops = _offsets_for(spec, Operands(q=q, k=kv, v=kv, q_lens=jnp.array([16], jnp.int32),
+                                    kv_lens=jnp.array([16], jnp.int32)))
   with pytest.raises(ValueError, match=match):
     pallas_tpu.attention(spec, ops, sizes)
 

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from stable_attn.api import canonicalize
+from stable_attn.api import Options, canonicalize
 from stable_attn.reference import blockwise_attention
 
 bf16 = ml_dtypes.bfloat16
@@ -58,7 +58,8 @@ def test_paper_preset_matches_the_paper_code(stable, ties):
   want = paper_repo_forward(q, k, v, bk, stable)
   spec, ops, _ = canonicalize(jnp.asarray(q)[None, :, None], jnp.asarray(k)[None, :, None],
                               jnp.asarray(v)[None, :, None],
-                              max_adjust="paper" if stable else "off", numerics="paper")
+                              options=Options(max_adjust="paper" if stable else "off",
+                                              numerics="paper"))
   got = np.asarray(blockwise_attention(spec, ops, block_q=T, block_k=bk))[0, :, 0]
   got32, want32 = got.astype(np.float32), want.astype(np.float32)
   ulps = np.abs(got32 - want32) / np.spacing(np.abs(want32).astype(bf16)).astype(np.float32)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import stable_attn
-from stable_attn.api import canonicalize
+from stable_attn.api import Options, canonicalize
 from stable_attn.reference import exact_attention_vjp
 from pallas_kernels import mosaic_gpu
 from tests.cases import FEATURE_IMPLS, TOLERANCE, relative_error
@@ -99,7 +99,7 @@ def test_shared_sinks_under_vmap():
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-5)
   # Sinks that differ along the vmapped axis would have to become per batch row in the kernels.
   per_layer = jnp.asarray(rng.standard_normal((3, N)), jnp.float32)
-  with pytest.raises(ValueError, match="vmap over attention sinks"):
+  with pytest.raises(ValueError, match="vmap over the sinks operand"):
     jax.vmap(lambda q, kv, s: stable_attn.dot_product_attention(
         q, kv, kv, sinks=s, implementation="pallas_gpu", interpret=True))(q, kv, per_layer)
 
@@ -118,7 +118,7 @@ def test_bad_sinks_raise(sinks, match):
 def test_hopper_kernel_sends_sinks_to_pallas_gpu():
   q = jnp.zeros((B, T, N, 64), jnp.bfloat16)
   kv = jnp.zeros((B, S, K, 64), jnp.bfloat16)
-  spec, ops, _ = canonicalize(q, kv, kv, is_causal=True)
+  spec, ops, _ = canonicalize(q, kv, kv, options=Options(is_causal=True))
   assert mosaic_gpu.covers(spec, ops) is None
-  spec, ops, _ = canonicalize(q, kv, kv, is_causal=True, sinks=jnp.zeros(N))
+  spec, ops, _ = canonicalize(q, kv, kv, options=Options(is_causal=True, sinks=jnp.zeros(N)))
   assert "sinks" in mosaic_gpu.covers(spec, ops)

@@ -2,10 +2,13 @@
 
 Layout: q/o/dO [B, Tp, N, Hp], k/v [B, Sp, K, Hp] stay in the caller's [B, T, heads, H] layout (no
 transpose); Tp, Sp, Hp are the lengths padded to the block sizes and the head dim padded to a power
-of two (only when needed). GQA: the kv head of query head n is n // G (G = N // K), chosen by the
-index maps, so K/V are never repeated. bias/mask keep their broadcast shape [Bb, Nb, Tb, Sb] (each
-dim 1 or full) and are read tile by tile with per-dim indices; the mask travels as int8. Absent
-optional operands are a None ref with a None BlockSpec.
+of two (only when needed; stable_attn.layout). GQA: the kv head of query head n is n // G
+(G = N // K), chosen by the index maps, so K/V are never repeated. bias/mask keep their broadcast
+shape [Bb, Nb, Tb, Sb] (each dim 1 or full); the mask travels as int8.
+
+Operands travel by name: each pallas_call takes the padded `Operands` as one pytree with a pytree
+of BlockSpecs built from the operand table (pallas_kernels.operand_specs) and one `dims` per grid,
+so a kernel reads `refs.q_seg`, and an absent operand is a None ref.
 
 Kernels (all math from stable_attn.tile, all block ranges from stable_attn.blocks):
   forward  grid (query blocks, B*N): online softmax over visible key blocks -> O, O residual, LSE.
@@ -14,14 +17,15 @@ Kernels (all math from stable_attn.tile, all block ranges from stable_attn.block
            the query blocks that see the key block; no atomics.
   dQ       grid (query blocks, B*N): loops over visible key blocks; writes dS tiles when a bias
            needs its gradient.
-Blocks that are visible in full (no causal/window edge, no padding, no mask) run the same tile
-calls with ok=None, which skips the masking arithmetic; the results are identical.
+The visited blocks are the causal / window / length ranges intersected with the packed-sequence
+ranges (`blocks.segment_sections`, computed once per call for each kernel's block sizes). Blocks
+visible in full (no causal/window edge, no padding, no mask, one document) run the same tile calls
+with ok=None, which skips the masking arithmetic; the results are identical.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +35,17 @@ from jax.experimental.pallas import triton as plgpu
 
 from stable_attn import blocks, tile
 from stable_attn.flash import reduce_to_shape, shifted_delta
-from stable_attn.layout import Geometry, Padded, lengths, pad_axis, pad_pairwise, pad_seq_head, unpad
+from stable_attn.layout import Geometry, Padded, pad_operands, pad_to, unpad
 from stable_attn.numerics import Dtypes
-from stable_attn.spec import AttentionSpec, Operands
+from stable_attn.spec import (BACKWARD_AXES, LSE_AXES, OPERANDS, ROW_AXES, AttentionSpec,
+                              BackwardInputs, Operands)
 
 from pallas_kernels.gpu import tuning
+from pallas_kernels.operand_specs import block_spec, blocked, operand_specs, read, squeezed
 
 f32 = jnp.float32
 i32 = jnp.int32
+PAIRWISE_AXES = OPERANDS["bias"].axes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,160 +53,81 @@ i32 = jnp.int32
 # ---------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class _Pairwise:
-  """Which dims of a bias or mask [Bb, Nb, Tb, Sb] are full (the others are 1, broadcast)."""
-  full: tuple[bool, bool, bool, bool]
-
-  def spec(self, shape) -> pl.BlockSpec:
-    return pl.BlockSpec(shape, lambda *_: (0, 0, 0, 0))
-
-  def tile(self, ref, b, n, q_start, bq: int, k_start, bk: int):
-    """The [bq, bk] tile for batch b and query head n (broadcastable)."""
-    fb, fn, ft, fs = self.full
-    x = ref[b if fb else 0, n if fn else 0, pl.ds(q_start, bq) if ft else 0,
-            pl.ds(k_start, bk) if fs else 0]
-    if ft and fs:
-      return x
-    if ft:
-      return x[:, None]
-    if fs:
-      return x[None, :]
-    return x  # a scalar broadcasts
-
-
-@dataclasses.dataclass(frozen=True)
 class _Call:
-  """Everything static about one call: shapes, padding, dtypes, optional operands."""
+  """Everything static about one call: shapes, padding, dtypes, which operands are present."""
   spec: AttentionSpec
   geo: Geometry
   pad: Padded
   dt: Dtypes
-  bias: Optional[_Pairwise]
-  mask: Optional[_Pairwise]
-  segments: bool   # segment ids given: every block is masked, and blocks sharing none are skipped
+  has_mask: bool   # a mask operand may hide anything: no block runs unmasked
 
   @property
   def round_fn(self):
     return tile.rounding(self.spec.interpret)
 
-  @property
-  def masks_every_block(self) -> bool:
-    return self.mask is not None or self.segments
-
-  def visible(self, mask_ref, b, n, q_start, bq: int, k_start, bk: int, q_len, kv_len,
-              q_seg=None, kv_seg=None):
-    m = None
-    if mask_ref is not None:
-      m = self.mask.tile(mask_ref, b, n, q_start, bq, k_start, bk) != 0
-    return tile.visible(q_start + lax.iota(i32, bq), k_start + lax.iota(i32, bk), q_len, kv_len,
-                        causal=self.spec.is_causal, window=self.spec.window, mask=m,
-                        q_seg=q_seg, kv_seg=kv_seg)
-
-  def scores(self, qk, ok, bias_ref, b, n, q_start, bq: int, k_start, bk: int):
-    bias = None
-    if bias_ref is not None:
-      bias = self.bias.tile(bias_ref, b, n, q_start, bq, k_start, bk)
+  def scores(self, qk, ok, bias):
     return tile.scores(qk, ok, scale=self.spec.scale, bias=bias, dt=self.dt,
                        round_fn=self.round_fn, soft_cap=self.spec.logits_soft_cap)
 
-  def key_block(self, q, k_ref, v_ref, bias_ref, mask_ref, rows: "_Rows", j, bk: int, masked,
-                kv_seg=None):
-    """Key block j for a program's query rows: (K tile, V tile, masked scores)."""
-    k_start = j * bk
-    k = k_ref[pl.ds(k_start, bk), :]
-    v = v_ref[pl.ds(k_start, bk), :]
-    b, n, q_start, bq, q_len, kv_len, q_seg = rows
-    ok = None
-    if masked:
-      ok = self.visible(mask_ref, b, n, q_start, bq, k_start, bk, q_len, kv_len, q_seg, kv_seg)
-    s = self.scores(tile.matmul(q, k, transpose_b=True), ok, bias_ref, b, n, q_start, bq, k_start,
-                    bk)
-    return k, v, s
+  def visible(self, q_start, bq: int, k_start, bk: int, q_len, kv_len, mask, q_seg, kv_seg):
+    return tile.visible(q_start + lax.iota(i32, bq), k_start + lax.iota(i32, bk), q_len, kv_len,
+                        causal=self.spec.is_causal, window=self.spec.window,
+                        mask=None if mask is None else mask != 0, q_seg=q_seg, kv_seg=kv_seg)
 
-  def kv_ranges(self, q_start, bq: int, bk: int, q_len, kv_len):
+  def kv_ranges(self, q_start, bq: int, bk: int, q_len, kv_len, segments):
     """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections)."""
     return blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
                               window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                              has_mask=self.masks_every_block)
+                              has_mask=self.has_mask, segments=segments)
 
-  def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len):
+  def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len, segments):
     """(lo, flo, fhi, hi) of the query blocks that see key columns [k_start, +bk)."""
     return blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
                              window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                             has_mask=self.masks_every_block)
-
-
-class _Rows(NamedTuple):
-  """The query rows one program owns: batch, query head, first row, rows, the lengths and the rows'
-  segment ids (or None)."""
-  b: jax.Array
-  n: jax.Array
-  start: jax.Array
-  size: int
-  q_len: jax.Array
-  kv_len: jax.Array
-  seg: Optional[jax.Array]
-
-
-def _skip_unless_shared(q_seg, kv_seg, compute, carry):
-  """compute(carry) if the two blocks share a segment id (overlapping id ranges; packed ids are
-  monotone, so that is exact for them and conservative otherwise), else carry unchanged."""
-  if q_seg is None:
-    return compute(carry)
-  shared = (jnp.min(kv_seg) <= jnp.max(q_seg)) & (jnp.max(kv_seg) >= jnp.min(q_seg))
-  return lax.cond(shared, compute, lambda c: c, carry)
-
-
-def _segments(ref, start, size: int):
-  """Segment ids [start, start + size) of the program's row, or None without segment ids."""
-  return None if ref is None else ref[pl.ds(start, size)]
-
-
-def _segment_spec(length: int, batch_of):
-  """BlockSpec of a [B, length] segment-id array: the program's batch row, whole."""
-  return pl.BlockSpec((None, length), lambda *grid: (batch_of(*grid), 0))
-
-
-def _pairwise(x) -> Optional[_Pairwise]:
-  return None if x is None else _Pairwise(tuple(d > 1 for d in x.shape))
+                             has_mask=self.has_mask, segments=segments)
 
 
 def _prepare(spec: AttentionSpec, config: tuning.Config, ops: Operands):
-  """-> (call, padded arrays dict) for one call."""
+  """-> (call, padded operands) for one call; the mask as int8 (Triton loads no bools)."""
   geo = Geometry.of(ops)
   qb = max(config.fwd.block_q, config.dkv.block_q, config.dq.block_q)
   kb = max(config.fwd.block_k, config.dkv.block_k, config.dq.block_k)
   pad = geo.padded(qb, kb, tuning.padded_head_dim(geo.H))
-  mask = None if ops.mask is None else ops.mask.astype(jnp.int8)
-  call = _Call(spec, geo, pad, spec.numerics.dtypes(ops.q.dtype), _pairwise(ops.bias),
-               _pairwise(mask), ops.q_seg is not None)
-  q_lens, kv_lens = lengths(ops, geo)
-  # Padding repeats the last id: padded rows and keys are masked by the lengths anyway, and a
-  # block's id range stays as tight as its real ids.
-  edge = lambda x, n: None if x is None else jnp.pad(x, ((0, 0), (0, n - x.shape[1])), mode="edge")
-  arrays = dict(q=pad_seq_head(ops.q, pad.T, pad.H), k=pad_seq_head(ops.k, pad.S, pad.H),
-                v=pad_seq_head(ops.v, pad.S, pad.H), q_lens=q_lens, kv_lens=kv_lens,
-                bias=pad_pairwise(ops.bias, geo, pad), mask=pad_pairwise(mask, geo, pad),
-                q_seg=edge(ops.q_seg, pad.T), kv_seg=edge(ops.kv_seg, pad.S))
-  return call, arrays
+  x = pad_operands(ops, pad)
+  if x.mask is not None:
+    x = x._replace(mask=x.mask.astype(jnp.int8))
+  call = _Call(spec, geo, pad, spec.numerics.dtypes(ops.q.dtype), ops.mask is not None)
+  return call, x
 
 
-def _optional_specs(call: _Call, arrays, batch_of):
-  """BlockSpecs of bias, mask, q_seg and kv_seg (None for an absent operand); batch_of(*grid) is
-  the program's batch row."""
-  pairwise = [None if arrays[name] is None else getattr(call, name).spec(arrays[name].shape)
-              for name in ("bias", "mask")]
-  if not call.segments:
-    return pairwise + [None, None]
-  return pairwise + [_segment_spec(call.pad.T, batch_of), _segment_spec(call.pad.S, batch_of)]
+def _row_dims(geo: Geometry, bq: int, nq: int) -> dict:
+  """Grid (query blocks, B*N), heaviest causal blocks first: one query block of one head."""
+  N, G = geo.N, geo.G
+  return dict(batch=squeezed(lambda i, bh: bh // N), heads=squeezed(lambda i, bh: bh % N),
+              kv_heads=squeezed(lambda i, bh: bh % N // G),
+              query=blocked(bq, lambda i, bh: nq - 1 - i))
 
 
-def _optional_arrays(arrays):
-  return [arrays[name] for name in ("bias", "mask", "q_seg", "kv_seg")]
+def _key_dims(geo: Geometry, bk: int) -> dict:
+  """Grid (key blocks, B*K): one key block of one kv head, with every query of its G heads."""
+  K, G = geo.K, geo.G
+  return dict(batch=squeezed(lambda j, bkh: bkh // K), heads=blocked(G, lambda j, bkh: bkh % K),
+              kv_heads=squeezed(lambda j, bkh: bkh % K), key=blocked(bk, lambda j, bkh: j))
 
 
-def _lens_spec(B: int):
-  return pl.BlockSpec((B,), lambda *_: (0,))
+def _sections(x: Operands, bq: int, bk: int, per: str, dims: dict):
+  """The packed-sequence block ranges for these block sizes, and their BlockSpec (one block's
+  (lo, flo, fhi, hi) per program), or (None, None)."""
+  if x.q_seg is None:
+    return None, None
+  ranges = blocks.segment_sections(x.q_seg, x.kv_seg, bq, bk, per=per)
+  along = dims["query" if per == "query" else "key"].index
+  batch = dims["batch"].index
+  return ranges, pl.BlockSpec((None, None, 4), lambda *g: (batch(*g), along(*g), 0))
+
+
+def _segment_ranges(ref):
+  return None if ref is None else tuple(ref[i] for i in range(4))
 
 
 def _params(kc: tuning.KernelConfig):
@@ -210,37 +138,37 @@ def _params(kc: tuning.KernelConfig):
 # Forward
 # ---------------------------------------------------------------------------------------------
 
-def _forward_kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, bias_ref, mask_ref, qseg_ref,
-                    kvseg_ref, offset_ref, sink_ref, o_ref, res_ref, lse_ref, *, call: _Call,
+def _forward_kernel(refs: Operands, sections_ref, o_ref, res_ref, lse_ref, *, call: _Call,
                     kc: tuning.KernelConfig):
   spec, dt, round_fn = call.spec, call.dt, call.round_fn
   bq, bk = kc.block_q, kc.block_k
-  qi = call.pad.T // bq - 1 - pl.program_id(0)      # heaviest causal blocks first
+  q_start = (call.pad.T // bq - 1 - pl.program_id(0)) * bq
   bh = pl.program_id(1)
   b, n = bh // call.geo.N, bh % call.geo.N
-  q_start = qi * bq
-  q_len, kv_len = qlen_ref[b], kvlen_ref[b]
-  q = q_ref[...]
-  offset = None if offset_ref is None else offset_ref[...]
-
-  rows = _Rows(b, n, q_start, bq, q_len, kv_len, _segments(qseg_ref, q_start, bq))
+  q_len, kv_len = refs.q_lens[b], refs.kv_lens[b]
+  q = refs.q[...]
+  offset = None if refs.offset is None else refs.offset[...]
+  q_seg = None if refs.q_seg is None else refs.q_seg[...]
 
   def body(j, carry, *, masked):
-    kv_seg = _segments(kvseg_ref, j * bk, bk)
+    acc, stats = carry
+    cols = pl.ds(j * bk, bk)
+    ok = None
+    if masked:
+      ok = call.visible(q_start, bq, j * bk, bk, q_len, kv_len,
+                        None if refs.mask is None else read(refs.mask, slice(None), cols),
+                        q_seg, None if refs.kv_seg is None else refs.kv_seg[cols])
+    bias = None if refs.bias is None else read(refs.bias, slice(None), cols)
+    s = call.scores(tile.matmul(q, refs.k[cols, :], transpose_b=True), ok, bias)
+    p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
+                                   offset=offset, round_fn=round_fn)
+    pv = tile.matmul(p, refs.v[cols, :].astype(dt.p))
+    return tile.accumulate(acc, alpha, pv, dt=dt, round_fn=round_fn), stats
 
-    def compute(carry):
-      acc, stats = carry
-      _, v, s = call.key_block(q, k_ref, v_ref, bias_ref, mask_ref, rows, j, bk, masked, kv_seg)
-      p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
-                                     offset=offset, round_fn=round_fn)
-      pv = tile.matmul(p, v.astype(dt.p))
-      return tile.accumulate(acc, alpha, pv, dt=dt, round_fn=round_fn), stats
-
-    return _skip_unless_shared(rows.seg, kv_seg, compute, carry)
-
+  ranges = call.kv_ranges(q_start, bq, bk, q_len, kv_len, _segment_ranges(sections_ref))
   init = (jnp.zeros((bq, call.pad.H), f32), tile.init_stats(bq, dt))
-  acc, stats = blocks.split_loop(*call.kv_ranges(q_start, bq, bk, q_len, kv_len), body, init)
-  sink = None if sink_ref is None else sink_ref[n].astype(f32)
+  acc, stats = blocks.split_loop(*ranges, body, init)
+  sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
   o, residual, lse = tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=round_fn, sink=sink)
   o_ref[...] = o.astype(o_ref.dtype)
   if res_ref is not None:
@@ -253,37 +181,27 @@ def forward(spec: AttentionSpec, config: tuning.Config, ops: Operands):
   call, x = _prepare(spec, config, ops)
   geo, pad, dt = call.geo, call.pad, call.dt
   kc = config.fwd
-  bq = kc.block_q
-  nq = pad.T // bq
-  N, G = geo.N, geo.G
+  nq = pad.T // kc.block_q
+  dims = _row_dims(geo, kc.block_q, nq)
+  sections, sections_spec = _sections(x, kc.block_q, kc.block_k, "query", dims)
   # The residual equals O unless it is kept in a wider dtype than the input.
   write_residual = dt.residual_o != dt.input
-
-  q_map = lambda i, bh: (bh // N, nq - 1 - i, bh % N, 0)
-  kv_map = lambda i, bh: (bh // N, 0, (bh % N) // G, 0)
-  rows = pl.BlockSpec((None, bq, None, pad.H), q_map)
-  kv = pl.BlockSpec((None, pad.S, None, pad.H), kv_map)
-  out_shape = [jax.ShapeDtypeStruct((geo.B, pad.T, N, pad.H), ops.q.dtype),
-               jax.ShapeDtypeStruct((geo.B, pad.T, N, pad.H), dt.residual_o)
-               if write_residual else None,
-               jax.ShapeDtypeStruct((geo.B, N, pad.T), f32)]
-  out_specs = [rows, rows if write_residual else None,
-               pl.BlockSpec((None, None, bq), lambda i, bh: (bh // N, bh % N, nq - 1 - i))]
-  offset = None if ops.offset is None else pad_axis(ops.offset, 1, pad.T)
-  offset_spec = None
-  if offset is not None:
-    offset_spec = pl.BlockSpec((None, bq), lambda i, bh: (bh % N, nq - 1 - i))
+  rows = (geo.B, pad.T, geo.N, pad.H)
+  row_spec = block_spec(ROW_AXES, rows, dims)
+  lse_shape = (geo.B, geo.N, pad.T)
   o, residual, lse = pl.pallas_call(
-      functools.partial(_forward_kernel, call=call, kc=kc), grid=(nq, geo.B * N),
-      in_specs=[rows, kv, kv, _lens_spec(geo.B), _lens_spec(geo.B),
-                *_optional_specs(call, x, lambda i, bh: bh // N), offset_spec,
-                None if ops.sinks is None else pl.BlockSpec((N,), lambda *_: (0,))],
-      out_specs=out_specs, out_shape=out_shape, compiler_params=_params(kc),
-      interpret=spec.interpret, name="stable_attn_fwd",
-  )(x["q"], x["k"], x["v"], x["q_lens"], x["kv_lens"], *_optional_arrays(x), offset, ops.sinks)
-  o = unpad(o, geo.T, geo.H)
-  residual = o if residual is None else unpad(residual, geo.T, geo.H)
-  return o, residual, lse[:, :, :geo.T]
+      functools.partial(_forward_kernel, call=call, kc=kc), grid=(nq, geo.B * geo.N),
+      in_specs=(operand_specs(x, dims), sections_spec),
+      out_specs=(row_spec, row_spec if write_residual else None,
+                 block_spec(LSE_AXES, lse_shape, dims)),
+      out_shape=(jax.ShapeDtypeStruct(rows, ops.q.dtype),
+                 jax.ShapeDtypeStruct(rows, dt.residual_o) if write_residual else None,
+                 jax.ShapeDtypeStruct(lse_shape, f32)),
+      compiler_params=_params(kc), interpret=spec.interpret, name="stable_attn_fwd",
+  )(x, sections)
+  o = unpad(o, ROW_AXES, geo)
+  residual = o if residual is None else unpad(residual, ROW_AXES, geo)
+  return o, residual, unpad(lse, LSE_AXES, geo)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,45 +212,44 @@ def _delta_kernel(do_ref, o_ref, delta_ref):
   delta_ref[...] = tile.delta(do_ref[...], o_ref[...])
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, bias_ref,
-                mask_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref, *, call: _Call,
-                kc: tuning.KernelConfig):
+def _tile_grads(call: _Call, refs: Operands, q, do, lse, delta, k, v, q_start, bq: int, k_start,
+                bk: int, q_len, kv_len, q_seg, kv_seg, masked: bool, pair_index):
+  """One tile's P and dS (tile.backward_tile); pair_index: the tile's index into a bias or mask
+  block (pallas_kernels.operand_specs.read)."""
+  ok = None
+  if masked:
+    mask = None if refs.mask is None else read(refs.mask, *pair_index)
+    ok = call.visible(q_start, bq, k_start, bk, q_len, kv_len, mask, q_seg, kv_seg)
+  bias = None if refs.bias is None else read(refs.bias, *pair_index)
+  s = call.scores(tile.matmul(q, k, transpose_b=True), ok, bias)
+  return tile.backward_tile(s, lse, tile.matmul(do, v, transpose_b=True), delta,
+                            in_dtype=call.dt.input, round_fn=call.round_fn)
+
+
+def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_ref, *,
+                call: _Call, kc: tuning.KernelConfig):
   spec = call.spec
   bq, bk = kc.block_q, kc.block_k
-  kblk, bkh = pl.program_id(0), pl.program_id(1)
-  b, kvh = bkh // call.geo.K, bkh % call.geo.K
-  k_start = kblk * bk
-  q_len, kv_len = qlen_ref[b], kvlen_ref[b]
-  k = k_ref[...]
-  v = v_ref[...]
-  kv_seg = _segments(kvseg_ref, k_start, bk)
-  ranges = call.q_ranges(k_start, bk, bq, q_len, kv_len)
+  k_start = pl.program_id(0) * bk
+  b = pl.program_id(1) // call.geo.K
+  q_len, kv_len = refs.q_lens[b], refs.kv_lens[b]
+  k, v = refs.k[...], refs.v[...]
+  kv_seg = None if refs.kv_seg is None else refs.kv_seg[...]
+  ranges = call.q_ranges(k_start, bk, bq, q_len, kv_len, _segment_ranges(sections_ref))
 
   def head_body(g, carry):
-    n = kvh * call.geo.G + g
-
     def body(i, carry, *, masked):
+      dk, dv = carry
       q_start = i * bq
-      q_seg = _segments(qseg_ref, q_start, bq)
-
-      def compute(carry):
-        dk, dv = carry
-        rows = pl.ds(q_start, bq)
-        q = q_ref[rows, g, :]
-        do = do_ref[rows, g, :]
-        ok = None
-        if masked:
-          ok = call.visible(mask_ref, b, n, q_start, bq, k_start, bk, q_len, kv_len, q_seg, kv_seg)
-        s = call.scores(tile.matmul(q, k, transpose_b=True), ok, bias_ref, b, n, q_start, bq,
-                        k_start, bk)
-        grads = tile.backward_tile(s, lse_ref[g, rows], tile.matmul(do, v, transpose_b=True),
-                                   delta_ref[g, rows], in_dtype=call.dt.input,
-                                   round_fn=call.round_fn)
-        dv = dv + tile.matmul(grads.p, do, transpose_a=True)
-        dk = dk + tile.matmul(grads.ds_op, q, transpose_a=True) * spec.scale
-        return dk, dv
-
-      return _skip_unless_shared(q_seg, kv_seg, compute, carry)
+      rows = pl.ds(q_start, bq)
+      q, do = refs.q[rows, g, :], grads.do[rows, g, :]
+      t = _tile_grads(call, refs, q, do, grads.lse[g, rows], grads.delta[g, rows], k, v, q_start,
+                      bq, k_start, bk, q_len, kv_len,
+                      None if refs.q_seg is None else refs.q_seg[rows], kv_seg, masked,
+                      (g, rows, slice(None)))
+      dv = dv + tile.matmul(t.p, do, transpose_a=True)
+      dk = dk + tile.matmul(t.ds_op, q, transpose_a=True) * spec.scale
+      return dk, dv
 
     return blocks.split_loop(*ranges, body, carry)
 
@@ -342,39 +259,34 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, bias_ref,
-               mask_ref, qseg_ref, kvseg_ref, ds_in_ref, dq_ref, ds_ref, *, call: _Call,
-               kc: tuning.KernelConfig):
-  del ds_in_ref  # the zeros input aliased to ds_ref: blocks never visited keep dS = 0
+def _dq_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dq_ref, ds_ref, *,
+               call: _Call, kc: tuning.KernelConfig):
   spec = call.spec
   bq, bk = kc.block_q, kc.block_k
-  qi = call.pad.T // bq - 1 - pl.program_id(0)
-  bh = pl.program_id(1)
-  b, n = bh // call.geo.N, bh % call.geo.N
-  q_start = qi * bq
-  q_len, kv_len = qlen_ref[b], kvlen_ref[b]
-  q = q_ref[...]
-  do = do_ref[...]
-  lse = lse_ref[...]
-  delta = delta_ref[...]
-
-  rows = _Rows(b, n, q_start, bq, q_len, kv_len, _segments(qseg_ref, q_start, bq))
+  q_start = (call.pad.T // bq - 1 - pl.program_id(0)) * bq
+  b = pl.program_id(1) // call.geo.N
+  q_len, kv_len = refs.q_lens[b], refs.kv_lens[b]
+  q, do, lse, delta = refs.q[...], grads.do[...], grads.lse[...], grads.delta[...]
+  q_seg = None if refs.q_seg is None else refs.q_seg[...]
+  ranges = call.kv_ranges(q_start, bq, bk, q_len, kv_len, _segment_ranges(sections_ref))
 
   def body(j, dq, *, masked):
-    kv_seg = _segments(kvseg_ref, j * bk, bk)
+    cols = pl.ds(j * bk, bk)
+    k = refs.k[cols, :]
+    t = _tile_grads(call, refs, q, do, lse, delta, k, refs.v[cols, :], q_start, bq, j * bk, bk,
+                    q_len, kv_len, q_seg, None if refs.kv_seg is None else refs.kv_seg[cols],
+                    masked, (slice(None), cols))
+    if ds_ref is not None:
+      ds_ref[:, cols] = t.ds
+    return dq + tile.matmul(t.ds_op, k) * spec.scale
 
-    def compute(dq):
-      k, v, s = call.key_block(q, k_ref, v_ref, bias_ref, mask_ref, rows, j, bk, masked, kv_seg)
-      grads = tile.backward_tile(s, lse, tile.matmul(do, v, transpose_b=True), delta,
-                                 in_dtype=call.dt.input, round_fn=call.round_fn)
-      if ds_ref is not None:
-        ds_ref[b, n, pl.ds(q_start, bq), pl.ds(j * bk, bk)] = grads.ds
-      return dq + tile.matmul(grads.ds_op, k) * spec.scale
-
-    return _skip_unless_shared(rows.seg, kv_seg, compute, dq)
-
-  dq = blocks.split_loop(*call.kv_ranges(q_start, bq, bk, q_len, kv_len), body,
-                         jnp.zeros((bq, call.pad.H), f32))
+  if ds_ref is not None:   # key blocks this query block never visits have dS = 0
+    def zero(j, carry):
+      ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), f32)
+      return carry
+    lax.fori_loop(0, ranges[0], zero, 0)
+    lax.fori_loop(ranges[3], call.pad.S // bk, zero, 0)
+  dq = blocks.split_loop(*ranges, body, jnp.zeros((bq, call.pad.H), f32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -383,71 +295,59 @@ def backward(spec: AttentionSpec, config: tuning.Config, ops: Operands, o_res, l
   """-> (dq, dk, dv, dbias or None)."""
   call, x = _prepare(spec, config, ops)
   geo, pad = call.geo, call.pad
-  B, N, K, G = geo.B, geo.N, geo.K, geo.G
-  do_p = pad_seq_head(do.astype(ops.q.dtype), pad.T, pad.H)
-  lse_p = pad_axis(lse, 2, pad.T)
-  # Lengths, bias, mask and segment ids: the inputs every backward kernel shares after its own.
-  extras = [x["q_lens"], x["kv_lens"], *_optional_arrays(x)]
-  extra_specs = lambda batch_of: [_lens_spec(B), _lens_spec(B),
-                                  *_optional_specs(call, x, batch_of)]
+  B, N, K = geo.B, geo.N, geo.K
+  do_p = pad_to(do.astype(ops.q.dtype), ROW_AXES, pad)
+  lse_p = pad_to(lse, LSE_AXES, pad)
 
   # delta pre-pass.
   rows = config.dq.block_q
-  row_map = lambda i, bh: (bh // N, i, bh % N, 0)
+  dims = _row_dims(geo, rows, pad.T // rows)
   delta = pl.pallas_call(
       _delta_kernel, grid=(pad.T // rows, B * N),
-      in_specs=[pl.BlockSpec((None, rows, None, pad.H), row_map)] * 2,
-      out_specs=pl.BlockSpec((None, None, rows), lambda i, bh: (bh // N, bh % N, i)),
-      out_shape=jax.ShapeDtypeStruct((B, N, pad.T), f32),
+      in_specs=[block_spec(ROW_AXES, do_p.shape, dims)] * 2,
+      out_specs=block_spec(LSE_AXES, lse_p.shape, dims),
+      out_shape=jax.ShapeDtypeStruct(lse_p.shape, f32),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=spec.interpret, name="stable_attn_delta",
-  )(do_p, pad_seq_head(o_res, pad.T, pad.H))
-  delta = shifted_delta(delta, None if dlse is None else pad_axis(dlse, 2, pad.T))
+  )(do_p, pad_to(o_res, ROW_AXES, pad))
+  grads = BackwardInputs(do_p, lse_p, shifted_delta(delta, None if dlse is None else
+                                                     pad_to(dlse, LSE_AXES, pad)))
+  grad_specs = lambda dims: BackwardInputs(*(block_spec(axes, a.shape, dims)
+                                              for axes, a in zip(BACKWARD_AXES, grads)))
 
   # dK, dV: one program per (key block, batch, kv head); loops over the G query heads.
   kc = config.dkv
-  bk = kc.block_k
-  kv_blk = pl.BlockSpec((None, bk, None, pad.H), lambda j, bkh: (bkh // K, j, bkh % K, 0))
-  heads_all = pl.BlockSpec((None, pad.T, G, pad.H), lambda j, bkh: (bkh // K, 0, bkh % K, 0))
-  stats_all = pl.BlockSpec((None, G, pad.T), lambda j, bkh: (bkh // K, bkh % K, 0))
+  dims = _key_dims(geo, kc.block_k)
+  sections, sections_spec = _sections(x, kc.block_q, kc.block_k, "key", dims)
+  kv_spec = block_spec(OPERANDS["k"].axes, x.k.shape, dims)
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, call=call, kc=kc), grid=(pad.S // bk, B * K),
-      in_specs=[heads_all, kv_blk, kv_blk, heads_all, stats_all, stats_all,
-                *extra_specs(lambda j, bkh: bkh // K)],
-      out_specs=[kv_blk, kv_blk],
-      out_shape=[jax.ShapeDtypeStruct(x["k"].shape, ops.k.dtype),
-                 jax.ShapeDtypeStruct(x["v"].shape, ops.v.dtype)],
+      functools.partial(_dkv_kernel, call=call, kc=kc), grid=(pad.S // kc.block_k, B * K),
+      in_specs=(operand_specs(x, dims), grad_specs(dims), sections_spec),
+      out_specs=(kv_spec, kv_spec),
+      out_shape=(jax.ShapeDtypeStruct(x.k.shape, ops.k.dtype),
+                 jax.ShapeDtypeStruct(x.v.shape, ops.v.dtype)),
       compiler_params=_params(kc), interpret=spec.interpret, name="stable_attn_dkv",
-  )(x["q"], x["k"], x["v"], do_p, lse_p, delta, *extras)
+  )(x, grads, sections)
 
   # dQ (and dS for dbias): one program per (query block, batch, head).
   kc = config.dq
-  bq = kc.block_q
-  nq = pad.T // bq
-  q_map = lambda i, bh: (bh // N, nq - 1 - i, bh % N, 0)
-  kv_map = lambda i, bh: (bh // N, 0, (bh % N) // G, 0)
-  stats_map = lambda i, bh: (bh // N, bh % N, nq - 1 - i)
-  q_rows = pl.BlockSpec((None, bq, None, pad.H), q_map)
-  kv_all = pl.BlockSpec((None, pad.S, None, pad.H), kv_map)
-  stats = pl.BlockSpec((None, None, bq), stats_map)
+  nq = pad.T // kc.block_q
+  dims = _row_dims(geo, kc.block_q, nq)
+  sections, sections_spec = _sections(x, kc.block_q, kc.block_k, "query", dims)
   write_ds = ops.bias is not None
   ds_shape = (B, N, pad.T, pad.S)
-  ds_spec = pl.BlockSpec(ds_shape, lambda *_: (0, 0, 0, 0)) if write_ds else None
-  ds_zeros = jnp.zeros(ds_shape, f32) if write_ds else None
-  args = [x["q"], x["k"], x["v"], do_p, lse_p, delta, *extras, ds_zeros]
-  ds_input = sum(a is not None for a in args) - 1   # its index among the present inputs
   dq, ds = pl.pallas_call(
       functools.partial(_dq_kernel, call=call, kc=kc), grid=(nq, B * N),
-      in_specs=[q_rows, kv_all, kv_all, q_rows, stats, stats,
-                *extra_specs(lambda i, bh: bh // N), ds_spec],
-      out_specs=[q_rows, ds_spec],
-      out_shape=[jax.ShapeDtypeStruct(x["q"].shape, ops.q.dtype),
-                 jax.ShapeDtypeStruct(ds_shape, f32) if write_ds else None],
-      input_output_aliases={ds_input: 1} if write_ds else {},
+      in_specs=(operand_specs(x, dims), grad_specs(dims), sections_spec),
+      out_specs=(block_spec(ROW_AXES, x.q.shape, dims),
+                 block_spec(PAIRWISE_AXES, ds_shape, dims) if write_ds else None),
+      out_shape=(jax.ShapeDtypeStruct(x.q.shape, ops.q.dtype),
+                 jax.ShapeDtypeStruct(ds_shape, f32) if write_ds else None),
       compiler_params=_params(kc), interpret=spec.interpret, name="stable_attn_dq",
-  )(*args)
+  )(x, grads, sections)
 
   dbias = None
   if write_ds:
     dbias = reduce_to_shape(ds[:, :, :geo.T, :geo.S], ops.bias.shape).astype(ops.bias.dtype)
-  return (unpad(dq, geo.T, geo.H), unpad(dk, geo.S, geo.H), unpad(dv, geo.S, geo.H), dbias)
+  kv_axes = OPERANDS["k"].axes
+  return (unpad(dq, ROW_AXES, geo), unpad(dk, kv_axes, geo), unpad(dv, kv_axes, geo), dbias)

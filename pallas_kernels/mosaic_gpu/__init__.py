@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from stable_attn import numerics as numerics_lib
 from stable_attn import tile
 from stable_attn.flash import make_flash_attention
-from stable_attn.layout import Geometry, lengths, pad_axis, pad_seq_head, unpad
-from stable_attn.spec import AttentionSpec, Operands
+from stable_attn.layout import Geometry, pad_operands, pad_to, unpad
+from stable_attn.spec import LSE_AXES, OPERANDS, ROW_AXES, AttentionSpec, Operands
 
 from pallas_kernels.mosaic_gpu import tuning
 from pallas_kernels.mosaic_gpu.common import Call
@@ -72,36 +72,27 @@ def _call(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands) -> Ca
               spec.numerics.dtypes(ops.q.dtype), config)
 
 
-def _padded(call: Call, ops: Operands):
-  q_lens, kv_lens = lengths(ops, call.geo)
-  return (pad_seq_head(ops.q, call.pad.T, call.pad.H), pad_seq_head(ops.k, call.pad.S, call.pad.H),
-          pad_seq_head(ops.v, call.pad.S, call.pad.H), q_lens, kv_lens)
-
-
-def _offsets(call: Call, ops: Operands):
-  return None if ops.offset is None else pad_axis(ops.offset, 1, call.pad.T)
-
-
 def _forward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands):
   from pallas_kernels.mosaic_gpu.forward import forward_call
   call = _call(spec, config, ops)
-  o, lse = forward_call(call, *_padded(call, ops), _offsets(call, ops))
-  o = unpad(o, call.geo.T, call.geo.H)
-  return o, o, lse[:, :, :call.geo.T]
+  o, lse = forward_call(call, pad_operands(ops, call.pad))
+  o = unpad(o, ROW_AXES, call.geo)
+  return o, o, unpad(lse, LSE_AXES, call.geo)
 
 
 def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o_res, lse, do,
               dlse=None):
   from pallas_kernels.mosaic_gpu.backward import backward_call
   call = _call(spec, config, ops)
-  q, k, v, q_lens, kv_lens = _padded(call, ops)
-  rows = lambda x: pad_seq_head(x.astype(ops.q.dtype), call.pad.T, call.pad.H)
-  lse = pad_axis(lse, 2, call.pad.T, tile.EMPTY_ROW_LSE)
+  x = pad_operands(ops, call.pad)._replace(offset=None)   # the backward reads the LSE instead
+  rows = lambda a: pad_to(a.astype(ops.q.dtype), ROW_AXES, call.pad)
+  lse = pad_to(lse, LSE_AXES, call.pad, tile.EMPTY_ROW_LSE)
   if dlse is not None:
-    dlse = pad_axis(dlse, 2, call.pad.T)
-  dq, dk, dv = backward_call(call, q, k, v, rows(o_res), lse, rows(do), q_lens, kv_lens, dlse)
-  geo = call.geo
-  return unpad(dq, geo.T, geo.H), unpad(dk, geo.S, geo.H), unpad(dv, geo.S, geo.H), None
+    dlse = pad_to(dlse, LSE_AXES, call.pad)
+  dq, dk, dv = backward_call(call, x, rows(o_res), lse, rows(do), dlse)
+  kv_axes = OPERANDS["k"].axes
+  return (unpad(dq, ROW_AXES, call.geo), unpad(dk, kv_axes, call.geo),
+          unpad(dv, kv_axes, call.geo), None)
 
 
 _flash = make_flash_attention(_forward, _backward, partition=True)

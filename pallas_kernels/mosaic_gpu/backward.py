@@ -23,6 +23,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from stable_attn import tile
 from stable_attn.flash import shifted_delta
+from stable_attn.spec import BackwardInputs, Operands
 
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
@@ -51,14 +52,13 @@ def _store(smem, value, gmem):
 # dK, dV
 # ---------------------------------------------------------------------------------------------
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, dk_ref,
-                dv_ref, scratch, *, call: Call):
+def _dkv_kernel(refs: Operands, grads: BackwardInputs, dk_ref, dv_ref, scratch, *, call: Call):
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem), (kv_loaded, loaded), free = scratch
   spec, tiles, G = call.spec, call.config.dkv, call.geo.G
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k = lax.axis_index("kv_seq") * (2 * bk)
-  q_len, kv_len = call.lengths(qlen_ref, kvlen_ref, b)
+  q_len, kv_len = call.lengths(refs, b)
   lo, hi = common.union_range(call.q_ranges(cta_k, bk, bq, q_len, kv_len),
                               call.q_ranges(cta_k + bk, bk, bq, q_len, kv_len))
   per_head = hi - lo
@@ -68,8 +68,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
     k_start = cta_k + wg * bk
     rows = (b, pl.ds(k_start, bk), kvh)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[wg], kv_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[wg], kv_loaded.at[wg])
     plgpu.barrier_wait(kv_loaded.at[wg])
     mine = common.clamp_ranges(call.q_ranges(k_start, bk, bq, q_len, kv_len), lo, hi)
 
@@ -124,21 +124,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen
       n = kvh * G + g
       q_start = (lo + t - g * per_head) * bq
       rows = (b, pl.ds(q_start, bq), n)
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(q_start, bq)], lse_smem.at[slot],
+      plgpu.copy_gmem_to_smem(refs.q.at[rows], q_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(grads.do.at[rows], do_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(grads.lse.at[b, n, pl.ds(q_start, bq)], lse_smem.at[slot],
                               loaded.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
+      plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
                               loaded.at[slot])
 
     common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)])
 
 
-def _dkv_call(call: Call, q, k, v, do, lse, delta, q_lens, kv_lens):
+def _dkv_call(call: Call, x: Operands, grads: BackwardInputs):
   tiles = call.config.dkv
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, K, H = call.geo.B, call.geo.K, call.pad.H
-  dtype = q.dtype
+  dtype = x.q.dtype
   mma = common.mma_transforms(dtype)
 
   smem = (plgpu.SMEM((2, bk, H), dtype, transforms=mma),
@@ -151,24 +151,23 @@ def _dkv_call(call: Call, q, k, v, do, lse, delta, q_lens, kv_lens):
   return common.launch(
       functools.partial(_dkv_kernel, call=call),
       (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
-      out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+      out_type=(jax.ShapeDtypeStruct(x.k.shape, dtype), jax.ShapeDtypeStruct(x.v.shape, dtype)),
       grid=(B, K, call.pad.S // (2 * bk)), grid_names=("batch", "heads", "kv_seq"),
-  )(q, k, v, do, lse, delta, q_lens, kv_lens)
+  )(x, grads)
 
 
 # ---------------------------------------------------------------------------------------------
 # dQ
 # ---------------------------------------------------------------------------------------------
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_ref, dq_ref,
-               scratch, *, call: Call):
+def _dq_kernel(refs: Operands, grads: BackwardInputs, dq_ref, scratch, *, call: Call):
   (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem), (q_loaded, loaded), free = scratch
   spec, tiles = call.spec, call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   num_tiles = call.pad.T // (2 * bq)
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_q = (num_tiles - 1 - lax.axis_index("q_seq")) * (2 * bq)
-  q_len, kv_len = call.lengths(qlen_ref, kvlen_ref, b)
+  q_len, kv_len = call.lengths(refs, b)
   lo, hi = common.union_range(call.kv_ranges(cta_q, bq, bk, q_len, kv_len),
                               call.kv_ranges(cta_q + bq, bq, bk, q_len, kv_len))
 
@@ -178,11 +177,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_
     q_start = cta_q + wg * bq
     rows = (b, pl.ds(q_start, bq), n)
     q, do = q_smem.at[wg], do_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q, q_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do, q_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(q_start, bq)], lse_smem.at[wg],
+    plgpu.copy_gmem_to_smem(refs.q.at[rows], q, q_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(grads.do.at[rows], do, q_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(grads.lse.at[b, n, pl.ds(q_start, bq)], lse_smem.at[wg],
                             q_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(q_start, bq)], delta_smem.at[wg],
+    plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[wg],
                             q_loaded.at[wg])
     plgpu.barrier_wait(q_loaded.at[wg])
     lse = common.load_vector(lse_smem.at[wg], ROWS)
@@ -226,17 +225,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qlen_ref, kvlen_
 
     def load(j, slot):
       rows = (b, pl.ds(j * bk, bk), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], loaded.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[slot], loaded.at[slot])
 
     common.stream(lo, hi, stages, [(free, load)])
 
 
-def _dq_call(call: Call, q, k, v, do, lse, delta, q_lens, kv_lens):
+def _dq_call(call: Call, x: Operands, grads: BackwardInputs):
   tiles = call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H = call.geo.B, call.geo.N, call.pad.H
-  dtype = q.dtype
+  dtype = x.q.dtype
   mma = common.mma_transforms(dtype)
 
   smem = (plgpu.SMEM((2, bq, H), dtype, transforms=mma),
@@ -249,15 +248,16 @@ def _dq_call(call: Call, q, k, v, do, lse, delta, q_lens, kv_lens):
   return common.launch(
       functools.partial(_dq_kernel, call=call),
       (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      out_type=jax.ShapeDtypeStruct(x.q.shape, dtype),
       grid=(B, N, call.pad.T // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
-  )(q, k, v, do, lse, delta, q_lens, kv_lens)
+  )(x, grads)
 
 
-def backward_call(call: Call, q, k, v, o, lse, do, q_lens, kv_lens, dlse=None):
-  """Padded operands ([B, Tp|Sp, heads, H]; lse and dlse [B, N, Tp] natural units) ->
+def backward_call(call: Call, x: Operands, o, lse, do, dlse=None):
+  """Padded operands and O, dO [B, Tp, N, H], lse and dlse [B, N, Tp] natural units ->
   (dq, dk, dv)."""
   delta = shifted_delta(jnp.swapaxes(tile.delta(do, o), 1, 2), dlse)    # [B, N, Tp], fp32
-  dk, dv = _dkv_call(call, q, k, v, do, lse, delta, q_lens, kv_lens)
-  dq = _dq_call(call, q, k, v, do, lse, delta, q_lens, kv_lens)
+  grads = BackwardInputs(do, lse, delta)
+  dk, dv = _dkv_call(call, x, grads)
+  dq = _dq_call(call, x, grads)
   return dq, dk, dv

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
@@ -73,11 +74,11 @@ class Call:
   def safe(self) -> bool:
     return self.spec.max_adjust == "safe"
 
-  def lengths(self, qlen_ref, kvlen_ref, b):
+  def lengths(self, refs, b):
     """The batch row's query and key lengths: static T and S unless lengths were given (a CTA
     then starts its TMA loads without waiting for two scalar loads from global memory)."""
     if self.spec.has_lengths:
-      return qlen_ref[b], kvlen_ref[b]
+      return refs.q_lens[b], refs.kv_lens[b]
     return self.geo.T, self.geo.S
 
   def iota_positions(self, shape, q_start, k_start, *, q_axis: int):
@@ -139,13 +140,23 @@ def sections(lo, my_ranges, hi, step, carry):
 
 def launch(kernel, scratch, *, out_type, grid, grid_names):
   """A warp-specialised Mosaic GPU kernel: two compute warpgroups and a producer ("wg" 0, 1, 2)
-  per CTA over `grid`. kernel(*refs, scratch) gets the operand and output refs, then `scratch`
-  (a tuple of SMEM / barrier types) allocated collectively for the three warpgroups."""
-  def entry(*refs):
-    pl.run_scoped(lambda *allocated: kernel(*refs, allocated), *scratch, collective_axes="wg")
+  per CTA over `grid`. Returns run(*inputs): each input is a pytree of arrays (the padded
+  `Operands`, `BackwardInputs`; None leaves for absent ones), and kernel(*inputs as the same
+  pytrees of refs, *output refs, scratch) gets them by name, then `scratch` (a tuple of SMEM /
+  barrier types) allocated collectively for the three warpgroups."""
+  def run(*inputs):
+    flat, tree = jax.tree.flatten(inputs)
 
-  return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=3,
-                      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
+    def entry(*refs):
+      named = jax.tree.unflatten(tree, refs[:len(flat)])
+      pl.run_scoped(lambda *allocated: kernel(*named, *refs[len(flat):], allocated), *scratch,
+                    collective_axes="wg")
+
+    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
+                        num_threads=3, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True))(*flat)
+
+  return run
 
 
 def stream(first, stop, stages: int, loads):

@@ -24,6 +24,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from stable_attn import tile
+from stable_attn.spec import Operands
 
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import ROWS, Call, f32
@@ -31,8 +32,7 @@ from pallas_kernels.mosaic_gpu.common import ROWS, Call, f32
 COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
-def _kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, off_ref, o_ref, lse_ref, scratch, *,
-            call: Call):
+def _kernel(refs: Operands, o_ref, lse_ref, scratch, *, call: Call):
   (q_smem, k_smem, v_smem, off_smem, lse_smem), loaded, free, schedule = scratch
   q_loaded, k_loaded, v_loaded = loaded
   k_free, v_free = free
@@ -41,7 +41,7 @@ def _kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, off_ref, o_ref, lse_ref, s
   num_tiles = call.pad.T // (2 * bq)
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_q = (num_tiles - 1 - lax.axis_index("q_seq")) * (2 * bq)   # heaviest causal tiles first
-  q_len, kv_len = call.lengths(qlen_ref, kvlen_ref, b)
+  q_len, kv_len = call.lengths(refs, b)
   lo, hi = common.union_range(call.kv_ranges(cta_q, bq, bk, q_len, kv_len),
                               call.kv_ranges(cta_q + bq, bq, bk, q_len, kv_len))
 
@@ -53,9 +53,9 @@ def _kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, off_ref, o_ref, lse_ref, s
   def _compute():
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
     q_start = cta_q + wg * bq
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, bq), n], q_smem.at[wg], q_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(q_start, bq), n], q_smem.at[wg], q_loaded.at[wg])
     if call.safe:
-      plgpu.copy_gmem_to_smem(off_ref.at[n, pl.ds(q_start, bq)], off_smem.at[wg],
+      plgpu.copy_gmem_to_smem(refs.offset.at[n, pl.ds(q_start, bq)], off_smem.at[wg],
                               q_loaded.at[wg])
     plgpu.barrier_wait(q_loaded.at[wg])
     offset = None   # natural units in memory (stable_attn's operand), log2 units here
@@ -131,17 +131,17 @@ def _kernel(q_ref, k_ref, v_ref, qlen_ref, kvlen_ref, off_ref, o_ref, lse_ref, s
       return lambda j, slot: plgpu.copy_gmem_to_smem(
           ref.at[b, pl.ds(j * bk, bk), kv_head], smem.at[slot], barrier.at[slot])
 
-    common.stream(lo, hi, stages, [(k_free, loader(k_ref, k_smem, k_loaded)),
-                                   (v_free, loader(v_ref, v_smem, v_loaded))])
+    common.stream(lo, hi, stages, [(k_free, loader(refs.k, k_smem, k_loaded)),
+                                   (v_free, loader(refs.v, v_smem, v_loaded))])
 
 
-def forward_call(call: Call, q, k, v, q_lens, kv_lens, offsets):
-  """Padded operands (offsets: [N, Tp] fp32 natural units, or None) -> (O [B, Tp, N, H] in the
+def forward_call(call: Call, x: Operands):
+  """Padded operands (x.offset: [N, Tp] fp32 natural units, or None) -> (O [B, Tp, N, H] in the
   input dtype, LSE fp32 [B, N, Tp])."""
   tiles = call.config.fwd
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
-  dtype = q.dtype
+  dtype = x.q.dtype
   mma = common.mma_transforms(dtype)
 
   smem = (plgpu.SMEM((2, bq, H), dtype, transforms=mma),
@@ -154,6 +154,6 @@ def forward_call(call: Call, q, k, v, q_lens, kv_lens, offsets):
   free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
   return common.launch(
       functools.partial(_kernel, call=call), (smem, loaded, free, plgpu.Barrier(num_arrivals=2)),
-      out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)),
+      out_type=(jax.ShapeDtypeStruct(x.q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)),
       grid=(B, N, Tp // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
-  )(q, k, v, q_lens, kv_lens, offsets)
+  )(x)

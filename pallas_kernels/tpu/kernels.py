@@ -20,9 +20,16 @@ with its accumulators in VMEM scratch, initialised on the first step and written
                                              so the GQA sum happens in VMEM, with no atomics
   dQ       (B, N, q blocks, k blocks)        dq: (bq, Hp) fp32; dS blocks for dbias when a bias is
                                              given (written for every block: zeros when skipped)
-Blocks outside `blocks.kv_block_range` / `blocks.q_block_range` (causal, window, key length) and
-query blocks past the query length are skipped with `pl.when`; their index maps are clamped into
-the visited range, so the pipeline sees an unchanged block index and issues no DMA for them.
+Blocks outside `blocks.kv_block_range` / `blocks.q_block_range` (causal, window, key length),
+intersected with the packed-sequence ranges of `blocks.segment_sections` (computed once per call
+and scalar-prefetched with the lengths), and query blocks past the query length are skipped with
+`pl.when`; their index maps are clamped into the visited range, so the pipeline sees an unchanged
+block index and issues no DMA for them.
+
+Operands travel by name: each pallas_call takes the padded, laid-out `Operands` as one pytree with
+a pytree of BlockSpecs built from the operand table (pallas_kernels.operand_specs, with the
+heads-major and lane-broadcast axes named here), so a kernel reads `refs.bias`; an absent operand
+is a None ref.
 
 Row statistics. `stable_attn.tile` keeps them 1-D ([bq]). Mosaic keeps a (bq,) vector that comes out
 of a lane reduction in a sublane-major layout, where `x[:, None]` is free; so the kernels produce
@@ -54,9 +61,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from stable_attn import blocks, tile
 from stable_attn.flash import make_flash_attention, reduce_to_shape, shifted_delta
-from stable_attn.layout import (Geometry, Padded, from_heads_major, heads_major, lengths,
-                                pad_pairwise, round_up)
-from stable_attn.spec import AttentionSpec, Operands
+from stable_attn.layout import Geometry, Padded, heads_major, pad_operands, pad_to, round_up, unpad
+from stable_attn.spec import LSE_AXES, ROW_AXES, AttentionSpec, BackwardInputs, Operands
+
+from pallas_kernels.operand_specs import block_spec, blocked, operand_specs, squeezed
 
 LANES = 128
 SUBLANES = 8
@@ -120,26 +128,67 @@ def resolve_block_sizes(sizes: Optional[BlockSizes], ops: Operands) -> _Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout helpers (outside the kernels)
+# Layout (outside the kernels): heads-major q/k/v, lane-broadcast row values, scalar prefetch
 # ---------------------------------------------------------------------------------------------
+
+# The logical axes of the arrays this backend lays out differently from the operand table:
+# heads-major q/k/v, and lane ("lanes", 128) or sublane ("sublanes", 8) broadcast copies of
+# per-row and per-column values, which Mosaic reads as vectors in the layout the tiles want.
+HEADS_MAJOR = ("batch", "heads", "query", "head_dim")
+_AXES = dict(q=HEADS_MAJOR, k=("batch", "kv_heads", "key", "head_dim"),
+             v=("batch", "kv_heads", "key", "head_dim"), q_seg=("batch", "query", "lanes"),
+             kv_seg=("batch", "sublanes", "key"), offset=("heads", "query", "lanes"))
+_LSE_LANES = ("batch", "heads", "query", "lanes")   # forward LSE out, small-block LSE / delta in
+_LSE_ROW = ("batch", "heads", "one", "query")        # lane-major LSE / delta in (bq % 128 == 0)
+
+
+class _Prefetch(NamedTuple):
+  """Scalar-prefetched (SMEM) arrays, seen by index maps and kernels alike: the lengths [B] and
+  the packed-sequence block ranges, flattened [B * blocks * 4], or None without segment ids."""
+  q_lens: jax.Array
+  kv_lens: jax.Array
+  ranges: Optional[jax.Array]
+
+  def segments(self, b, blk, count: int):
+    """The (lo, flo, fhi, hi) of block `blk` of batch row b, or None."""
+    if self.ranges is None:
+      return None
+    return tuple(self.ranges[(b * count + blk) * 4 + c] for c in range(4))
+
 
 def _lane_broadcast(x):
   """[..., L] -> [..., L, 128] (row statistics as Mosaic keeps them)."""
   return jnp.broadcast_to(x[..., None], (*x.shape, LANES))
 
 
-def _pairwise_spec(x, bq: int, bk: int, index):
-  """BlockSpec of a [b, n, t, s] bias/mask block; `index(*grid, *prefetch)` -> (b, n, i, j)."""
-  if x is None:
-    return None
-  full = tuple(d != 1 for d in x.shape)
-  block = (pl.squeezed, pl.squeezed, bq if full[2] else 1, bk if full[3] else 1)
+def _laid_out(ops: Operands, pad: Padded):
+  """-> (prefetch without ranges, padded operands, operands in this backend's layout). Padding is
+  the shared stable_attn.layout rule; then q/k/v go heads-major, segment ids and offsets are
+  broadcast over lanes or sublanes and the lengths move to scalar prefetch."""
+  x = pad_operands(ops, pad)
+  segments = {}
+  if x.q_seg is not None:
+    B = x.q_seg.shape[0]
+    segments = dict(q_seg=jnp.broadcast_to(x.q_seg[:, :, None], (B, pad.T, LANES)),
+                    kv_seg=jnp.broadcast_to(x.kv_seg[:, None, :], (B, SUBLANES, pad.S)))
+  laid = x._replace(
+      q=heads_major(x.q), k=heads_major(x.k), v=heads_major(x.v), q_lens=None, kv_lens=None,
+      offset=None if x.offset is None else _lane_broadcast(x.offset),
+      sinks=None if x.sinks is None else x.sinks.astype(f32), **segments)
+  return _Prefetch(x.q_lens, x.kv_lens, None), x, laid
 
-  def index_map(*args):
-    idx = index(*args)
-    return tuple(v if f else 0 for v, f in zip(idx, full))
 
-  return pl.BlockSpec(block, index_map)
+def _with_ranges(pre: _Prefetch, x: Operands, bq: int, bk: int, per: str) -> _Prefetch:
+  if x.q_seg is None:
+    return pre
+  return pre._replace(ranges=blocks.segment_sections(x.q_seg, x.kv_seg, bq, bk, per=per).ravel())
+
+
+def _specs(laid: Operands, dims: dict) -> Operands:
+  specs = operand_specs(laid, dims, axes=_AXES)
+  if laid.sinks is not None:   # a scalar per program, read from SMEM
+    specs = specs._replace(sinks=pl.BlockSpec(memory_space=pltpu.SMEM))
+  return specs
 
 
 def _check_tpu_block(spec: pl.BlockSpec, array_shape, name: str):
@@ -152,28 +201,29 @@ def _check_tpu_block(spec: pl.BlockSpec, array_shape, name: str):
                          f"(8, 128) rule")
 
 
-def _interpret(spec: AttentionSpec):
-  return pltpu.InterpretParams() if spec.interpret else False
-
-
 def _pallas_call(kernel, spec: AttentionSpec, *, grid, in_specs, out_specs, out_shape,
                  scratch_shapes, args, semantics, name):
-  for s, a in zip(in_specs, args[2:]):
-    if s is not None and s.block_shape is not None:   # None: a whole array in SMEM
+  """args: (prefetch, *pytrees), in_specs: the pytrees' BlockSpecs (same structure)."""
+  in_leaves = jax.tree.leaves(args[1:])
+  spec_leaves = jax.tree.leaves(in_specs)
+  assert len(in_leaves) == len(spec_leaves), (name, len(in_leaves), len(spec_leaves))
+  for s, a in zip(spec_leaves, in_leaves):
+    if s.block_shape is not None:   # None: a whole array in SMEM
       _check_tpu_block(s, a.shape, name)
   for s, a in zip(out_specs, out_shape):
     if s is not None:
       _check_tpu_block(s, a.shape, name)
   return pl.pallas_call(
       kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=in_specs,
-                                             out_specs=out_specs, scratch_shapes=scratch_shapes),
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid,
+                                             in_specs=tuple(in_specs), out_specs=out_specs,
+                                             scratch_shapes=scratch_shapes),
       out_shape=out_shape,
       # The TPU interpreter ignores the grid dims that jax.vmap adds when it reads the dimension
       # semantics (and fails), so they are only declared for compilation; they change no result.
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=None if spec.interpret else semantics),
-      interpret=_interpret(spec),
+      interpret=pltpu.InterpretParams() if spec.interpret else False,
       name=name,
   )(*args)
 
@@ -182,6 +232,20 @@ def _clamp(idx, lo, hi, count: int):
   """The block index the pipeline fetches at a skipped step: the nearest visited one, so a run of
   skipped steps repeats one index and costs no DMA."""
   return jnp.minimum(jnp.maximum(jnp.minimum(idx, hi - 1), lo), count - 1)
+
+
+def _kv_visits(spec: AttentionSpec, pre: _Prefetch, b, i, bq: int, bk: int, nq: int, nk: int):
+  """[lo, hi): the key blocks query block i of batch row b visits."""
+  lo, hi = blocks.kv_block_range(i * bq, bq, bk, nk, causal=spec.is_causal, window=spec.window,
+                                 kv_len=pre.kv_lens[b])
+  return blocks.within_segments(lo, hi, pre.segments(b, i, nq))
+
+
+def _q_visits(spec: AttentionSpec, pre: _Prefetch, b, j, bk: int, bq: int, nq: int, nk: int):
+  """[lo, hi): the query blocks that see key block j of batch row b."""
+  lo, hi = blocks.q_block_range(j * bk, bk, bq, nq, causal=spec.is_causal, window=spec.window,
+                                q_len=pre.q_lens[b])
+  return blocks.within_segments(lo, hi, pre.segments(b, j, nk))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,59 +283,23 @@ def _pairwise_tile(ref, rows: int, cols: int):
   return jnp.broadcast_to(ref[...], (rows, cols))
 
 
-def _visible(spec: AttentionSpec, q_start, bq: int, k_start, bk: int, q_len, kv_len, masks):
-  q_seg, kv_seg = _segments(masks)
-  return tile.visible(_row_positions(q_start, bq), _col_positions(k_start, bk), q_len, kv_len,
-                      causal=spec.is_causal, window=spec.window,
-                      mask=_pairwise_tile(masks.mask, bq, bk), q_seg=q_seg, kv_seg=kv_seg)
-
-
-class _Masks(NamedTuple):
-  """The optional refs that decide visibility or add to the logits (each may be None): a bias and
-  a mask block, the query block's segment ids (lane-broadcast, [bq, 128]) and the key block's
-  (sublane-broadcast, [8, bk])."""
-  bias: Optional[jax.Array]
-  mask: Optional[jax.Array]
-  q_seg: Optional[jax.Array]
-  kv_seg: Optional[jax.Array]
-
-
-def _segments(masks: _Masks):
+def _segments(refs: Operands):
   """(q ids [bq], kv ids [bk]) of the blocks, by exact reductions of their broadcast copies."""
-  if masks.q_seg is None:
+  if refs.q_seg is None:
     return None, None
-  return jnp.max(masks.q_seg[...], axis=-1), jnp.max(masks.kv_seg[...], axis=0)
+  return jnp.max(refs.q_seg[...], axis=-1), jnp.max(refs.kv_seg[...], axis=0)
 
 
-def _shares_segment(masks: _Masks):
-  """Whether the query and key blocks can share a segment (overlapping id ranges), or True."""
-  if masks.q_seg is None:
-    return True
-  q_ids, kv_ids = masks.q_seg[...], masks.kv_seg[...]
-  return (jnp.min(kv_ids) <= jnp.max(q_ids)) & (jnp.max(kv_ids) >= jnp.min(q_ids))
-
-
-def _segment_specs(q_seg, kv_seg, bq: int, bk: int, q_index, kv_index):
-  """BlockSpecs of the broadcast segment ids: q_index(*args) -> (b, q block),
-  kv_index(*args) -> (b, kv block)."""
-  if q_seg is None:
-    return [None, None]
-  q_spec = pl.BlockSpec((pl.squeezed, bq, LANES), lambda *a: (*q_index(*a), 0))
-  kv_spec = pl.BlockSpec((pl.squeezed, SUBLANES, bk),
-                         lambda *a: (kv_index(*a)[0], 0, kv_index(*a)[1]))
-  return [q_spec, kv_spec]
-
-
-def _broadcast_segments(ops: Operands, pad: Padded):
-  """[B, Tp, 128] and [B, 8, Sp] copies of the ids (padding repeats the last id: lengths mask the
-  padding anyway, and a block's id range stays tight), or (None, None)."""
-  if ops.q_seg is None:
-    return None, None
-  edge = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), mode="edge")
-  q_seg = edge(ops.q_seg, pad.T)
-  kv_seg = edge(ops.kv_seg, pad.S)
-  return (jnp.broadcast_to(q_seg[:, :, None], (*q_seg.shape, LANES)),
-          jnp.broadcast_to(kv_seg[:, None, :], (kv_seg.shape[0], SUBLANES, kv_seg.shape[1])))
+def _scores(spec: AttentionSpec, dt, refs: Operands, q, k, q_start, bq: int, k_start, bk: int,
+            q_len, kv_len):
+  """One tile's masked scores from q [bq, Hp] and k [bk, Hp] and the refs' bias/mask/segments."""
+  q_seg, kv_seg = _segments(refs)
+  ok = tile.visible(_row_positions(q_start, bq), _col_positions(k_start, bk), q_len, kv_len,
+                    causal=spec.is_causal, window=spec.window,
+                    mask=_pairwise_tile(refs.mask, bq, bk), q_seg=q_seg, kv_seg=kv_seg)
+  return tile.scores(tile.matmul(q, k, transpose_b=True), ok, scale=spec.scale,
+                     bias=_pairwise_tile(refs.bias, bq, bk), dt=dt, round_fn=_round_fn(spec),
+                     soft_cap=spec.logits_soft_cap)
 
 
 def _round_fn(spec: AttentionSpec):
@@ -284,17 +312,14 @@ def _round_fn(spec: AttentionSpec):
 # Forward
 # ---------------------------------------------------------------------------------------------
 
-def _forward_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, bias_ref, mask_ref, qseg_ref,
-                    kvseg_ref, offset_ref, sink_ref, o_ref, res_ref, lse_ref, m_ref, l_ref,
-                    acc_ref, *, spec: AttentionSpec, dt, bq: int, bk: int, nk: int):
+def _forward_kernel(pre: _Prefetch, refs: Operands, o_ref, res_ref, lse_ref, m_ref, l_ref,
+                    acc_ref, *, spec: AttentionSpec, dt, bq: int, bk: int, nq: int, nk: int):
   b, n, i, j = (pl.program_id(a) for a in range(4))
-  q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
+  q_len, kv_len = pre.q_lens[b], pre.kv_lens[b]
   q_start = i * bq
-  lo, hi = blocks.kv_block_range(q_start, bq, bk, nk, causal=spec.is_causal, window=spec.window,
-                                 kv_len=kv_len)
+  lo, hi = _kv_visits(spec, pre, b, i, bq, bk, nq, nk)
   round_fn = _round_fn(spec)
-  offset = None if offset_ref is None else _rows(offset_ref)   # lane-broadcast [bq, 128]
-  masks = _Masks(bias_ref, mask_ref, qseg_ref, kvseg_ref)
+  offset = None if refs.offset is None else _rows(refs.offset)   # lane-broadcast [bq, 128]
 
   @pl.when(j == 0)
   def _init():
@@ -303,23 +328,20 @@ def _forward_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, bias_ref, mask
     _store_rows(l_ref, stats.l)
     acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
 
-  @pl.when((j >= lo) & (j < hi) & (q_start < q_len) & _shares_segment(masks))
+  @pl.when((j >= lo) & (j < hi) & (q_start < q_len))
   def _step():
-    ok = _visible(spec, q_start, bq, j * bk, bk, q_len, kv_len, masks)
-    s = tile.scores(tile.matmul(q_ref[...], k_ref[...], transpose_b=True), ok, scale=spec.scale,
-                    bias=_pairwise_tile(bias_ref, bq, bk), dt=dt, round_fn=round_fn,
-                    soft_cap=spec.logits_soft_cap)
+    s = _scores(spec, dt, refs, refs.q[...], refs.k[...], q_start, bq, j * bk, bk, q_len, kv_len)
     p, alpha, stats = tile.rescale(tile.RowStats(_rows(m_ref), _rows(l_ref)), s, dt=dt,
                                    max_adjust=spec.max_adjust, beta=spec.beta, offset=offset,
                                    round_fn=round_fn)
-    pv = tile.matmul(p, v_ref[...].astype(dt.p))
+    pv = tile.matmul(p, refs.v[...].astype(dt.p))
     acc_ref[...] = tile.accumulate(acc_ref[...], alpha, pv, dt=dt, round_fn=round_fn)
     _store_rows(m_ref, stats.m)
     _store_rows(l_ref, stats.l)
 
   @pl.when(j == nk - 1)
   def _finish():
-    sink = None if sink_ref is None else sink_ref[n]   # a scalar from SMEM
+    sink = None if refs.sinks is None else refs.sinks[n]   # a scalar from SMEM
     o, residual, lse = tile.finalize(acc_ref[...], tile.RowStats(_rows(m_ref), _rows(l_ref)),
                                      dt=dt, offset=offset, round_fn=round_fn, sink=sink)
     o_ref[...] = o.astype(o_ref.dtype)
@@ -328,100 +350,80 @@ def _forward_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, bias_ref, mask
     _store_rows(lse_ref, lse)
 
 
+def _row_dims(G: int, bq: int, bk: int, kv_block) -> dict:
+  """Grid (B, N, query blocks, key blocks): kv_block(b, n, i, j, pre) is the key block fetched."""
+  return dict(batch=squeezed(lambda b, n, i, j, pre: b), heads=squeezed(lambda b, n, i, j, pre: n),
+              kv_heads=squeezed(lambda b, n, i, j, pre: n // G),
+              query=blocked(bq, lambda b, n, i, j, pre: i), key=blocked(bk, kv_block))
+
+
 def _forward(spec: AttentionSpec, config: _Config, ops: Operands):
   dt = spec.numerics.dtypes(ops.q.dtype)
   geo = Geometry.of(ops)
-  G = geo.G
   bq, bk = config.bq, config.bk
   pad = geo.padded(bq, bk, round_up(geo.H, LANES))
   nq, nk = pad.T // bq, pad.S // bk
-  q, k, v = (heads_major(x, n, pad.H) for x, n in ((ops.q, pad.T), (ops.k, pad.S), (ops.v, pad.S)))
-  bias = pad_pairwise(ops.bias, geo, pad, 0)
-  mask = pad_pairwise(ops.mask, geo, pad, False)
-  q_lens, kv_lens = lengths(ops, geo)
+  pre, x, laid = _laid_out(ops, pad)
+  pre = _with_ranges(pre, x, bq, bk, "query")
 
-  def kv_block(b, n, i, j, q_lens_ref, kv_lens_ref):
-    lo, hi = blocks.kv_block_range(i * bq, bq, bk, nk, causal=spec.is_causal,
-                                   window=spec.window, kv_len=kv_lens_ref[b])
-    return _clamp(j, lo, hi, nk)
+  def kv_block(b, n, i, j, pre):
+    return _clamp(j, *_kv_visits(spec, pre, b, i, bq, bk, nq, nk), nk)
 
-  q_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, pad.H), lambda b, n, i, j, *_: (b, n, i, 0))
-  kv_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bk, pad.H),
-                         lambda b, n, i, j, *p: (b, n // G, kv_block(b, n, i, j, *p), 0))
-  pair_index = lambda b, n, i, j, *p: (b, n, i, kv_block(b, n, i, j, *p))
-  q_seg, kv_seg = _broadcast_segments(ops, pad)
-  offset = offset_spec = None
-  if ops.offset is not None:
-    offset = _lane_broadcast(jnp.pad(ops.offset, ((0, 0), (0, pad.T - geo.T))))   # [N, Tp, 128]
-    offset_spec = pl.BlockSpec((pl.squeezed, bq, LANES), lambda b, n, i, j, *_: (n, i, 0))
-  in_specs = [q_spec, kv_spec, kv_spec, _pairwise_spec(bias, bq, bk, pair_index),
-              _pairwise_spec(mask, bq, bk, pair_index),
-              *_segment_specs(q_seg, kv_seg, bq, bk, lambda b, n, i, j, *p: (b, i),
-                              lambda b, n, i, j, *p: (b, kv_block(b, n, i, j, *p))),
-              offset_spec, None if ops.sinks is None else pl.BlockSpec(memory_space=pltpu.SMEM)]
-  sinks = None if ops.sinks is None else ops.sinks.astype(f32)
-
+  dims = _row_dims(geo.G, bq, bk, kv_block)
   separate_residual = np.dtype(dt.residual_o) != np.dtype(ops.q.dtype)
-  rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, pad.H), lambda b, n, i, j, *_: (b, n, i, 0))
-  stats = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, LANES), lambda b, n, i, j, *_: (b, n, i, 0))
   heads_rows = (geo.B, geo.N, pad.T, pad.H)
-  out_shape = [jax.ShapeDtypeStruct(heads_rows, ops.q.dtype),
-               jax.ShapeDtypeStruct(heads_rows, dt.residual_o) if separate_residual else None,
-               jax.ShapeDtypeStruct((geo.B, geo.N, pad.T, LANES), f32)]
-  kernel = functools.partial(_forward_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nk=nk)
+  rows = block_spec(HEADS_MAJOR, heads_rows, dims)
+  lse_shape = (geo.B, geo.N, pad.T, LANES)
+  kernel = functools.partial(_forward_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nq=nq, nk=nk)
   o, residual, lse = _pallas_call(
-      kernel, spec, grid=(geo.B, geo.N, nq, nk), in_specs=in_specs,
-      out_specs=[rows, rows if separate_residual else None, stats], out_shape=out_shape,
+      kernel, spec, grid=(geo.B, geo.N, nq, nk), in_specs=[_specs(laid, dims)],
+      out_specs=[rows, rows if separate_residual else None,
+                 block_spec(_LSE_LANES, lse_shape, dims)],
+      out_shape=[jax.ShapeDtypeStruct(heads_rows, ops.q.dtype),
+                 jax.ShapeDtypeStruct(heads_rows, dt.residual_o) if separate_residual else None,
+                 jax.ShapeDtypeStruct(lse_shape, f32)],
       scratch_shapes=[pltpu.VMEM((bq, LANES), f32), pltpu.VMEM((bq, LANES), f32),
                       pltpu.VMEM((bq, pad.H), f32)],
-      args=[q_lens, kv_lens, q, k, v, bias, mask, q_seg, kv_seg, offset, sinks],
+      args=[pre, laid],
       semantics=("parallel", "parallel", "parallel", "arbitrary"), name="stable_attn_tpu_fwd")
-  o = from_heads_major(o, geo.T, geo.H)
-  residual = o if residual is None else from_heads_major(residual, geo.T, geo.H)
-  return o, residual, lse[:, :, :geo.T, 0]
+  to_rows = lambda a: unpad(jnp.swapaxes(a, 1, 2), ROW_AXES, geo)
+  o = to_rows(o)
+  residual = o if residual is None else to_rows(residual)
+  return o, residual, unpad(lse[..., 0], LSE_AXES, geo)
 
 
 # ---------------------------------------------------------------------------------------------
 # Backward: dK/dV (innermost: the group's query heads x query blocks) and dQ (innermost: key blocks)
 # ---------------------------------------------------------------------------------------------
 
-def _tile_grads(spec: AttentionSpec, dt, refs, masks: _Masks, q_start, bq: int, k_start, bk: int,
-                q_len, kv_len):
-  """Recomputes one tile's P and dS from refs (q, k, v, dO, lse, delta) and the masks."""
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs
-  round_fn = _round_fn(spec)
-  ok = _visible(spec, q_start, bq, k_start, bk, q_len, kv_len, masks)
-  s = tile.scores(tile.matmul(q_ref[...], k_ref[...], transpose_b=True), ok, scale=spec.scale,
-                  bias=_pairwise_tile(masks.bias, bq, bk), dt=dt, round_fn=round_fn,
-                  soft_cap=spec.logits_soft_cap)
-  dp = tile.matmul(do_ref[...], v_ref[...], transpose_b=True)
-  return tile.backward_tile(s, _rows(lse_ref), dp, _rows(delta_ref), in_dtype=dt.input,
-                            round_fn=round_fn)
+def _tile_grads(spec: AttentionSpec, dt, refs: Operands, grads: BackwardInputs, q_start, bq: int,
+                k_start, bk: int, q_len, kv_len):
+  """Recomputes one tile's P and dS from the refs."""
+  s = _scores(spec, dt, refs, refs.q[...], refs.k[...], q_start, bq, k_start, bk, q_len, kv_len)
+  dp = tile.matmul(grads.do[...], refs.v[...], transpose_b=True)
+  return tile.backward_tile(s, _rows(grads.lse), dp, _rows(grads.delta), in_dtype=dt.input,
+                            round_fn=_round_fn(spec))
 
 
-def _dkv_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                bias_ref, mask_ref, qseg_ref, kvseg_ref, dk_out_ref, dv_out_ref, dk_ref, dv_ref, *,
-                spec: AttentionSpec, dt, bq: int, bk: int, nq: int, group: int):
-  b, kh, j, t = (pl.program_id(a) for a in range(4))
+def _dkv_kernel(pre: _Prefetch, refs: Operands, grads: BackwardInputs, dk_out_ref, dv_out_ref,
+                dk_ref, dv_ref, *, spec: AttentionSpec, dt, bq: int, bk: int, nq: int, nk: int,
+                group: int):
+  b, _, j, t = (pl.program_id(a) for a in range(4))
   i = t % nq
-  q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
+  q_len, kv_len = pre.q_lens[b], pre.kv_lens[b]
   q_start, k_start = i * bq, j * bk
-  lo, hi = blocks.q_block_range(k_start, bk, bq, nq, causal=spec.is_causal, window=spec.window,
-                                q_len=q_len)
+  lo, hi = _q_visits(spec, pre, b, j, bk, bq, nq, nk)
 
   @pl.when(t == 0)
   def _init():
     dk_ref[...] = jnp.zeros(dk_ref.shape, f32)
     dv_ref[...] = jnp.zeros(dv_ref.shape, f32)
 
-  masks = _Masks(bias_ref, mask_ref, qseg_ref, kvseg_ref)
-
-  @pl.when((i >= lo) & (i < hi) & (k_start < kv_len) & _shares_segment(masks))
+  @pl.when((i >= lo) & (i < hi) & (k_start < kv_len))
   def _step():
-    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref)
-    grads = _tile_grads(spec, dt, refs, masks, q_start, bq, k_start, bk, q_len, kv_len)
-    dv_ref[...] = dv_ref[...] + tile.matmul(grads.p, do_ref[...], transpose_a=True)
-    dk_ref[...] = dk_ref[...] + (tile.matmul(grads.ds_op, q_ref[...], transpose_a=True)
+    g = _tile_grads(spec, dt, refs, grads, q_start, bq, k_start, bk, q_len, kv_len)
+    dv_ref[...] = dv_ref[...] + tile.matmul(g.p, grads.do[...], transpose_a=True)
+    dk_ref[...] = dk_ref[...] + (tile.matmul(g.ds_op, refs.q[...], transpose_a=True)
                                  * spec.scale)
 
   @pl.when(t == group * nq - 1)
@@ -430,17 +432,13 @@ def _dkv_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
     dv_out_ref[...] = dv_ref[...].astype(dv_out_ref.dtype)
 
 
-def _dq_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref,
-               mask_ref, qseg_ref, kvseg_ref, dq_out_ref, ds_out_ref, dq_ref, *,
-               spec: AttentionSpec, dt, bq: int,
-               bk: int, nk: int):
-  b, n, i, j = (pl.program_id(a) for a in range(4))
-  q_len, kv_len = q_lens_ref[b], kv_lens_ref[b]
+def _dq_kernel(pre: _Prefetch, refs: Operands, grads: BackwardInputs, dq_out_ref, ds_out_ref,
+               dq_ref, *, spec: AttentionSpec, dt, bq: int, bk: int, nq: int, nk: int):
+  b, _, i, j = (pl.program_id(a) for a in range(4))
+  q_len, kv_len = pre.q_lens[b], pre.kv_lens[b]
   q_start, k_start = i * bq, j * bk
-  lo, hi = blocks.kv_block_range(q_start, bq, bk, nk, causal=spec.is_causal, window=spec.window,
-                                 kv_len=kv_len)
-  masks = _Masks(bias_ref, mask_ref, qseg_ref, kvseg_ref)
-  run = (j >= lo) & (j < hi) & (q_start < q_len) & _shares_segment(masks)
+  lo, hi = _kv_visits(spec, pre, b, i, bq, bk, nq, nk)
+  run = (j >= lo) & (j < hi) & (q_start < q_len)
 
   @pl.when(j == 0)
   def _init():
@@ -448,11 +446,10 @@ def _dq_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
 
   @pl.when(run)
   def _step():
-    refs = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref)
-    grads = _tile_grads(spec, dt, refs, masks, q_start, bq, k_start, bk, q_len, kv_len)
-    dq_ref[...] = dq_ref[...] + tile.matmul(grads.ds_op, k_ref[...]) * spec.scale
+    g = _tile_grads(spec, dt, refs, grads, q_start, bq, k_start, bk, q_len, kv_len)
+    dq_ref[...] = dq_ref[...] + tile.matmul(g.ds_op, refs.k[...]) * spec.scale
     if ds_out_ref is not None:
-      ds_out_ref[...] = grads.ds
+      ds_out_ref[...] = g.ds
 
   if ds_out_ref is not None:
     @pl.when(jnp.logical_not(run))
@@ -464,136 +461,97 @@ def _dq_kernel(q_lens_ref, kv_lens_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
     dq_out_ref[...] = dq_ref[...].astype(dq_out_ref.dtype)
 
 
-def _stats_spec(bq: int, q_rows_index):
-  """BlockSpec of the backward's LSE / delta rows, lane-major or lane-broadcast (see layout)."""
+def _backward_inputs(geo: Geometry, pad: Padded, bq: int, do, lse, delta):
+  """dO heads-major; LSE and delta lane-major [B, N, 1, Tp] (4 bytes a row) when a (1, bq) block
+  is lane aligned, else lane-broadcast [B, N, Tp, 128] (512 bytes a row, re-read for every key
+  block) -> (BackwardInputs, their logical axes)."""
+  rows = lambda x, fill: pad_to(x, LSE_AXES, pad, fill)
   if bq % LANES == 0:
-    def index(*args):
-      b, n, i, _ = q_rows_index(*args)
-      return b, n, 0, i
-    return pl.BlockSpec((pl.squeezed, pl.squeezed, 1, bq), index)
-  return pl.BlockSpec((pl.squeezed, pl.squeezed, bq, LANES), q_rows_index)
+    stats, stats_axes = (lambda x, fill: rows(x, fill)[:, :, None, :]), _LSE_ROW
+  else:
+    stats, stats_axes = (lambda x, fill: _lane_broadcast(rows(x, fill))), _LSE_LANES
+  grads = BackwardInputs(heads_major(pad_to(do, ROW_AXES, pad)),
+                         stats(lse, tile.EMPTY_ROW_LSE), stats(delta, 0.0))
+  return grads, BackwardInputs(HEADS_MAJOR, stats_axes, stats_axes)
 
 
-@dataclasses.dataclass(frozen=True)
-class _BackwardLayout:
-  """The padded, heads-major operands of one backward kernel (its own block sizes)."""
-  pad: Padded
-  q: jax.Array
-  k: jax.Array
-  v: jax.Array
-  do: jax.Array
-  lse: jax.Array
-  delta: jax.Array
-  bias: Optional[jax.Array]
-  mask: Optional[jax.Array]
-  q_seg: Optional[jax.Array]
-  kv_seg: Optional[jax.Array]
-
-  @classmethod
-  def make(cls, ops: Operands, geo: Geometry, bq: int, bk: int, do, lse, delta):
-    pad = geo.padded(bq, bk, round_up(geo.H, LANES))
-
-    def rows(x, fill):
-      x = jnp.pad(x, ((0, 0), (0, 0), (0, pad.T - geo.T)), constant_values=fill)
-      # Lane-major [B, N, 1, Tp] (4 bytes a row) when a (1, bq) block is lane aligned, else
-      # lane-broadcast [B, N, Tp, 128] (512 bytes a row, re-read for every key block).
-      return x[:, :, None, :] if bq % LANES == 0 else _lane_broadcast(x)
-
-    return cls(pad, heads_major(ops.q, pad.T, pad.H), heads_major(ops.k, pad.S, pad.H),
-               heads_major(ops.v, pad.S, pad.H), heads_major(do.astype(ops.q.dtype), pad.T, pad.H),
-               rows(lse, tile.EMPTY_ROW_LSE), rows(delta, 0.0),
-               pad_pairwise(ops.bias, geo, pad, 0), pad_pairwise(ops.mask, geo, pad, False),
-               *_broadcast_segments(ops, pad))
-
-  def args(self, q_lens, kv_lens):
-    return [q_lens, kv_lens, self.q, self.k, self.v, self.do, self.lse, self.delta, self.bias,
-            self.mask, self.q_seg, self.kv_seg]
+def _grad_specs(grads: BackwardInputs, axes: BackwardInputs, dims: dict) -> BackwardInputs:
+  return BackwardInputs(*(block_spec(a, x.shape, dims) for a, x in zip(axes, grads)))
 
 
 def _backward(spec: AttentionSpec, config: _Config, ops: Operands, o_residual, lse, do, dlse=None):
   dt = spec.numerics.dtypes(ops.q.dtype)
   geo = Geometry.of(ops)
   B, N, K, G = geo.B, geo.N, geo.K, geo.G
-  q_lens, kv_lens = lengths(ops, geo)
   # The delta pre-pass is one fused elementwise + row-sum pass (XLA), with the shared tile.delta.
   delta = tile.delta(jnp.swapaxes(do, 1, 2), jnp.swapaxes(o_residual, 1, 2))      # [B, N, T]
   delta = shifted_delta(delta, dlse)
+  do = do.astype(ops.q.dtype)
 
   # dK, dV: grid (B, K, k blocks, G * q blocks).
   bq, bk = config.bq_dkv, config.bk_dkv
-  x = _BackwardLayout.make(ops, geo, bq, bk, do, lse, delta)
-  nq, nk = x.pad.T // bq, x.pad.S // bk
+  pad = geo.padded(bq, bk, round_up(geo.H, LANES))
+  nq, nk = pad.T // bq, pad.S // bk
+  pre, x, laid = _laid_out(ops, pad)
+  laid = laid._replace(offset=None, sinks=None)   # the backward needs neither
+  pre = _with_ranges(pre, x, bq, bk, "key")
+  grads, grad_axes = _backward_inputs(geo, pad, bq, do, lse, delta)
 
-  def q_block(b, j, t, q_lens_ref):
-    lo, hi = blocks.q_block_range(j * bk, bk, bq, nq, causal=spec.is_causal, window=spec.window,
-                                  q_len=q_lens_ref[b])
-    return _clamp(t % nq, lo, hi, nq)
+  def q_block(b, kh, j, t, pre):
+    return _clamp(t % nq, *_q_visits(spec, pre, b, j, bk, bq, nq, nk), nq)
 
-  def q_rows_index(b, kh, j, t, q_lens_ref, kv_lens_ref):
-    return (b, kh * G + t // nq, q_block(b, j, t, q_lens_ref), 0)
-
-  def pair_index(b, kh, j, t, q_lens_ref, kv_lens_ref):
-    return (b, kh * G + t // nq, q_block(b, j, t, q_lens_ref), j)
-
-  q_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, x.pad.H), q_rows_index)
-  stats = _stats_spec(bq, q_rows_index)
-  kv_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bk, x.pad.H),
-                         lambda b, kh, j, t, *_: (b, kh, j, 0))
-  kernel = functools.partial(_dkv_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nq=nq, group=G)
-  kv_shape = (B, K, x.pad.S, x.pad.H)
+  dims = dict(batch=squeezed(lambda b, kh, j, t, pre: b),
+              heads=squeezed(lambda b, kh, j, t, pre: kh * G + t // nq),
+              kv_heads=squeezed(lambda b, kh, j, t, pre: kh),
+              query=blocked(bq, q_block), key=blocked(bk, lambda b, kh, j, t, pre: j))
+  kv_shape = (B, K, pad.S, pad.H)
+  kv_rows = block_spec(_AXES["k"], kv_shape, dims)
+  kernel = functools.partial(_dkv_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nq=nq, nk=nk, group=G)
   dk, dv = _pallas_call(
       kernel, spec, grid=(B, K, nk, G * nq),
-      in_specs=[q_rows, kv_rows, kv_rows, q_rows, stats, stats,
-                _pairwise_spec(x.bias, bq, bk, pair_index),
-                _pairwise_spec(x.mask, bq, bk, pair_index),
-                *_segment_specs(x.q_seg, x.kv_seg, bq, bk,
-                                lambda b, kh, j, t, ql, kl: (b, q_block(b, j, t, ql)),
-                                lambda b, kh, j, t, *_: (b, j))],
+      in_specs=[_specs(laid, dims), _grad_specs(grads, grad_axes, dims)],
       out_specs=[kv_rows, kv_rows],
       out_shape=[jax.ShapeDtypeStruct(kv_shape, ops.k.dtype),
                  jax.ShapeDtypeStruct(kv_shape, ops.v.dtype)],
-      scratch_shapes=[pltpu.VMEM((bk, x.pad.H), f32), pltpu.VMEM((bk, x.pad.H), f32)],
-      args=x.args(q_lens, kv_lens),
+      scratch_shapes=[pltpu.VMEM((bk, pad.H), f32), pltpu.VMEM((bk, pad.H), f32)],
+      args=[pre, laid, grads],
       semantics=("parallel", "parallel", "parallel", "arbitrary"), name="stable_attn_tpu_dkv")
 
   # dQ (and dS for dbias): grid (B, N, q blocks, k blocks).
   bq, bk = config.bq_dq, config.bk_dq
-  x = _BackwardLayout.make(ops, geo, bq, bk, do, lse, delta)
-  nq, nk = x.pad.T // bq, x.pad.S // bk
+  pad = geo.padded(bq, bk, round_up(geo.H, LANES))
+  nq, nk = pad.T // bq, pad.S // bk
+  pre, x, laid = _laid_out(ops, pad)
+  laid = laid._replace(offset=None, sinks=None)
+  pre = _with_ranges(pre, x, bq, bk, "query")
+  grads, grad_axes = _backward_inputs(geo, pad, bq, do, lse, delta)
 
-  def kv_block(b, n, i, j, q_lens_ref, kv_lens_ref):
-    lo, hi = blocks.kv_block_range(i * bq, bq, bk, nk, causal=spec.is_causal,
-                                   window=spec.window, kv_len=kv_lens_ref[b])
-    return _clamp(j, lo, hi, nk)
+  def kv_block(b, n, i, j, pre):
+    return _clamp(j, *_kv_visits(spec, pre, b, i, bq, bk, nq, nk), nk)
 
-  q_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, x.pad.H),
-                        lambda b, n, i, j, *_: (b, n, i, 0))
-  stats = _stats_spec(bq, lambda b, n, i, j, *_: (b, n, i, 0))
-  kv_rows = pl.BlockSpec((pl.squeezed, pl.squeezed, bk, x.pad.H),
-                         lambda b, n, i, j, *p: (b, n // G, kv_block(b, n, i, j, *p), 0))
-  pair_index = lambda b, n, i, j, *p: (b, n, i, kv_block(b, n, i, j, *p))
-  has_bias = x.bias is not None
-  ds_spec = pl.BlockSpec((pl.squeezed, pl.squeezed, bq, bk), lambda b, n, i, j, *_: (b, n, i, j))
-  kernel = functools.partial(_dq_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nk=nk)
+  dims = _row_dims(G, bq, bk, kv_block)
+  has_bias = laid.bias is not None
+  ds_shape = (B, N, pad.T, pad.S)
+  ds_dims = {**dims, "key": blocked(bk, lambda b, n, i, j, pre: j)}   # every block is written
+  kernel = functools.partial(_dq_kernel, spec=spec, dt=dt, bq=bq, bk=bk, nq=nq, nk=nk)
   dq, ds = _pallas_call(
       kernel, spec, grid=(B, N, nq, nk),
-      in_specs=[q_rows, kv_rows, kv_rows, q_rows, stats, stats,
-                _pairwise_spec(x.bias, bq, bk, pair_index),
-                _pairwise_spec(x.mask, bq, bk, pair_index),
-                *_segment_specs(x.q_seg, x.kv_seg, bq, bk, lambda b, n, i, j, *p: (b, i),
-                                lambda b, n, i, j, *p: (b, kv_block(b, n, i, j, *p)))],
-      out_specs=[q_rows, ds_spec if has_bias else None],
-      out_shape=[jax.ShapeDtypeStruct((B, N, x.pad.T, x.pad.H), ops.q.dtype),
-                 jax.ShapeDtypeStruct((B, N, x.pad.T, x.pad.S), f32) if has_bias else None],
-      scratch_shapes=[pltpu.VMEM((bq, x.pad.H), f32)],
-      args=x.args(q_lens, kv_lens),
+      in_specs=[_specs(laid, dims), _grad_specs(grads, grad_axes, dims)],
+      out_specs=[block_spec(HEADS_MAJOR, (B, N, pad.T, pad.H), dims),
+                 block_spec(("batch", "heads", "query", "key"), ds_shape, ds_dims)
+                 if has_bias else None],
+      out_shape=[jax.ShapeDtypeStruct((B, N, pad.T, pad.H), ops.q.dtype),
+                 jax.ShapeDtypeStruct(ds_shape, f32) if has_bias else None],
+      scratch_shapes=[pltpu.VMEM((bq, pad.H), f32)],
+      args=[pre, laid, grads],
       semantics=("parallel", "parallel", "parallel", "arbitrary"), name="stable_attn_tpu_dq")
 
   dbias = None
   if has_bias:
     dbias = reduce_to_shape(ds[:, :, :geo.T, :geo.S], ops.bias.shape).astype(ops.bias.dtype)
-  return (from_heads_major(dq, geo.T, geo.H), from_heads_major(dk, geo.S, geo.H),
-          from_heads_major(dv, geo.S, geo.H), dbias)
+  to_caller = lambda a, axes: unpad(jnp.swapaxes(a, 1, 2), axes, geo)
+  kv_axes = ("batch", "key", "kv_heads", "head_dim")
+  return (to_caller(dq, ROW_AXES), to_caller(dk, kv_axes), to_caller(dv, kv_axes), dbias)
 
 
 # Partitioned under jax.sharding when compiled. Not in interpret mode: the TPU interpreter runs the

@@ -1,0 +1,68 @@
+"""Packed sequences as block ranges (stable_attn.blocks.segment_sections), against brute force."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stable_attn import blocks
+
+
+def _ids(rng, B, L, monotone: bool):
+  if monotone:   # packing: documents of random lengths, ids never decrease
+    return np.cumsum(rng.random((B, L)) < 3.0 / L * rng.integers(1, 4), axis=1).astype(np.int32)
+  return rng.integers(0, 4, (B, L)).astype(np.int32)
+
+
+def _blocks(ids, block):
+  return ids.reshape(ids.shape[0], -1, block)
+
+
+@pytest.mark.parametrize("monotone", [True, False])
+@pytest.mark.parametrize("per", ["query", "key"])
+def test_segment_sections_against_brute_force(monotone, per):
+  rng = np.random.default_rng()
+  for _ in range(20):
+    bq, bk = (int(x) for x in rng.choice([4, 8, 16], 2))
+    B, nq, nk = 2, int(rng.integers(1, 9)), int(rng.integers(1, 9))
+    q_ids, kv_ids = _ids(rng, B, nq * bq, monotone), _ids(rng, B, nk * bk, monotone)
+    got = np.asarray(blocks.segment_sections(q_ids, kv_ids, bq, bk, per=per))
+    qb, kb = _blocks(q_ids, bq), _blocks(kv_ids, bk)
+    # share[b, i, j]: query block i and key block j hold a common id (a visible pair may exist)
+    share = np.array([[[bool(np.intersect1d(qb[b, i], kb[b, j]).size) for j in range(nk)]
+                       for i in range(nq)] for b in range(B)])
+    whole = np.array([[[len(set(qb[b, i]) | set(kb[b, j])) == 1 for j in range(nk)]
+                       for i in range(nq)] for b in range(B)])
+    if per == "key":
+      share, whole = share.transpose(0, 2, 1), whole.transpose(0, 2, 1)
+    for b in range(B):
+      for r, (lo, flo, fhi, hi) in enumerate(got[b]):
+        assert lo <= flo <= fhi <= hi <= share.shape[2]
+        members = np.flatnonzero(share[b, r])
+        assert all(lo <= m < hi for m in members), (per, b, r, got[b, r], members)
+        if monotone and members.size:   # exact for packing: the range holds nothing else
+          assert (lo, hi) == (members[0], members[-1] + 1), (got[b, r], members)
+        assert all(whole[b, r, flo:fhi]), (got[b, r], whole[b, r])
+        if monotone:   # and every one-document block is run unmasked
+          assert fhi - flo == whole[b, r].sum(), (got[b, r], whole[b, r])
+
+
+def test_intersection_with_causal_ranges_keeps_every_visible_block():
+  """kv_sections with segments: every key block holding a visible (causal, same-document) pair is
+  visited, and every block run unmasked has every pair visible."""
+  rng = np.random.default_rng()
+  bq = bk = 8
+  T = 64
+  for _ in range(10):
+    ids = _ids(rng, 1, T, True)
+    ranges = np.asarray(blocks.segment_sections(ids, ids, bq, bk, per="query"))[0]
+    visible = (ids[0][:, None] == ids[0][None, :]) & (np.arange(T)[None] <= np.arange(T)[:, None])
+    for i in range(T // bq):
+      lo, flo, fhi, hi = (int(x) for x in blocks.kv_sections(
+          i * bq, bq, bk, T // bk, causal=True, window=None, q_len=T, kv_len=T, has_mask=False,
+          segments=tuple(ranges[i])))
+      tiles = visible[i * bq:(i + 1) * bq].reshape(bq, T // bk, bk)
+      for j in range(T // bk):
+        if tiles[:, j].any():
+          assert lo <= j < hi, (i, j, (lo, flo, fhi, hi))
+        if flo <= j < fhi:
+          assert tiles[:, j].all(), (i, j, (lo, flo, fhi, hi))
