@@ -237,9 +237,14 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
                              block_size=mcfg.block_size)[0][:min(MONITOR_ROWS, cfg.batch_size)]
 
   ckpt = Checkpointer(out_dir / "checkpoints", keep=cfg.keep_checkpoints)
+  try:
+    params, opt_state, state, start, sample_key = _resume(ckpt, params, opt_state, cfg, opts,
+                                                          out_dir, log)
+  except BaseException:
+    # Left open after a failed read, Orbax's threads print tracebacks of their own at exit.
+    ckpt.close()
+    raise
   metrics = MetricsLogger(out_dir, enabled=main, tensorboard=opts.tensorboard)
-  params, opt_state, state, start, sample_key = _resume(ckpt, params, opt_state, cfg, opts,
-                                                        out_dir, log)
   metrics.truncate_after(start)  # records of steps after the checkpoint are about to be redone
   bar = tqdm(total=cfg.max_steps, initial=start, disable=not (main and opts.progress),
              desc=opts.config_name, dynamic_ncols=True, unit="step")
@@ -272,21 +277,20 @@ def _log_config(log: _Log, cfg: TrainConfig, opts: RunOptions) -> None:
 
 def _resume(ckpt: Checkpointer, params, opt_state, cfg: TrainConfig, opts: RunOptions,
             out_dir: Path, log: _Log):
-  """The newest checkpoint's arrays and bookkeeping, or else the fresh arrays given;
+  """The arrays and bookkeeping of the newest checkpoint that reads back (newer, corrupt ones are
+  set aside with a line each: Checkpointer.restore_latest), or else the fresh arrays given;
   returns (params, opt_state, state, start step, sample key)."""
-  latest = ckpt.latest_step()
-  if latest is None:
+  if ckpt.latest_step() is None:
     return params, opt_state, RunState(), 0, jax.random.PRNGKey(cfg.seed)
   if not opts.resume:
     raise ValueError(f"{out_dir / 'checkpoints'} already holds checkpoints and --no-resume was "
                      f"given; choose another --out-dir or delete them")
-  # Checked before the arrays are read: Orbax would fail on another shape with a far less clear
-  # error.
-  _check_compatible(ckpt.read_meta(latest), cfg, out_dir)
-  params, opt_state, meta = ckpt.restore(latest, params, opt_state)
-  start = int(meta["data_step"])
+  # The compatibility check runs before the arrays are read: Orbax would fail on another shape
+  # with a far less clear error.
+  start, params, opt_state, meta = ckpt.restore_latest(
+      params, opt_state, check=lambda meta: _check_compatible(meta, cfg, out_dir), warn=log)
   log(f"train: resumed from {out_dir / 'checkpoints'} at step {start}")
-  state = RunState(completed=start, loss_ema=meta.get("loss_ema"), last_good=latest)
+  state = RunState(completed=start, loss_ema=meta.get("loss_ema"), last_good=start)
   return params, opt_state, state, start, jnp.asarray(meta["sample_key"], jnp.uint32)
 
 
