@@ -258,6 +258,7 @@ def test_cli_choices_follow_stable_attn():
     (["--attention", "cudnn", "--max-adjust", "paper"], "does not apply"),
     (["--max-steps", "0"], "max_steps must be positive"),
     (["--corpus", "owt"], "--corpus 'owt' is unknown"),
+    (["--keep-checkpoints", "0"], r"keep_checkpoints \(--keep-checkpoints\) must be at least 1"),
 ])
 def test_cli_bad_flags_raise_value_error(argv, match):
   with pytest.raises(ValueError, match=match):
@@ -267,6 +268,32 @@ def test_cli_bad_flags_raise_value_error(argv, match):
 def test_cli_main_reports_bad_flags(capsys):
   assert cli_main(["--attention", "flash"]) == 2
   assert "attention='flash' is not one of" in capsys.readouterr().err
+
+
+def test_cli_refuses_bad_inputs_before_writing_anything(tmp_path, capsys):
+  """A bad --keep-checkpoints, --out-dir or --data: exit code 2 and one line naming it, before an
+  out dir or its train.log exists."""
+  a_file = tmp_path / "a_file"
+  a_file.write_text("not a directory")
+  short = tmp_path / "short.txt"
+  short.write_text("Too short to hold one window of 32 tokens.")
+  cases = [
+      (["--keep-checkpoints", "0", "--data", ALICE], tmp_path / "keep", "--keep-checkpoints"),
+      (["--data", ALICE], a_file, f"--out-dir {a_file} is a file, not a directory"),
+      (["--data", ALICE], a_file / "out",
+       f"--out-dir {a_file / 'out'} cannot be created: {a_file} is a file"),
+      (["--data", str(tmp_path / "missing")], tmp_path / "missing_data",
+       f"--data {tmp_path / 'missing'}: no such file or directory"),
+      (["--data", str(short)], tmp_path / "short_data", "fewer than block_size + 1 = 33"),
+  ]
+  for argv, out, says in cases:
+    rc = cli_main(["--config", "tiny", "--block-size", "32", "--batch-size", "2", "--no-progress",
+                   "--no-tensorboard", "--out-dir", str(out)] + argv)
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"{PROG}: error: "), (argv, err)
+    assert says in err[0], (says, err[0])
+    assert out == a_file or not out.exists(), out
+  assert a_file.read_text() == "not a directory"
 
 
 # Orbax's failed reads leave callbacks into a closed event loop; each would print a traceback.

@@ -110,6 +110,10 @@ class TrainConfig:
       raise ValueError(f"lr_decay_steps must be positive, got {self.lr_decay_steps}")
     if not 0 <= self.b1 < 1 or not 0 <= self.b2 < 1:
       raise ValueError(f"b1 and b2 must lie in [0, 1), got {self.b1}, {self.b2}")
+    if self.keep_checkpoints < 1:
+      # 0 would delete every checkpoint as it is written: the next run would restart from step 0.
+      raise ValueError(f"keep_checkpoints (--keep-checkpoints) must be at least 1, got "
+                       f"{self.keep_checkpoints}")
     if self.spike_factor and self.spike_factor <= 1:
       raise ValueError(f"spike_factor must be > 1 (or 0 to disable), got {self.spike_factor}")
 

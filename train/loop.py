@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -78,15 +79,29 @@ class RunState:
 
 
 class _Log:
-  """Messages to the terminal (above the progress bar) and to DIR/train.log, from process 0 only."""
+  """Messages to the terminal (above the progress bar) and to DIR/train.log, from process 0 only.
 
-  def __init__(self, out_dir: Path, enabled: bool):
-    self.path, self.enabled = out_dir / "train.log", enabled
+  The out dir is created only once the inputs are known good (a bad --data must leave nothing
+  behind), so lines logged before `open` are held and written to train.log when it opens.
+  """
+
+  def __init__(self, enabled: bool):
+    self.path, self.enabled, self.held = None, enabled, []
+
+  def open(self, out_dir: Path) -> None:
+    self.path = out_dir / "train.log"
+    if self.enabled and self.held:
+      with open(self.path, "a") as f:
+        f.write("".join(msg + "\n" for msg in self.held))
+    self.held = []
 
   def __call__(self, msg: str) -> None:
     if not self.enabled:
       return
     tqdm.write(msg)
+    if self.path is None:
+      self.held.append(msg)
+      return
     with open(self.path, "a") as f:
       f.write(msg + "\n")
 
@@ -203,15 +218,17 @@ class _Run:
 def _set_up(cfg: TrainConfig, opts: RunOptions):
   """Logs the configuration, loads the data, builds the state and the jitted functions on the mesh
   and resumes from the newest checkpoint; returns (run, params, opt_state, state)."""
+  # Every input is checked before anything is written: a bad flag or --data leaves no out dir.
   if opts.time_limit is not None and opts.time_limit <= 0:
     raise ValueError(f"time_limit must be positive, got {opts.time_limit}")
   out_dir = Path(opts.out_dir)
+  _check_out_dir(out_dir)
   main = jax.process_index() == 0
-  out_dir.mkdir(parents=True, exist_ok=True)
-  log = _Log(out_dir, main)
+  log = _Log(main)
   mcfg, n_dev = cfg.model, jax.device_count()
   if cfg.batch_size % n_dev:
     raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {n_dev} devices")
+  rows = host_rows(cfg.batch_size)
   if jax.default_backend() == "cpu":
     # CPU XLA cannot reuse donated buffers; the warning says nothing useful there.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -219,6 +236,8 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   data = data_lib.load_data(opts.data, corpus=cfg.corpus, progress=opts.progress and main, log=log)
   data.check(mcfg.block_size, mcfg.vocab_size)
   log(f"data: {data.source}: {data.train.size:,} train / {data.val.size:,} val tokens")
+  _make_out_dir(out_dir)
+  log.open(out_dir)
 
   mesh = make_mesh()
   training = make_training(cfg, mesh)
@@ -248,14 +267,39 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   metrics.truncate_after(start)  # records of steps after the checkpoint are about to be redone
   bar = tqdm(total=cfg.max_steps, initial=start, disable=not (main and opts.progress),
              desc=opts.config_name, dynamic_ncols=True, unit="step")
-  run = _Run(cfg=cfg, opts=opts, out_dir=out_dir, main=main, log=log, data=data,
-             rows=host_rows(cfg.batch_size), train_sharding=b_sh3, eval_sharding=b_sh2,
+  run = _Run(cfg=cfg, opts=opts, out_dir=out_dir, main=main, log=log, data=data, rows=rows,
+             train_sharding=b_sh3, eval_sharding=b_sh2,
              train_step=training.train_step, eval_step=eval_step, monitor=monitor,
              monitor_x=to_global(mon_x, rep, mon_x.shape),
              sampler=make_sampler(graphdef, mcfg.block_size), schedule=lr_schedule(cfg),
              flops_per_token=fpt, peak=peak, peak_note=peak_note, ckpt=ckpt, metrics=metrics,
              bar=bar, start=start, sample_key=sample_key)
   return run, params, opt_state, state
+
+
+def _check_out_dir(out_dir: Path) -> None:
+  """ValueError in one line when --out-dir is a file or could not be created, before any work."""
+  if out_dir.exists():
+    if not out_dir.is_dir():
+      raise ValueError(f"--out-dir {out_dir} is a file, not a directory")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+      raise ValueError(f"--out-dir {out_dir} is not writable")
+    return
+  parent = next(p for p in out_dir.absolute().parents if p.exists())
+  if not parent.is_dir():
+    raise ValueError(f"--out-dir {out_dir} cannot be created: {parent} is a file")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ValueError(f"--out-dir {out_dir} cannot be created: {parent} is not writable")
+
+
+def _make_out_dir(out_dir: Path) -> None:
+  """Creates --out-dir; ValueError in one line when it cannot be created or written to."""
+  try:
+    out_dir.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # a file in its path, no permission, a read-only file system
+    raise ValueError(f"--out-dir {out_dir} cannot be created: {e.strerror or e}") from e
+  if not os.access(out_dir, os.W_OK | os.X_OK):
+    raise ValueError(f"--out-dir {out_dir} is not writable")
 
 
 def _log_config(log: _Log, cfg: TrainConfig, opts: RunOptions) -> None:
