@@ -1,14 +1,16 @@
 """What packed sequences, the logit soft cap and attention sinks cost, forward+backward, in one process.
 
-    PYTHONPATH=. python benchmarks/features.py              # on a GPU: pallas_gpu (and the Hopper
-                                                            # kernel where it covers the call)
+    PYTHONPATH=. python benchmarks/features.py              # on a GPU: the Hopper kernel, pallas_gpu
+                                                            # and tokamax (when importable)
     PYTHONPATH=. python benchmarks/features.py --smoke      # tiny shapes, interpret mode, CPU
 
 Packed: one row of T = 8192 tokens (N16 H128, causal, segment ids) holding 8 documents of 1024, 64
 of 128, or one of 8192, against the same documents unpacked (a batch of rows, no segment ids; for
 one document: the same row without segment ids). The segment block ranges (stable_attn.blocks)
-should make a packed row cost about what its documents cost alone. Soft cap and sinks: B4 T4096
-N16 H128 causal with logits_soft_cap=50, and with sinks (one per head), against neither.
+should make a packed row cost about what its documents cost alone. Soft cap: B4 T4096 N16 H128 and
+B16 T1024 N12 H64 causal with logits_soft_cap=50 against no cap, forward+backward and forward; sinks
+(one per head) at B4 T4096 N16 H128 against none. The peer tokamax (its Mosaic GPU kernel) runs
+what it takes (the soft cap, plain attention) and each of ours gets "tokamax ms / ours" per call.
 Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks). Writes
 benchmarks/results/features_<device>.md and prints it.
 """
@@ -30,11 +32,25 @@ from stable_attn import backends  # noqa: E402
 from stable_attn.api import Options, canonicalize  # noqa: E402
 
 
-def _fwd_bwd(implementation, interpret, **kwargs):
-  def attention(q, k, v):
-    return stable_attn.dot_product_attention(q, k, v, implementation=implementation,
-                                             interpret=interpret, **kwargs)
-  return jax.jit(lambda q, k, v, do: jax.vjp(attention, q, k, v)[1](do))
+def _peer_tokamax():
+  """tokamax's dot_product_attention (its sm90 Mosaic GPU kernel), or None when not importable
+  (../shared/tools/peer-wheels.sh prepares it for a machine without a package index)."""
+  try:
+    import tokamax
+  except ImportError:
+    return None
+  return lambda q, k, v, **kw: tokamax.dot_product_attention(q, k, v, implementation="mosaic", **kw)
+
+
+def _callable(implementation, interpret, **kwargs):
+  """f(q, k, v) -> O for one of ours or the tokamax peer (None if that does not take the call)."""
+  if implementation == "tokamax":
+    peer = _peer_tokamax()
+    if set(kwargs) - {"is_causal", "logits_soft_cap"}:
+      return None   # no segment ids or sinks in tokamax's GPU kernels
+    return lambda q, k, v: peer(q, k, v, **kwargs)
+  return lambda q, k, v: stable_attn.dot_product_attention(
+      q, k, v, implementation=implementation, interpret=interpret, **kwargs)
 
 
 def _inputs(shape, seed=0):
@@ -44,36 +60,63 @@ def _inputs(shape, seed=0):
                for key in keys)
 
 
+def _why_not(impl, interpret, q, k, v, **kwargs):
+  """None if `impl` runs this call here, else why not."""
+  if impl == "tokamax":
+    if _peer_tokamax() is None:
+      return "tokamax is not importable"
+    if _callable(impl, interpret, **kwargs) is None:
+      return "tokamax takes no segment ids or sinks on GPU"
+    return None
+  spec, ops, _ = canonicalize(q, k, v, options=Options(interpret=interpret, **kwargs))
+  backend = backends.load(impl)
+  reason = backend.covers(spec, ops)
+  if reason is None and not (interpret or backend.is_available()):
+    reason = f"not available on the {jax.default_backend()!r} backend"
+  return reason
+
+
+def _label(shape) -> str:
+  B, T, N, H = shape
+  return f"B{B} T{T} N{N} H{H} causal"
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
-  p.add_argument("--implementations", default="pallas_mosaic_gpu,pallas_gpu")
+  p.add_argument("--implementations", default="pallas_mosaic_gpu,pallas_gpu,tokamax",
+                 help="ours, and the peer 'tokamax' where importable")
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--blocks", type=int, default=5)
   p.add_argument("--out-dir", default=bench.RESULTS)
   args = p.parse_args(argv)
   N, H = (2, 32) if args.smoke else (16, 128)
   packings = ([(4, 32), (1, 128)] if args.smoke else [(8, 1024), (64, 128), (1, 8192)])
-  cap_shape = (1, 64, 2, 32) if args.smoke else (4, 4096, 16, 128)
+  cap_shapes = [(1, 64, 2, 32)] if args.smoke else [(4, 4096, 16, 128), (16, 1024, 12, 64)]
   calls, blocks = (1, 1) if args.smoke else (args.calls, args.blocks)
   interpret = args.smoke
   device = jax.devices()[0].device_kind
-  rows = []
+  rows, ms = [], {}
   for impl in args.implementations.split(","):
-    def timed(name, shape, **kwargs):
+    def timed(name, shape, forward_only=False, **kwargs):
       q, k, v, do = _inputs(shape)
-      spec, ops, _ = canonicalize(q, k, v, options=Options(interpret=interpret, **kwargs))
-      backend = backends.load(impl)
-      reason = backend.covers(spec, ops)
-      if reason is None and not (interpret or backend.is_available()):
-        reason = f"not available on the {jax.default_backend()!r} backend"
+      name = f"{name}, forward" if forward_only else name
+      reason = _why_not(impl, interpret, q, k, v, **kwargs)
       if reason is not None:
         rows.append((impl, name, float("nan"), f"not run: {reason}"))
         return float("nan")
-      fn = _fwd_bwd(impl, interpret, **kwargs)
-      ms = 1e3 * bench.time_calls(fn, (q, k, v, do), calls, blocks)
-      rows.append((impl, name, ms, ""))
-      return ms
+      attention = _callable(impl, interpret, **kwargs)
+      fn = jax.jit(attention if forward_only else
+                   lambda q, k, v, do: jax.vjp(attention, q, k, v)[1](do))
+      try:
+        t = 1e3 * bench.time_calls(fn, (q, k, v) if forward_only else (q, k, v, do), calls,
+                                   blocks)
+      except Exception as e:  # a row that says so, and the other arms go on
+        rows.append((impl, name, float("nan"), f"FAILED {type(e).__name__}: {str(e)[:300]}"))
+        return float("nan")
+      rows.append((impl, name, t, ""))
+      ms[impl, name] = t
+      return t
 
     for docs, doc_len in packings:
       ids = jnp.asarray(np.repeat(np.arange(docs), doc_len)[None], jnp.int32)
@@ -82,19 +125,30 @@ def main(argv=None):
       alone = timed(f"unpacked: {docs} x {doc_len}, no segment ids", (docs, doc_len, N, H),
                     is_causal=True)
       rows.append((impl, f"packed / unpacked, {docs} x {doc_len}", packed / alone, "ratio"))
-    capped = timed(f"B{cap_shape[0]} T{cap_shape[1]} N{cap_shape[2]} H{cap_shape[3]} causal, "
-                   "soft cap 50", cap_shape, is_causal=True, logits_soft_cap=50.0)
-    plain = timed(f"B{cap_shape[0]} T{cap_shape[1]} N{cap_shape[2]} H{cap_shape[3]} causal, "
-                  "no cap", cap_shape, is_causal=True)
-    sunk = timed(f"B{cap_shape[0]} T{cap_shape[1]} N{cap_shape[2]} H{cap_shape[3]} causal, "
-                 "sinks", cap_shape, is_causal=True, sinks=jnp.zeros(cap_shape[2], jnp.float32))
-    rows.append((impl, "soft cap / no cap", capped / plain, "ratio"))
-    rows.append((impl, "sinks / none", sunk / plain, "ratio"))
+    for shape in cap_shapes:
+      for forward_only in (False, True):
+        capped = timed(f"{_label(shape)}, soft cap 50", shape, forward_only, is_causal=True,
+                       logits_soft_cap=50.0)
+        plain = timed(f"{_label(shape)}, no cap", shape, forward_only, is_causal=True)
+        rows.append((impl, f"soft cap / no cap, {_label(shape)}{', forward' * forward_only}",
+                     capped / plain, "ratio"))
+    shape = cap_shapes[0]
+    sunk = timed(f"{_label(shape)}, sinks", shape, is_causal=True,
+                 sinks=jnp.zeros(shape[2], jnp.float32))
+    rows.append((impl, f"sinks / none, {_label(shape)}", sunk / ms.get((impl, f"{_label(shape)}, "
+                                                                        "no cap"), np.nan),
+                 "ratio"))
+  # Ours against the peer on the same call: tokamax's time / ours.
+  for (impl, name), t in list(ms.items()):
+    peer = ms.get(("tokamax", name))
+    if impl != "tokamax" and peer is not None:
+      rows.append((impl, f"speed-up over tokamax: {name}", peer / t, "tokamax ms / ours"))
 
   lines = [f"# Packed sequences, soft cap and sinks, fwd+bwd, {device}", "",
            f"JAX {jax.__version__}, bf16, median of {blocks} blocks of {calls} calls"
            f"{' (smoke run: interpret mode, tiny shapes)' if args.smoke else ''}.", "",
-           "| implementation | case | fwd+bwd ms (or ratio) | note |", "|---|---|---|---|"]
+           "| implementation | case | ms (fwd+bwd unless forward; or ratio) | note |",
+           "|---|---|---|---|"]
   lines += [f"| {i} | {name} | {value:.3f} | {note} |" for i, name, value, note in rows]
   text = "\n".join(lines) + "\n"
   slug = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower()

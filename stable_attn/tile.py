@@ -125,9 +125,10 @@ def _rows(x: jax.Array, like: jax.Array, q_axis: int) -> jax.Array:
 
 class Scores(NamedTuple):
   """A tile's masked logits, `values * factor` (fp32). factor is 1 except in base-2 kernels with a
-  positive softmax scale, no bias and no soft cap: there the scale stays outside the tile, so the
-  max is taken of raw products and exp2(values * factor - m) is one FMA per element. dtanh, with a
-  soft cap, is d(capped)/d(logits) = 1 - tanh^2 for the backward (else None)."""
+  positive softmax scale and no bias: there the scale (with a soft cap: cap * log2(e), the values
+  being the tanh) stays outside the tile, so the max is taken of raw values and
+  exp2(values * factor - m) is one FMA per element. dtanh, with a soft cap, is
+  d(capped)/d(logits) = 1 - tanh^2 for the backward (else None)."""
   values: jax.Array
   factor: float
   dtanh: Optional[jax.Array] = None
@@ -153,6 +154,11 @@ def scores(qk, ok=None, *, scale: float, bias=None, dt: Dtypes, round_fn: RoundF
     raise ValueError(f"base-2 scores need fp32 scores, not {jnp.dtype(dt.score).name}")
   if base2 and bias is None and soft_cap is None and scale > 0:
     s, factor, dtanh = qk, scale * LOG2E, None
+  elif base2 and bias is None and scale > 0:
+    # cap * tanh(scale * qk / cap) in log2 units: tanh of the product, with cap * log2(e) kept
+    # outside the tile as the factor (one multiply and the tanh per element, then one FMA).
+    t = jnp.tanh(qk * (scale / soft_cap))
+    s, factor, dtanh = t, soft_cap * LOG2E, 1.0 - t * t
   else:
     s = qk * scale if bias is None else qk * scale + bias.astype(f32)
     dtanh = None
@@ -310,7 +316,10 @@ def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn
   else:
     sink = jnp.asarray(sink, f32)
     lse_keys = jnp.where(empty, -jnp.inf, lse)
-    lse = jnp.logaddexp(lse_keys, sink)
+    # logaddexp by hand: jnp.logaddexp is a custom_jvp, which Mosaic GPU kernels cannot lower.
+    # The sink is finite, so the larger of the two is finite and exp(-inf - top) is 0.
+    top = jnp.maximum(lse_keys, sink)
+    lse = top + jnp.log(jnp.exp(lse_keys - top) + jnp.exp(sink - top))
     kept = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse_keys - lse)))
     o_exact = o_exact * _rows(kept, acc, q_axis)
   o = round_fn(o_exact, dt.out).astype(dt.input)

@@ -79,6 +79,8 @@ def make_inputs(case: dict, dtype, seed: int):
                                                                                jnp.int32),
                 key_value_seq_lengths=None if "kv_lens" not in case else jnp.asarray(
                     case["kv_lens"], jnp.int32))
+  if case.get("sinks"):   # around and above the rows' maxima (scores here are ~N(0, 1))
+    kwargs["sinks"] = jnp.asarray(rng.normal(1.0, 2.0, N), jnp.float32)
   if case.get("segments"):
     kwargs.update(segment_ids(rng, B, T, S, case.get("docs", 4)))
   return (q, k, v, bias, mask), kwargs, d_out

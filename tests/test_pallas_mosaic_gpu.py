@@ -58,7 +58,8 @@ def _spec_ops(shape=(2, 128, 4, 64), kv_heads=2, dtype=bf16, **kwargs):
     (dict(numerics="fast+fp32o"), "numerics 'fast\\+fp32o'"),
     (dict(interpret=True), "interpret"),
     (dict(q_segment_ids=jnp.zeros((2, 128), jnp.int32)), "segment ids"),
-    (dict(logits_soft_cap=30.0), "logits_soft_cap"),
+    (dict(logits_soft_cap=30.0, is_causal=True), None),
+    (dict(sinks=jnp.zeros(4, f32), logits_soft_cap=5.0), None),
 ])
 def test_covers(kwargs, reason):
   spec, ops = _spec_ops(**kwargs)
@@ -173,6 +174,13 @@ GPU_CASES = {
     "cross_window": dict(B=1, T=257, S=513, N=4, K=1, H=64, window=(64, 32)),
     "T_gt_S": dict(B=1, T=320, S=130, N=2, K=2, H=128, is_causal=True),
     "empty_rows": dict(B=2, T=160, S=130, N=2, K=1, H=64, q_lens=(160, 90), kv_lens=(0, 130)),
+    # The soft cap (tanh on the tile, its derivative in both backward kernels) and sinks.
+    "softcap_sinks_gqa_h128": dict(B=2, T=300, S=333, N=8, K=2, H=128, is_causal=True,
+                                   q_lens=(300, 217), kv_lens=(333, 190), soft_cap=20.0,
+                                   sinks=True),
+    "softcap_window_h64": dict(B=1, T=257, S=513, N=4, K=1, H=64, window=(64, 32), soft_cap=2.5),
+    "sinks_empty_rows": dict(B=2, T=160, S=130, N=2, K=1, H=64, q_lens=(160, 90),
+                             kv_lens=(0, 130), sinks=True),
 }
 GPU_CHECKS = ([(name, bf16, mode) for name in GPU_CASES for mode in ("off", "paper", "safe")]
               + [(name, f16, "safe") for name in GPU_CASES])

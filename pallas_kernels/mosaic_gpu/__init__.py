@@ -7,9 +7,10 @@ dQ kernels, no atomics). See forward.py, backward.py and docs/dispatch.md.
 
 What it covers (`covers`): bf16/fp16 on an sm_90 GPU, head dims 64 and 128, numerics "fast", every
 max_adjust mode, causal, local windows, lengths, GQA/MQA, T != S and lengths that are not block
-multiples (padded). Everything else -- bias or mask operands, segment ids, a logits soft cap, other
-numerics presets, fp32, other head dims -- is implementation="pallas_gpu" (implementation=None picks it; naming this backend
-for such a call raises ValueError with the reason).
+multiples (padded), a logits soft cap, attention sinks. Everything else -- bias or mask operands,
+segment ids, other numerics presets, fp32, other head dims -- is implementation="pallas_gpu"
+(implementation=None picks it; naming this backend for such a call raises ValueError with the
+reason).
 """
 from __future__ import annotations
 
@@ -56,10 +57,6 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
     return "bias and mask operands run on pallas_gpu"
   if ops.q_seg is not None:
     return "segment ids (packed sequences) run on pallas_gpu; the Hopper kernel does not take them yet"
-  if spec.logits_soft_cap is not None:
-    return "logits_soft_cap runs on pallas_gpu; the Hopper kernel does not take it yet"
-  if ops.sinks is not None:
-    return "attention sinks run on pallas_gpu; the Hopper kernel does not take them yet"
   if spec.numerics.dtypes(ops.q.dtype) != numerics_lib.FAST.dtypes(ops.q.dtype):
     return (f"numerics {spec.numerics.name!r}: the Hopper kernels compute the 'fast' rounding "
             f"(fp32 scores and statistics, P in the input dtype)")

@@ -87,11 +87,11 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, dk_ref, dv_ref, scratch, 
           ok = call.visible((bk, bq), i * bq, k_start, q_len, kv_len, q_axis=1)
 
         def p_of_scores(qk_t):
-          s_t = tile.scores(qk_t, ok, scale=spec.scale, dt=call.dt, base2=True)
+          s_t = call.scores(qk_t, ok)
           return tile.backward_p(s_t, common.load_vector(lse_smem.at[slot], COLS),
-                                 in_dtype=call.dt.input, base2=True, q_axis=1)
+                                 in_dtype=call.dt.input, base2=True, q_axis=1), s_t.dtanh
 
-        (p_t, p_op), dp_t = _scores_then_p(
+        ((p_t, p_op), dtanh), dp_t = _scores_then_p(
             lambda acc: plgpu.wgmma(acc, k_smem.at[wg], q.transpose((1, 0))),
             lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do.transpose((1, 0))),
             (bk, bq), p_of_scores)
@@ -100,7 +100,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, dk_ref, dv_ref, scratch, 
           dk_acc, dv_acc = accs
           plgpu.wgmma(dv_acc, p_op, do)   # runs while dS is computed
           _, ds_op = tile.backward_ds(p_t, dp_t, common.load_vector(delta_smem.at[slot], COLS),
-                                      in_dtype=call.dt.input, q_axis=1)
+                                      in_dtype=call.dt.input, q_axis=1, dtanh=dtanh)
           plgpu.wgmma(dk_acc, ds_op, q)
 
         dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
@@ -197,14 +197,14 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, dq_ref, scratch, *, call: 
       ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len) if kind == "masked" else None
 
       def p_of_scores(qk):
-        s = tile.scores(qk, ok, scale=spec.scale, dt=call.dt, base2=True)
-        return tile.backward_p(s, lse, in_dtype=call.dt.input, base2=True)[0]
+        s = call.scores(qk, ok)
+        return tile.backward_p(s, lse, in_dtype=call.dt.input, base2=True)[0], s.dtanh
 
-      p, dp = _scores_then_p(
+      (p, dtanh), dp = _scores_then_p(
           lambda acc: plgpu.wgmma(acc, q, k.transpose((1, 0))),
           lambda acc: plgpu.wgmma(acc, do, v_smem.at[slot].transpose((1, 0))),
           (bq, bk), p_of_scores)
-      _, ds_op = tile.backward_ds(p, dp, delta, in_dtype=call.dt.input)
+      _, ds_op = tile.backward_ds(p, dp, delta, in_dtype=call.dt.input, dtanh=dtanh)
 
       def update(acc):
         plgpu.wgmma(acc, ds_op, k)

@@ -81,6 +81,11 @@ class Call:
       return refs.q_lens[b], refs.kv_lens[b]
     return self.geo.T, self.geo.S
 
+  def scores(self, qk, ok) -> tile.Scores:
+    """A tile's masked, soft-capped scores in log2 units (either orientation)."""
+    return tile.scores(qk, ok, scale=self.spec.scale, dt=self.dt, base2=True,
+                       soft_cap=self.spec.logits_soft_cap)
+
   def iota_positions(self, shape, q_start, k_start, *, q_axis: int):
     """int32 query and key positions of a tile, in the WGMMA layout."""
     q = plgpu.broadcasted_iota(i32, shape, q_axis, layout=plgpu.Layout.WGMMA) + q_start

@@ -12,6 +12,8 @@ whole run without the mask, edge blocks with it (stable_attn.blocks). GQA: the k
 head n is n // G in the TMA index; K/V are never repeated. Lengths mask padding at the end.
 max_adjust "safe" reads its per-row offsets (the call's operand, stable_attn.tile.safe_offset per
 head and position) and folds them into the row max; "paper" runs the paper's rule per block.
+A logit soft cap is applied to the tile by tile.scores (tanh in fp32); attention sinks join each
+row's denominator in tile.finalize, after the key blocks.
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def _kernel(refs: Operands, o_ref, lse_ref, scratch, *, call: Call):
       ok = None
       if kind == "masked":
         ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len)
-      s = tile.scores(qk, ok, scale=spec.scale, dt=dt, base2=True)
+      s = call.scores(qk, ok)
       p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
                                      offset=offset, base2=True)
       acc = tile.scale_acc(acc, alpha, dt=dt)
@@ -114,7 +116,8 @@ def _kernel(refs: Operands, o_ref, lse_ref, scratch, *, call: Call):
     init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
     acc, stats = common.sections(lo, mine, hi, step, init)
     pl.when(wg == 0)(rendezvous)
-    o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True)
+    sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
+    o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True, sink=sink)
     q_smem.at[wg][...] = o
     lse_smem.at[wg][...] = lse
     plgpu.commit_smem()
