@@ -13,7 +13,7 @@ import pytest
 from train.cli import PROG, build_parser, build_config, main as cli_main
 from train.config import get_config
 from train.loop import RunOptions, TrainingStopped, train
-from train.metrics import read_metrics
+from train.metrics import read_metrics, read_tensorboard
 
 ROOT = Path(__file__).resolve().parent.parent
 ALICE = str(Path(__file__).parent / "data" / "carroll-alice.txt")
@@ -32,8 +32,8 @@ def micro(**kw):
 
 
 def run(cfg, out, **kw):
-  return train(cfg, RunOptions(out_dir=out, config_name="micro", data=ALICE, progress=False,
-                               tensorboard=False, **kw))
+  opts = dict(out_dir=out, config_name="micro", data=ALICE, progress=False, tensorboard=False)
+  return train(cfg, RunOptions(**{**opts, **kw}))
 
 
 def losses(out):
@@ -79,15 +79,67 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
   outputs = ("summary.json", "loss.png")
   written = {name: (tmp_path / "resumed" / name).read_bytes() for name in outputs}
   again = run(cfg, tmp_path / "resumed")
-  assert again["start_step"] == again["end_step"] == 6 and again["first_loss"] is None
+  assert again["start_step"] == again["end_step"] == 6
+  assert again["first_loss"] == losses(tmp_path / "straight")[0][1]
   assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
   assert {name: (tmp_path / "resumed" / name).read_bytes() for name in outputs} == written
   assert json.loads(written["summary.json"])["start_step"] == 3
+  # The first loss is step 0's, trained before the resume.
+  assert json.loads(written["summary.json"])["first_loss"] == losses(tmp_path / "straight")[0][1]
   assert json.loads(written["summary.json"])["tokens_per_s"] > 0
   # ... unless that run was cut off before its summary: then the rerun writes one.
   (tmp_path / "resumed" / "summary.json").unlink()
   run(cfg, tmp_path / "resumed")
-  assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["end_step"] == 6
+  rewritten = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+  assert rewritten["end_step"] == 6
+  assert (rewritten["first_loss"], rewritten["last_loss"]) == (losses(tmp_path / "straight")[0][1],
+                                                               losses(tmp_path / "straight")[-1][1])
+
+
+def test_a_resume_after_a_crash_logs_each_step_once(tmp_path, monkeypatch):
+  """A run killed after its last checkpoint had logged later steps: the resumed run logs them again,
+  and metrics.jsonl and TensorBoard hold each step once; the first loss_avg after the resume
+  averages its whole log interval, and summary.json keeps step 0's loss as the first loss."""
+  import train.data as data_lib
+  import train.loop as loop
+  cfg = micro(max_steps=6, log_every=4, ckpt_every=3)
+  seen = {}  # step -> loss of every step trained; the records hold every 4th
+
+  check, batch = loop._check_loss, data_lib.train_batch
+
+  def spy(step, loss, *args):
+    seen[step] = loss
+    return check(step, loss, *args)
+
+  def killed_at_5(data, step, **kw):
+    if step == 5:
+      raise RuntimeError("killed")  # no checkpoint, nothing closed: as a kill -9
+    return batch(data, step, **kw)
+
+  monkeypatch.setattr(loop, "_check_loss", spy)
+  monkeypatch.setattr(data_lib, "train_batch", killed_at_5)
+  with pytest.raises(RuntimeError, match="killed"):
+    run(cfg, tmp_path, tensorboard=True)
+  monkeypatch.setattr(data_lib, "train_batch", batch)
+  # Steps 0-4 ran and 0 and 4 were logged, but the newest checkpoint is step 3's.
+  assert [r["step"] for r in read_metrics(tmp_path)] == [0, 4]
+  assert [s for s, _ in read_tensorboard(tmp_path / "tb")["loss"]] == [0, 4]
+  killed = dict(seen)
+
+  summary = run(cfg, tmp_path, tensorboard=True)
+  assert summary["start_step"] == 3 and seen[3] == killed[3] and seen[4] == killed[4]
+  recs = read_metrics(tmp_path)
+  assert [r["step"] for r in recs] == [0, 4, 5]
+  assert recs[1]["loss_avg"] == float(np.mean([killed[s] for s in (1, 2, 3, 4)]))
+  tb = read_tensorboard(tmp_path / "tb")
+  for tag, points in tb.items():
+    steps = [s for s, _ in points]
+    assert len(steps) == len(set(steps)), (tag, steps)
+  for key in ("loss", "loss_avg", "grad_norm"):
+    assert [s for s, _ in tb[key]] == [0, 4, 5], key
+    assert [v for _, v in tb[key]] == pytest.approx([r[key] for r in recs], rel=1e-6), key
+  assert summary["first_loss"] == killed[0] == recs[0]["loss"]
+  assert json.loads((tmp_path / "summary.json").read_text())["first_loss"] == killed[0]
 
 
 def test_a_finished_run_started_again_keeps_its_sample(tmp_path):

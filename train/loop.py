@@ -63,8 +63,8 @@ class RunState:
   completed: int = 0  # optimizer steps done, resumed ones included
   loss_ema: float | None = None  # running mean for the spike test; checkpointed for exact resume
   last_good: int | None = None  # step of the newest checkpoint: what a stop leaves behind
-  first_loss: float | None = None  # of this run
-  last_loss: float | None = None
+  first_loss: float | None = None  # of step 0 (checkpointed: a resumed run reports it too)
+  last_loss: float | None = None  # checkpointed too
   val_loss: float | None = None  # the latest evaluation
   pending: list = field(default_factory=list)  # (step, metrics still on device, extras) to flush
   # Losses since the last record (loss_avg), across flushes: a checkpoint flush between two
@@ -263,8 +263,8 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
     # Left open after a failed read, Orbax's threads print tracebacks of their own at exit.
     ckpt.close()
     raise
-  metrics = MetricsLogger(out_dir, enabled=main, tensorboard=opts.tensorboard)
-  metrics.truncate_after(start)  # records of steps after the checkpoint are about to be redone
+  # Records of steps from the checkpoint on are about to be redone: MetricsLogger drops them.
+  metrics = MetricsLogger(out_dir, start_step=start, enabled=main, tensorboard=opts.tensorboard)
   bar = tqdm(total=cfg.max_steps, initial=start, disable=not (main and opts.progress),
              desc=opts.config_name, dynamic_ncols=True, unit="step")
   run = _Run(cfg=cfg, opts=opts, out_dir=out_dir, main=main, log=log, data=data, rows=rows,
@@ -334,7 +334,11 @@ def _resume(ckpt: Checkpointer, params, opt_state, cfg: TrainConfig, opts: RunOp
   start, params, opt_state, meta = ckpt.restore_latest(
       params, opt_state, check=lambda meta: _check_compatible(meta, cfg, out_dir), warn=log)
   log(f"train: resumed from {out_dir / 'checkpoints'} at step {start}")
-  state = RunState(completed=start, loss_ema=meta.get("loss_ema"), last_good=start)
+  # Checkpoints written before the losses were kept lack them: the summary then has no first loss,
+  # and the first record's loss_avg covers only the steps run here.
+  state = RunState(completed=start, loss_ema=meta.get("loss_ema"), last_good=start,
+                   first_loss=meta.get("first_loss"), last_loss=meta.get("last_loss"),
+                   losses_since_record=list(meta.get("losses_since_record", [])))
   return params, opt_state, state, start, jnp.asarray(meta["sample_key"], jnp.uint32)
 
 
@@ -392,7 +396,7 @@ def _flush(run: _Run, state: RunState) -> None:
     loss, gnorm = float(m["loss"]), float(m["grad_norm"])
     state.losses_since_record.append(loss)
     _check_loss(s, loss, gnorm, cfg, state, run.out_dir)
-    if state.first_loss is None:
+    if s == 0:
       state.first_loss = loss
     state.last_loss = loss
     if _due(s, cfg.log_every) or extra or s == cfg.max_steps - 1:
@@ -450,7 +454,11 @@ def _save(run: _Run, state: RunState, params, opt_state, step: int) -> None:
   cfg = run.cfg
   meta = {"data_step": step, "seed": cfg.seed,
           "sample_key": [int(v) for v in np.asarray(run.sample_key)], "loss_ema": state.loss_ema,
-          "config": dataclasses.asdict(cfg), "config_name": run.opts.config_name}
+          "config": dataclasses.asdict(cfg), "config_name": run.opts.config_name,
+          # What the outputs after a resume need: the run's first and latest losses for
+          # summary.json, and the losses since the last record for the next record's loss_avg.
+          "first_loss": state.first_loss, "last_loss": state.last_loss,
+          "losses_since_record": state.losses_since_record}
   run.ckpt.save(step, params, opt_state, meta)
   run.log(f"checkpoint: step {step} -> {run.ckpt.directory / str(step)}")
   state.last_good = step
@@ -522,7 +530,8 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
     if summary["tokens_per_s"]:
       run.log(f"train: median {summary['tokens_per_s']:,.0f} tokens/s, MFU "
               f"{100 * summary['mfu']:.1f}% ({run.peak_note})")
-    if state.first_loss is not None:  # None when the first step stopped the run
+    # None when the first step stopped the run (or a checkpoint from before they were kept).
+    if state.first_loss is not None and state.last_loss is not None:
       run.log(f"train: done in {summary['wall_s']:.0f}s; loss {state.first_loss:.3f} -> "
               f"{state.last_loss:.3f}; outputs in {run.out_dir}")
   run.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import time
 from pathlib import Path
 
@@ -15,20 +16,28 @@ import numpy as np
 
 
 class MetricsLogger:
-  """Appends records to DIR/metrics.jsonl and mirrors scalars to TensorBoard (DIR/tb/)."""
+  """Appends records to DIR/metrics.jsonl and mirrors scalars to TensorBoard (DIR/tb/).
 
-  def __init__(self, out_dir: Path, *, enabled: bool = True, tensorboard: bool = True):
+  A run that starts at `start_step` (resumed from that checkpoint) first drops what a run killed
+  after that checkpoint logged of steps >= start_step, from both, since it logs them again.
+  """
+
+  def __init__(self, out_dir: Path, *, start_step: int = 0, enabled: bool = True,
+               tensorboard: bool = True):
     self.path = Path(out_dir) / "metrics.jsonl"
     self.enabled = enabled
     self.tb = None
-    if enabled and tensorboard:
-      from tensorboardX import SummaryWriter
-      self.tb = SummaryWriter(str(Path(out_dir) / "tb"))
+    if not enabled:
+      return
+    self._truncate_from(start_step)
+    if tensorboard:
+      tb_dir = Path(out_dir) / "tb"
+      purge_tensorboard(tb_dir, start_step)
+      self.tb = _EventFile(tb_dir, start_step)
 
-  def truncate_after(self, step: int) -> None:
-    """Drop records of steps >= step (they were logged by a run that died after its last
-    checkpoint)."""
-    if not self.enabled or not self.path.exists():
+  def _truncate_from(self, step: int) -> None:
+    """Drop records of steps >= step from metrics.jsonl."""
+    if not self.path.exists():
       return
     keep = [line for line in self.path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", -1) < step]
@@ -40,15 +49,15 @@ class MetricsLogger:
     with open(self.path, "a") as f:
       f.write(json.dumps(record, allow_nan=True) + "\n")
     if self.tb is not None:
-      step = record["step"]
+      scalars = {}
       for key, value in record.items():
         if key == "step" or isinstance(value, (str, bool)) or value is None:
           continue
         if isinstance(value, list):
-          for i, v in enumerate(value):
-            self.tb.add_scalar(f"{key}/layer{i}", v, step)
+          scalars.update({f"{key}/layer{i}": v for i, v in enumerate(value)})
         else:
-          self.tb.add_scalar(key, value, step)
+          scalars[key] = value
+      self.tb.write(record["step"], scalars)
 
   def close(self) -> None:
     if self.tb is not None:
@@ -128,3 +137,96 @@ def to_python(tree):
     x = np.asarray(x)
     return float(x) if x.ndim == 0 else [float(v) for v in x.reshape(-1)]
   return jax.tree.map(one, tree)
+
+
+# ----------------------------------------------------------------------------- TensorBoard files
+
+
+class _EventFile:
+  """A TensorBoard event file in tb_dir, each record's scalars written through at once.
+
+  tensorboardX's SummaryWriter queues events for a thread that writes them and flushes every two
+  minutes: a killed run would leave TensorBoard behind metrics.jsonl, with no telling which steps
+  are on disk. Here both files hold the same steps whenever the process dies.
+  """
+
+  def __init__(self, tb_dir: Path, start_step: int):
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto.event_pb2 import SessionLog
+    Path(tb_dir).mkdir(parents=True, exist_ok=True)
+    # The name holds the time in whole seconds; the suffix keeps a run started again within the
+    # same second from overwriting the file of the one before.
+    self.writer = EventsWriter(str(Path(tb_dir) / "events"), filename_suffix=f".{time.time_ns()}")
+    # TensorBoard's restart marker (what SummaryWriter(purge_step=...) writes): a TensorBoard
+    # already running, which holds the killed run's later steps in memory, drops them too.
+    self._write(start_step, session_log=SessionLog(status=SessionLog.START))
+
+  def _write(self, step: int, **fields) -> None:
+    from tensorboardX.proto.event_pb2 import Event
+    self.writer.write_event(Event(wall_time=time.time(), step=step, **fields))
+    self.writer.flush()
+
+  def write(self, step: int, scalars: dict) -> None:
+    from tensorboardX.proto.summary_pb2 import Summary
+    self._write(step, summary=Summary(value=[Summary.Value(tag=tag, simple_value=float(v))
+                                             for tag, v in scalars.items()]))
+
+  def close(self) -> None:
+    self.writer.close()
+
+
+def _event_records(path: Path):
+  """(raw record, Event) of one event file in order, stopping at a record cut short or garbled
+  (the tail a killed writer can leave). TFRecord framing: uint64 length, its masked CRC32C, the
+  serialized Event, the data's masked CRC32C."""
+  from tensorboardX.proto.event_pb2 import Event
+  from tensorboardX.record_writer import masked_crc32c
+  data, pos = path.read_bytes(), 0
+  while pos + 12 <= len(data):
+    (n,) = struct.unpack_from("<Q", data, pos)
+    end = pos + 12 + n + 4
+    if end > len(data):
+      return
+    payload = data[pos + 12:pos + 12 + n]
+    if struct.unpack_from("<I", data, end - 4)[0] != masked_crc32c(payload):
+      return
+    yield data[pos:end], Event.FromString(payload)
+    pos = end
+
+
+def _event_files(tb_dir: Path) -> list[Path]:
+  # tensorboardX names them events.out.tfevents.<unix time>.<host>: by name is by age.
+  return sorted(p for p in Path(tb_dir).glob("*tfevents*") if p.is_file())
+
+
+def read_tensorboard(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+  """tag -> [(step, value)] of every scalar in DIR/tb, in the order written, as stored: the way any
+  reader sees the files (TensorBoard's own purge on a restart marker aside)."""
+  out: dict[str, list[tuple[int, float]]] = {}
+  for path in _event_files(tb_dir):
+    for _, event in _event_records(path):
+      for v in event.summary.value:
+        value = v.simple_value if v.HasField("simple_value") else float(v.tensor.float_val[0])
+        out.setdefault(v.tag, []).append((event.step, value))
+  return out
+
+
+def purge_tensorboard(tb_dir: Path, step: int) -> int:
+  """Removes the summaries of steps >= step from the event files in tb_dir (a run killed after its
+  last checkpoint logged them; the resumed run logs them again). Returns how many were removed."""
+  removed = 0
+  for path in _event_files(tb_dir):
+    kept, dropped, size = [], 0, 0
+    for raw, event in _event_records(path):
+      size += len(raw)
+      if event.HasField("summary") and event.step >= step:
+        dropped += 1
+      else:
+        kept.append(raw)
+    if dropped or size != path.stat().st_size:  # also drops a tail cut short by the kill
+      # A name without "tfevents": neither TensorBoard nor _event_files reads a half-written copy.
+      tmp = path.with_name(".purging-" + path.name.replace("tfevents", "tmp"))
+      tmp.write_bytes(b"".join(kept))
+      os.replace(tmp, path)
+      removed += dropped
+  return removed
