@@ -1,7 +1,7 @@
 """What packed sequences, the logit soft cap and attention sinks cost, forward+backward, in one process.
 
-    PYTHONPATH=. python benchmarks/features.py              # on a GPU: the Hopper kernel, pallas_gpu
-                                                            # and tokamax (when importable)
+    PYTHONPATH=. python benchmarks/features.py              # on a GPU: the Hopper kernel, pallas_gpu,
+                                                            # cuDNN and tokamax (when importable)
     PYTHONPATH=. python benchmarks/features.py --smoke      # tiny shapes, interpret mode, CPU
 
 Packed: one row of T = 8192 tokens (N16 H128, causal, segment ids) holding 8 documents of 1024, 64
@@ -9,8 +9,9 @@ of 128, or one of 8192, against the same documents unpacked (a batch of rows, no
 one document: the same row without segment ids). The segment block ranges (stable_attn.blocks)
 should make a packed row cost about what its documents cost alone. Soft cap: B4 T4096 N16 H128 and
 B16 T1024 N12 H64 causal with logits_soft_cap=50 against no cap, forward+backward and forward; sinks
-(one per head) at B4 T4096 N16 H128 against none. The peer tokamax (its Mosaic GPU kernel) runs
-what it takes (the soft cap, plain attention) and each of ours gets "tokamax ms / ours" per call.
+(one per head) at B4 T4096 N16 H128 against none. The peers run what they take: tokamax (its
+Mosaic GPU kernel) the soft cap and plain attention, jax.nn's cuDNN attention plain attention and
+packed rows as a dense mask; each of ours gets "peer ms / ours" per call.
 Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks). Writes
 benchmarks/results/features_<device>.md and prints it.
 """
@@ -42,13 +43,25 @@ def _peer_tokamax():
   return lambda q, k, v, **kw: tokamax.dot_product_attention(q, k, v, implementation="mosaic", **kw)
 
 
+def _dense_mask(ids):
+  """Segment ids [B, T] as the equivalent boolean mask [B, 1, T, T]: what a peer without segment
+  ids needs for a packed row."""
+  return (ids[:, :, None] == ids[:, None, :])[:, None]
+
+
 def _callable(implementation, interpret, **kwargs):
-  """f(q, k, v) -> O for one of ours or the tokamax peer (None if that does not take the call)."""
+  """f(q, k, v) -> O for one of ours or a peer (None if that peer does not take the call)."""
   if implementation == "tokamax":
     peer = _peer_tokamax()
     if set(kwargs) - {"is_causal", "logits_soft_cap"}:
       return None   # no segment ids or sinks in tokamax's GPU kernels
     return lambda q, k, v: peer(q, k, v, **kwargs)
+  if implementation == "cudnn":   # jax.nn's cuDNN attention: packed rows as a dense mask
+    if set(kwargs) - {"is_causal", "q_segment_ids"}:
+      return None
+    mask = None if "q_segment_ids" not in kwargs else _dense_mask(kwargs["q_segment_ids"])
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=kwargs.get("is_causal", False), implementation="cudnn")
   return lambda q, k, v: stable_attn.dot_product_attention(
       q, k, v, implementation=implementation, interpret=interpret, **kwargs)
 
@@ -68,6 +81,12 @@ def _why_not(impl, interpret, q, k, v, **kwargs):
     if _callable(impl, interpret, **kwargs) is None:
       return "tokamax takes no segment ids or sinks on GPU"
     return None
+  if impl == "cudnn":
+    if jax.default_backend() != "gpu":
+      return "cuDNN needs a GPU"
+    if _callable(impl, interpret, **kwargs) is None:
+      return "jax.nn's cuDNN attention takes no soft cap or sinks"
+    return None
   spec, ops, _ = canonicalize(q, k, v, options=Options(interpret=interpret, **kwargs))
   backend = backends.load(impl)
   reason = backend.covers(spec, ops)
@@ -84,8 +103,9 @@ def _label(shape) -> str:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
-  p.add_argument("--implementations", default="pallas_mosaic_gpu,pallas_gpu,tokamax",
-                 help="ours, and the peer 'tokamax' where importable")
+  p.add_argument("--implementations", default="pallas_mosaic_gpu,pallas_gpu,cudnn,tokamax",
+                 help="ours, and the peers 'cudnn' (jax.nn; packed rows as a dense mask) and "
+                      "'tokamax' (where importable)")
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--blocks", type=int, default=5)
   p.add_argument("--out-dir", default=bench.RESULTS)
@@ -138,11 +158,13 @@ def main(argv=None):
     rows.append((impl, f"sinks / none, {_label(shape)}", sunk / ms.get((impl, f"{_label(shape)}, "
                                                                         "no cap"), np.nan),
                  "ratio"))
-  # Ours against the peer on the same call: tokamax's time / ours.
-  for (impl, name), t in list(ms.items()):
-    peer = ms.get(("tokamax", name))
-    if impl != "tokamax" and peer is not None:
-      rows.append((impl, f"speed-up over tokamax: {name}", peer / t, "tokamax ms / ours"))
+  # Ours against each peer on the same call: the peer's time / ours.
+  for peer_name in ("cudnn", "tokamax"):
+    for (impl, name), t in list(ms.items()):
+      peer = ms.get((peer_name, name))
+      if impl not in ("cudnn", "tokamax") and peer is not None:
+        rows.append((impl, f"speed-up over {peer_name}: {name}", peer / t,
+                     f"{peer_name} ms / ours"))
 
   lines = [f"# Packed sequences, soft cap and sinks, fwd+bwd, {device}", "",
            f"JAX {jax.__version__}, bf16, median of {blocks} blocks of {calls} calls"

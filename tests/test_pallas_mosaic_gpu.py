@@ -57,7 +57,7 @@ def _spec_ops(shape=(2, 128, 4, 64), kv_heads=2, dtype=bf16, **kwargs):
     (dict(numerics="paper"), "numerics 'paper'"),
     (dict(numerics="fast+fp32o"), "numerics 'fast\\+fp32o'"),
     (dict(interpret=True), "interpret"),
-    (dict(q_segment_ids=jnp.zeros((2, 128), jnp.int32)), "segment ids"),
+    (dict(q_segment_ids=jnp.zeros((2, 128), jnp.int32), is_causal=True), None),
     (dict(logits_soft_cap=30.0, is_causal=True), None),
     (dict(sinks=jnp.zeros(4, f32), logits_soft_cap=5.0), None),
 ])
@@ -181,6 +181,11 @@ GPU_CASES = {
     "softcap_window_h64": dict(B=1, T=257, S=513, N=4, K=1, H=64, window=(64, 32), soft_cap=2.5),
     "sinks_empty_rows": dict(B=2, T=160, S=130, N=2, K=1, H=64, q_lens=(160, 90),
                              kv_lens=(0, 130), sinks=True),
+    # Packed sequences: the segment block ranges bound the loops, edge blocks compare ids.
+    "packed_causal_gqa": dict(B=2, T=768, S=768, N=4, K=2, H=64, is_causal=True, segments=True,
+                              docs=6),
+    "packed_cross_window_h128": dict(B=2, T=300, S=333, N=4, K=2, H=128, segments=True, docs=3,
+                                     window=(100, 20), q_lens=(300, 217), kv_lens=(333, 190)),
 }
 GPU_CHECKS = ([(name, bf16, mode) for name in GPU_CASES for mode in ("off", "paper", "safe")]
               + [(name, f16, "safe") for name in GPU_CASES])
@@ -271,6 +276,31 @@ def test_gpu_fully_masked_rows_are_zero():
   np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
   np.testing.assert_array_equal(np.asarray(out[1, 70:], np.float32), 0.0)
   np.testing.assert_array_equal(np.asarray(grads[0][0], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("feature", ["segments", "sinks", "soft_cap"])
+def test_features_lower_for_cuda(feature):
+  """The whole Mosaic GPU lowering of forward, dK/dV and dQ (short of the GPU compiler) with each
+  feature, on a CPU host: what the kernels use must lower (jnp.logaddexp, a custom_jvp, did not)."""
+  B, T, N, K, H = 1, 512, 4, 2, 64
+  ids = jnp.asarray(np.repeat(np.arange(4), T // 4)[None], jnp.int32)
+  kwargs = dict(segments=dict(q_segment_ids=ids), sinks=dict(sinks=jnp.zeros(N, f32)),
+                soft_cap=dict(logits_soft_cap=20.0))[feature]
+  config = tuning.table_config(H)
+
+  def lowered(spec, ops):
+    def f(ops):
+      o, vjp = jax.vjp(lambda o: mosaic._flash(spec, config, o)[0], ops)
+      return o, vjp(o)
+    return jax.jit(f).trace(ops).lower(lowering_platforms=("cuda",)).as_text()
+
+  try:   # the plain call first: a jaxlib that cannot lower for CUDA at all skips the test
+    lowered(*_spec_ops(shape=(B, T, N, H), kv_heads=K, is_causal=True))
+  except NotImplementedError as e:
+    pytest.skip(f"no CUDA lowering here: {e}")
+  spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=K, is_causal=True, **kwargs)
+  assert mosaic.covers(spec, ops) is None
+  assert lowered(spec, ops).count("mosaic_gpu") >= 3   # a lowering error here fails the test
 
 
 def test_safe_offsets_are_trace_time_constants():

@@ -7,10 +7,10 @@ dQ kernels, no atomics). See forward.py, backward.py and docs/dispatch.md.
 
 What it covers (`covers`): bf16/fp16 on an sm_90 GPU, head dims 64 and 128, numerics "fast", every
 max_adjust mode, causal, local windows, lengths, GQA/MQA, T != S and lengths that are not block
-multiples (padded), a logits soft cap, attention sinks. Everything else -- bias or mask operands,
-segment ids, other numerics presets, fp32, other head dims -- is implementation="pallas_gpu"
-(implementation=None picks it; naming this backend for such a call raises ValueError with the
-reason).
+multiples (padded), a logits soft cap, attention sinks, segment ids (packed sequences). Everything
+else -- bias or mask operands, other numerics presets, fp32, other head dims -- is
+implementation="pallas_gpu" (implementation=None picks it; naming this backend for such a call
+raises ValueError with the reason).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from stable_attn.layout import Geometry, pad_operands, pad_to, unpad
 from stable_attn.spec import LSE_AXES, OPERANDS, ROW_AXES, AttentionSpec, Operands
 
 from pallas_kernels.mosaic_gpu import tuning
-from pallas_kernels.mosaic_gpu.common import Call
+from pallas_kernels.mosaic_gpu.common import Call, segment_sections
 
 __all__ = ["attention", "is_available", "covers", "tuning"]
 
@@ -55,8 +55,6 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
     return f"head dim {H}: the Hopper kernels cover {tuning.HEAD_DIMS}"
   if ops.bias is not None or ops.mask is not None:
     return "bias and mask operands run on pallas_gpu"
-  if ops.q_seg is not None:
-    return "segment ids (packed sequences) run on pallas_gpu; the Hopper kernel does not take them yet"
   if spec.numerics.dtypes(ops.q.dtype) != numerics_lib.FAST.dtypes(ops.q.dtype):
     return (f"numerics {spec.numerics.name!r}: the Hopper kernels compute the 'fast' rounding "
             f"(fp32 scores and statistics, P in the input dtype)")
@@ -66,13 +64,15 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
 def _call(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands) -> Call:
   geo = Geometry.of(ops)
   return Call(spec, geo, geo.padded(config.q_multiple, config.kv_multiple),
-              spec.numerics.dtypes(ops.q.dtype), config)
+              spec.numerics.dtypes(ops.q.dtype), config, packed=ops.q_seg is not None)
 
 
 def _forward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands):
   from pallas_kernels.mosaic_gpu.forward import forward_call
   call = _call(spec, config, ops)
-  o, lse = forward_call(call, pad_operands(ops, call.pad))
+  x = pad_operands(ops, call.pad)
+  fwd = config.fwd
+  o, lse = forward_call(call, x, segment_sections(x, fwd.block_q, fwd.block_kv, "query"))
   o = unpad(o, ROW_AXES, call.geo)
   return o, o, unpad(lse, LSE_AXES, call.geo)
 

@@ -8,8 +8,9 @@ dK/dV  one CTA per (batch, kv head, 2 * block_kv key rows). Each compute warpgro
        SwapAB), so P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers.
 dQ     one CTA per (batch, query head, 2 * block_q query rows), like the forward: Q, dO, LSE and
        delta resident, K and V streamed; dQ += dS K.
-Both use stable_attn.tile.backward_tile and the block ranges of stable_attn.blocks (causal and
-window blocks skipped, edge blocks masked), with the pipelines of common.py.
+Both use stable_attn.tile's backward functions and the block ranges of stable_attn.blocks (causal,
+window and other documents' blocks skipped, edge blocks masked; segment ids stream with the blocks
+they belong to), with the pipelines of common.py.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from stable_attn.flash import shifted_delta
 from stable_attn.spec import BackwardInputs, Operands
 
 from pallas_kernels.mosaic_gpu import common
-from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
+from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32, segment_sections
 
 COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
@@ -52,15 +53,19 @@ def _store(smem, value, gmem):
 # dK, dV
 # ---------------------------------------------------------------------------------------------
 
-def _dkv_kernel(refs: Operands, grads: BackwardInputs, dk_ref, dv_ref, scratch, *, call: Call):
-  (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem), (kv_loaded, loaded), free = scratch
+def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_ref, scratch, *,
+                call: Call):
+  (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kseg_smem, qseg_smem), (
+      kv_loaded, loaded), free = scratch
   spec, tiles, G = call.spec, call.config.dkv, call.geo.G
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k = lax.axis_index("kv_seq") * (2 * bk)
   q_len, kv_len = call.lengths(refs, b)
-  lo, hi = common.union_range(call.q_ranges(cta_k, bk, bq, q_len, kv_len),
-                              call.q_ranges(cta_k + bk, bk, bq, q_len, kv_len))
+  # The query blocks of one warpgroup's keys (its packed-sequence range intersected in).
+  ranges = lambda k_start: call.q_ranges(
+      k_start, bk, bq, q_len, kv_len, common.segment_range(sections_ref, b, k_start // bk))
+  lo, hi = common.union_range(ranges(cta_k), ranges(cta_k + bk))
   per_head = hi - lo
 
   @pl.when(wg < 2)
@@ -70,8 +75,12 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, dk_ref, dv_ref, scratch, 
     rows = (b, pl.ds(k_start, bk), kvh)
     plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[wg], kv_loaded.at[wg])
     plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[wg], kv_loaded.at[wg])
+    if call.packed:
+      plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(k_start, bk)], kseg_smem.at[wg],
+                              kv_loaded.at[wg])
     plgpu.barrier_wait(kv_loaded.at[wg])
-    mine = common.clamp_ranges(call.q_ranges(k_start, bk, bq, q_len, kv_len), lo, hi)
+    kv_ids = common.load_vector(kseg_smem.at[wg], ROWS) if call.packed else None
+    mine = common.clamp_ranges(ranges(k_start), lo, hi)
 
     def head(g, carry):
       def step(i, carry, kind):
@@ -84,7 +93,9 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, dk_ref, dv_ref, scratch, 
         q, do = q_smem.at[slot], do_smem.at[slot]
         ok = None
         if kind == "masked":
-          ok = call.visible((bk, bq), i * bq, k_start, q_len, kv_len, q_axis=1)
+          q_ids = common.load_vector(qseg_smem.at[slot], COLS) if call.packed else None
+          ok = call.visible((bk, bq), i * bq, k_start, q_len, kv_len, q_axis=1, q_ids=q_ids,
+                            kv_ids=kv_ids)
 
         def p_of_scores(qk_t):
           s_t = call.scores(qk_t, ok)
@@ -130,11 +141,14 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, dk_ref, dv_ref, scratch, 
                               loaded.at[slot])
       plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
                               loaded.at[slot])
+      if call.packed:
+        plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[slot],
+                                loaded.at[slot])
 
     common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)])
 
 
-def _dkv_call(call: Call, x: Operands, grads: BackwardInputs):
+def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, sections):
   tiles = call.config.dkv
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, K, H = call.geo.B, call.geo.K, call.pad.H
@@ -145,31 +159,36 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs):
           plgpu.SMEM((2, bk, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
-          plgpu.SMEM((stages, bq), f32), plgpu.SMEM((stages, bq), f32))
-  barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
-              plgpu.Barrier(num_arrivals=4, num_barriers=stages))
+          plgpu.SMEM((stages, bq), f32), plgpu.SMEM((stages, bq), f32),
+          plgpu.SMEM((2, bk), jnp.int32) if call.packed else None,
+          plgpu.SMEM((stages, bq), jnp.int32) if call.packed else None)
+  barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=2),
+              plgpu.Barrier(num_arrivals=4 + call.packed, num_barriers=stages))
   return common.launch(
       functools.partial(_dkv_kernel, call=call),
       (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
       out_type=(jax.ShapeDtypeStruct(x.k.shape, dtype), jax.ShapeDtypeStruct(x.v.shape, dtype)),
       grid=(B, K, call.pad.S // (2 * bk)), grid_names=("batch", "heads", "kv_seq"),
-  )(x, grads)
+  )(x, grads, sections)
 
 
 # ---------------------------------------------------------------------------------------------
 # dQ
 # ---------------------------------------------------------------------------------------------
 
-def _dq_kernel(refs: Operands, grads: BackwardInputs, dq_ref, scratch, *, call: Call):
-  (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem), (q_loaded, loaded), free = scratch
+def _dq_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dq_ref, scratch, *,
+               call: Call):
+  (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, qseg_smem, kseg_smem), (
+      q_loaded, loaded), free = scratch
   spec, tiles = call.spec, call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   num_tiles = call.pad.T // (2 * bq)
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_q = (num_tiles - 1 - lax.axis_index("q_seq")) * (2 * bq)
   q_len, kv_len = call.lengths(refs, b)
-  lo, hi = common.union_range(call.kv_ranges(cta_q, bq, bk, q_len, kv_len),
-                              call.kv_ranges(cta_q + bq, bq, bk, q_len, kv_len))
+  ranges = lambda q_start: call.kv_ranges(
+      q_start, bq, bk, q_len, kv_len, common.segment_range(sections_ref, b, q_start // bq))
+  lo, hi = common.union_range(ranges(cta_q), ranges(cta_q + bq))
 
   @pl.when(wg < 2)
   def _compute():
@@ -183,9 +202,13 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, dq_ref, scratch, *, call: 
                             q_loaded.at[wg])
     plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[wg],
                             q_loaded.at[wg])
+    if call.packed:
+      plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
+                              q_loaded.at[wg])
     plgpu.barrier_wait(q_loaded.at[wg])
     lse = common.load_vector(lse_smem.at[wg], ROWS)
     delta = common.load_vector(delta_smem.at[wg], ROWS)
+    q_ids = common.load_vector(qseg_smem.at[wg], ROWS) if call.packed else None
 
     def step(j, dq, kind):
       slot = common.slot_of(j - lo, stages)
@@ -194,7 +217,10 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, dq_ref, scratch, *, call: 
         plgpu.barrier_arrive(free.at[slot])
         return dq
       k = k_smem.at[slot]
-      ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len) if kind == "masked" else None
+      ok = None
+      if kind == "masked":
+        kv_ids = common.load_vector(kseg_smem.at[slot], COLS) if call.packed else None
+        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids, kv_ids=kv_ids)
 
       def p_of_scores(qk):
         s = call.scores(qk, ok)
@@ -213,7 +239,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, dq_ref, scratch, *, call: 
       plgpu.barrier_arrive(free.at[slot])
       return dq
 
-    mine = common.clamp_ranges(call.kv_ranges(q_start, bq, bk, q_len, kv_len), lo, hi)
+    mine = common.clamp_ranges(ranges(q_start), lo, hi)
     dq = common.sections(lo, mine, hi, step, common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA))
     _store(q, (dq * spec.scale).astype(q_smem.dtype), dq_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
@@ -227,11 +253,14 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, dq_ref, scratch, *, call: 
       rows = (b, pl.ds(j * bk, bk), kv_head)
       plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[slot], loaded.at[slot])
+      if call.packed:
+        plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(j * bk, bk)], kseg_smem.at[slot],
+                                loaded.at[slot])
 
     common.stream(lo, hi, stages, [(free, load)])
 
 
-def _dq_call(call: Call, x: Operands, grads: BackwardInputs):
+def _dq_call(call: Call, x: Operands, grads: BackwardInputs, sections):
   tiles = call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H = call.geo.B, call.geo.N, call.pad.H
@@ -242,15 +271,17 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs):
           plgpu.SMEM((2, bq, H), dtype, transforms=mma),
           plgpu.SMEM((2, bq), f32), plgpu.SMEM((2, bq), f32),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
-          plgpu.SMEM((stages, bk, H), dtype, transforms=mma))
-  barriers = (plgpu.Barrier(num_arrivals=4, num_barriers=2),
-              plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+          plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((2, bq), jnp.int32) if call.packed else None,
+          plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None)
+  barriers = (plgpu.Barrier(num_arrivals=4 + call.packed, num_barriers=2),
+              plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=stages))
   return common.launch(
       functools.partial(_dq_kernel, call=call),
       (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
       out_type=jax.ShapeDtypeStruct(x.q.shape, dtype),
       grid=(B, N, call.pad.T // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
-  )(x, grads)
+  )(x, grads, sections)
 
 
 def backward_call(call: Call, x: Operands, o, lse, do, dlse=None):
@@ -258,6 +289,7 @@ def backward_call(call: Call, x: Operands, o, lse, do, dlse=None):
   (dq, dk, dv)."""
   delta = shifted_delta(jnp.swapaxes(tile.delta(do, o), 1, 2), dlse)    # [B, N, Tp], fp32
   grads = BackwardInputs(do, lse, delta)
-  dk, dv = _dkv_call(call, x, grads)
-  dq = _dq_call(call, x, grads)
+  dkv, dq = call.config.dkv, call.config.dq
+  dk, dv = _dkv_call(call, x, grads, segment_sections(x, dkv.block_q, dkv.block_kv, "key"))
+  dq = _dq_call(call, x, grads, segment_sections(x, dq.block_q, dq.block_kv, "query"))
   return dq, dk, dv

@@ -69,6 +69,7 @@ class Call:
   pad: Padded
   dt: Dtypes
   config: tuning.TuningConfig
+  packed: bool = False   # segment ids: their block ranges bound the loops, edge blocks compare ids
 
   @property
   def safe(self) -> bool:
@@ -92,21 +93,46 @@ class Call:
     k = plgpu.broadcasted_iota(i32, shape, 1 - q_axis, layout=plgpu.Layout.WGMMA) + k_start
     return q, k
 
-  def visible(self, shape, q_start, k_start, q_len, kv_len, *, q_axis: int = 0):
+  def visible(self, shape, q_start, k_start, q_len, kv_len, *, q_axis: int = 0, q_ids=None,
+              kv_ids=None):
+    """The tile's visibility (WGMMA layout); q_ids / kv_ids: the rows' and columns' segment ids
+    as per-row / per-column vectors (ROWS / COLS of the tile), or None."""
     q, k = self.iota_positions(shape, q_start, k_start, q_axis=q_axis)
-    return tile.visible(q, k, q_len, kv_len, causal=self.spec.is_causal, window=self.spec.window)
+    q_seg = kv_seg = None
+    if q_ids is not None:
+      q_seg = lax.broadcast_in_dim(q_ids, shape, (q_axis,))
+      kv_seg = lax.broadcast_in_dim(kv_ids, shape, (1 - q_axis,))
+    return tile.visible(q, k, q_len, kv_len, causal=self.spec.is_causal, window=self.spec.window,
+                        q_seg=q_seg, kv_seg=kv_seg)
 
-  def kv_ranges(self, q_start, bq: int, bk: int, q_len, kv_len):
-    """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections)."""
+  def kv_ranges(self, q_start, bq: int, bk: int, q_len, kv_len, segments=None):
+    """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections);
+    segments: the block's packed-sequence range (`segment_range`)."""
     return blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
                               window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                              has_mask=False)
+                              has_mask=False, segments=segments)
 
-  def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len):
+  def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len, segments=None):
     """(lo, flo, fhi, hi) of the query blocks that see key columns [k_start, +bk)."""
     return blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
                              window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                             has_mask=False)
+                             has_mask=False, segments=segments)
+
+
+def segment_sections(x, block_q: int, block_kv: int, per: str):
+  """The call's packed-sequence block ranges for one kernel's block sizes (blocks.segment_sections
+  on the padded ids, once per call in XLA), or None without segment ids."""
+  if x.q_seg is None:
+    return None
+  return blocks.segment_sections(x.q_seg, x.kv_seg, block_q, block_kv, per=per)
+
+
+def segment_range(sections_ref, b, block):
+  """Block `block` of batch row b's (lo, flo, fhi, hi) from the call's packed-sequence ranges
+  (blocks.segment_sections, [B, blocks, 4] in global memory), or None without segment ids."""
+  if sections_ref is None:
+    return None
+  return tuple(sections_ref[b, block, c] for c in range(4))
 
 
 def union_range(ranges_0, ranges_1):

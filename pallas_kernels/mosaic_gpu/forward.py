@@ -8,8 +8,11 @@ One CTA per (batch, query head, 2 * block_q query rows), three warpgroups:
                 runs while the other's matmuls occupy the tensor cores.
   producer      streams K and V blocks through `stages` slots with TMA (common.py: pipelines).
 Causal and window masks: blocks outside a warpgroup's range are skipped, blocks every row sees
-whole run without the mask, edge blocks with it (stable_attn.blocks). GQA: the kv head of query
-head n is n // G in the TMA index; K/V are never repeated. Lengths mask padding at the end.
+whole run without the mask, edge blocks with it (stable_attn.blocks). Packed sequences: the
+ranges are intersected with the rows' document ranges (blocks.segment_sections, once per call);
+the keys' segment ids travel with K, and only edge blocks compare them with the rows' ids.
+GQA: the kv head of query head n is n // G in the TMA index; K/V are never repeated. Lengths mask
+padding at the end.
 max_adjust "safe" reads its per-row offsets (the call's operand, stable_attn.tile.safe_offset per
 head and position) and folds them into the row max; "paper" runs the paper's rule per block.
 A logit soft cap is applied to the tile by tile.scores (tanh in fp32); attention sinks join each
@@ -29,13 +32,14 @@ from stable_attn import tile
 from stable_attn.spec import Operands
 
 from pallas_kernels.mosaic_gpu import common
-from pallas_kernels.mosaic_gpu.common import ROWS, Call, f32
+from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
 
 COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
-def _kernel(refs: Operands, o_ref, lse_ref, scratch, *, call: Call):
-  (q_smem, k_smem, v_smem, off_smem, lse_smem), loaded, free, schedule = scratch
+def _kernel(refs: Operands, sections_ref, o_ref, lse_ref, scratch, *, call: Call):
+  (q_smem, k_smem, v_smem, off_smem, lse_smem, qseg_smem, kseg_smem), loaded, free, schedule = (
+      scratch)
   q_loaded, k_loaded, v_loaded = loaded
   k_free, v_free = free
   spec, dt, tiles = call.spec, call.dt, call.config.fwd
@@ -44,8 +48,10 @@ def _kernel(refs: Operands, o_ref, lse_ref, scratch, *, call: Call):
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_q = (num_tiles - 1 - lax.axis_index("q_seq")) * (2 * bq)   # heaviest causal tiles first
   q_len, kv_len = call.lengths(refs, b)
-  lo, hi = common.union_range(call.kv_ranges(cta_q, bq, bk, q_len, kv_len),
-                              call.kv_ranges(cta_q + bq, bq, bk, q_len, kv_len))
+  # The key blocks of one warpgroup's rows (its packed-sequence range intersected in).
+  ranges = lambda q_start: call.kv_ranges(
+      q_start, bq, bk, q_len, kv_len, common.segment_range(sections_ref, b, q_start // bq))
+  lo, hi = common.union_range(ranges(cta_q), ranges(cta_q + bq))
 
   def rendezvous():
     plgpu.barrier_arrive(schedule)
@@ -59,10 +65,14 @@ def _kernel(refs: Operands, o_ref, lse_ref, scratch, *, call: Call):
     if call.safe:
       plgpu.copy_gmem_to_smem(refs.offset.at[n, pl.ds(q_start, bq)], off_smem.at[wg],
                               q_loaded.at[wg])
+    if call.packed:
+      plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
+                              q_loaded.at[wg])
     plgpu.barrier_wait(q_loaded.at[wg])
     offset = None   # natural units in memory (stable_attn's operand), log2 units here
     if call.safe:
       offset = common.load_vector(off_smem.at[wg], ROWS) * tile.LOG2E
+    q_ids = common.load_vector(qseg_smem.at[wg], ROWS) if call.packed else None
 
     def wait_k(j):
       """Waits for block j's K; each step waits for the next one's while its PV product runs."""
@@ -88,10 +98,13 @@ def _kernel(refs: Operands, o_ref, lse_ref, scratch, *, call: Call):
         return acc_ref[...]
 
       qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
+      kv_ids = None
+      if kind == "masked" and call.packed:   # read before the slot is freed
+        kv_ids = common.load_vector(kseg_smem.at[slot], COLS)
       plgpu.barrier_arrive(k_free.at[slot])
       ok = None
       if kind == "masked":
-        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len)
+        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids, kv_ids=kv_ids)
       s = call.scores(qk, ok)
       p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
                                      offset=offset, base2=True)
@@ -110,7 +123,7 @@ def _kernel(refs: Operands, o_ref, lse_ref, scratch, *, call: Call):
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, stats
 
-    mine = common.clamp_ranges(call.kv_ranges(q_start, bq, bk, q_len, kv_len), lo, hi)
+    mine = common.clamp_ranges(ranges(q_start), lo, hi)
     pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
     wait_k(lo)
     init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
@@ -131,16 +144,22 @@ def _kernel(refs: Operands, o_ref, lse_ref, scratch, *, call: Call):
     kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
 
     def loader(ref, smem, barrier):
-      return lambda j, slot: plgpu.copy_gmem_to_smem(
-          ref.at[b, pl.ds(j * bk, bk), kv_head], smem.at[slot], barrier.at[slot])
+      def load(j, slot):
+        plgpu.copy_gmem_to_smem(ref.at[b, pl.ds(j * bk, bk), kv_head], smem.at[slot],
+                                barrier.at[slot])
+        if call.packed and ref is refs.k:   # the keys' segment ids travel with K
+          plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(j * bk, bk)], kseg_smem.at[slot],
+                                  barrier.at[slot])
+      return load
 
     common.stream(lo, hi, stages, [(k_free, loader(refs.k, k_smem, k_loaded)),
                                    (v_free, loader(refs.v, v_smem, v_loaded))])
 
 
-def forward_call(call: Call, x: Operands):
-  """Padded operands (x.offset: [N, Tp] fp32 natural units, or None) -> (O [B, Tp, N, H] in the
-  input dtype, LSE fp32 [B, N, Tp])."""
+def forward_call(call: Call, x: Operands, sections=None):
+  """Padded operands (x.offset: [N, Tp] fp32 natural units, or None) and, with segment ids, their
+  block ranges (blocks.segment_sections per block_q rows) -> (O [B, Tp, N, H] in the input dtype,
+  LSE fp32 [B, N, Tp])."""
   tiles = call.config.fwd
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
@@ -151,12 +170,15 @@ def forward_call(call: Call, x: Operands):
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((2, bq), f32) if call.safe else None,
-          plgpu.SMEM((2, bq), f32))
-  loaded = (plgpu.Barrier(num_arrivals=2 if call.safe else 1, num_barriers=2),
-            plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages))
+          plgpu.SMEM((2, bq), f32),
+          plgpu.SMEM((2, bq), jnp.int32) if call.packed else None,
+          plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None)
+  loaded = (plgpu.Barrier(num_arrivals=1 + call.safe + call.packed, num_barriers=2),
+            plgpu.Barrier(num_arrivals=1 + call.packed, num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages))
   free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
   return common.launch(
       functools.partial(_kernel, call=call), (smem, loaded, free, plgpu.Barrier(num_arrivals=2)),
       out_type=(jax.ShapeDtypeStruct(x.q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)),
       grid=(B, N, Tp // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
-  )(x)
+  )(x, sections)

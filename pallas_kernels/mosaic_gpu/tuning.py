@@ -65,10 +65,14 @@ class TuningConfig:
   def check_smem(self, head_dim: int, itemsize: int) -> None:
     """ValueError when a kernel's shared memory would not fit (227 KB per CTA on Hopper)."""
     row = head_dim * itemsize
+    # Per query row: its tiles (Q; Q and dO), fp32 statistics and int32 segment id; per key row:
+    # K and V and its segment id. Resident rows per warpgroup, streamed rows per stage.
+    fwd, dkv, dq = self.fwd, self.dkv, self.dq
     need = {
-        "fwd": COMPUTE_WGS * self.fwd.block_q * (row + 8) + 2 * self.fwd.stages * self.fwd.block_kv * row,
-        "dkv": 2 * COMPUTE_WGS * self.dkv.block_kv * row + self.dkv.stages * self.dkv.block_q * (2 * row + 8),
-        "dq": 2 * COMPUTE_WGS * self.dq.block_q * (row + 4) + 2 * self.dq.stages * self.dq.block_kv * row,
+        "fwd": COMPUTE_WGS * fwd.block_q * (row + 12) + fwd.stages * fwd.block_kv * (2 * row + 4),
+        "dkv": (COMPUTE_WGS * dkv.block_kv * (2 * row + 4)
+                + dkv.stages * dkv.block_q * (2 * row + 12)),
+        "dq": COMPUTE_WGS * dq.block_q * (2 * row + 12) + dq.stages * dq.block_kv * (2 * row + 4),
     }
     for kernel, nbytes in need.items():
       if nbytes + SMEM_RESERVE > SMEM_BYTES:
