@@ -15,7 +15,8 @@ def _meta(step):
 
 
 def _arrays(step):
-  return {"w": jnp.full((4, 8), float(step)), "b": jnp.arange(8.0) + step}, {"m": jnp.ones(3) * step}
+  params = {"w": jnp.full((4, 8), float(step)), "b": jnp.arange(8.0) + step}
+  return params, {"m": jnp.ones(3) * step}
 
 
 def _truncate_arrays(step_dir: Path):
@@ -42,11 +43,13 @@ def _garble_tree_metadata(step_dir: Path):
 
 
 def _meta_without_seed(step_dir: Path):
-  (step_dir / "meta" / "metadata").write_text('{"data_step": 3, "sample_key": [0, 0], "config": {}}')
+  (step_dir / "meta" / "metadata").write_text(
+      '{"data_step": 3, "sample_key": [0, 0], "config": {}}')
 
 
 CORRUPTIONS = {"truncated array file": _truncate_arrays, "garbage manifest": _garble_manifests,
-               "garbage metadata JSON": _garble_meta, "garbage tree metadata": _garble_tree_metadata,
+               "garbage metadata JSON": _garble_meta,
+               "garbage tree metadata": _garble_tree_metadata,
                "JSON without the seed": _meta_without_seed}
 
 
@@ -72,7 +75,8 @@ def test_a_corrupt_newest_checkpoint_falls_back_with_one_line(three, kind):
   np.testing.assert_array_equal(params["w"], np.full((4, 8), 2.0))
   np.testing.assert_array_equal(opt_state["m"], np.full(3, 2.0))
   assert len(warnings) == 1 and "\n" not in warnings[0], warnings
-  assert f"{three / '3'} does not read back" in warnings[0] and "resuming from step 2" in warnings[0]
+  assert f"{three / '3'} does not read back" in warnings[0]
+  assert "resuming from step 2" in warnings[0]
   # Set aside, not deleted; the step can be written again (Orbax refuses an existing step).
   assert (three / "3.corrupt").is_dir() and not (three / "3").exists()
   assert ckpt.latest_step() == 2
