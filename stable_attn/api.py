@@ -13,13 +13,17 @@ from stable_attn import backends
 from stable_attn import numerics as numerics_lib
 from stable_attn.backends import IMPLEMENTATIONS, default_implementation
 from stable_attn.numerics import Numerics
+from stable_attn.reference import tile_dtypes
 from stable_attn.spec import OPERANDS, AttentionSpec, Operand, Operands
 from stable_attn import tile
 from stable_attn.tile import MAX_ADJUST_MODES
 
 __all__ = ["dot_product_attention", "attend", "choose_implementation", "default_implementation",
            "canonicalize", "Options", "IMPLEMENTATIONS"]
-_SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# float64 (under jax_enable_x64) as jax.nn takes it: computed with the fp32 tile math (see
+# reference.tile_dtypes); the Pallas kernels refuse it in covers(), so implementation=None runs it on
+# the reference.
+_SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 # How error messages name the logical axes (stable_attn.spec).
 _LETTERS = {"batch": "B", "query": "T", "key": "S", "heads": "N", "kv_heads": "K", "head_dim": "H"}
 
@@ -44,6 +48,7 @@ class Options:
   kv_segment_ids: Any = None
   logits_soft_cap: Optional[float] = None
   sinks: Any = None
+  return_residual: bool = False
   return_residuals: bool = False
 
   @classmethod
@@ -69,6 +74,7 @@ def dot_product_attention(
     kv_segment_ids=None,
     logits_soft_cap: Optional[float] = None,
     sinks=None,
+    return_residual: bool = False,
     return_residuals: bool = False,
 ):
   """Scaled dot-product attention with the max adjustment; a drop-in for jax.nn's.
@@ -76,14 +82,18 @@ def dot_product_attention(
   B batch, T query length, S key length, N query heads, K key/value heads (K divides N), H head dim.
 
   Args:
-    query: [B, T, N, H] (or [T, N, H]); bf16, fp16 or fp32.
+    query: [B, T, N, H] (or [T, N, H]); bf16, fp16, fp32, or float64 (with jax_enable_x64;
+      "reference" and "xla" only, computed with float32 tile math as jax.nn computes its
+      softmax in float32: float64 results with float32 accuracy).
     key, value: [B, S, K, H] (or [S, K, H]), same dtype as query.
     bias: added to the scaled scores; 4-D (or fewer dims, left-padded) broadcastable to [B,N,T,S].
     mask: bool, broadcastable to [B, N, T, S]; True = attend.
     scale: multiplies Q K^T; default 1/sqrt(H).
     is_causal: key s is visible to query t only if s <= t (top-left aligned when T != S).
-    query_seq_lengths, key_value_seq_lengths: int32 [B]; positions at or past the length are
-      padding. Padded query rows return zeros. Lengths above T (S) mean T (S).
+    query_seq_lengths, key_value_seq_lengths: int [B] (any integer dtype; jax.nn asks for
+      int32); positions at or past the length are padding. Padded query rows return zeros.
+      Lengths above T (S) mean T (S). Negative lengths raise ValueError when the values are
+      concrete; traced values (under jit) cannot be checked and then mean 0.
     local_window_size: int w or (left, right): query t sees keys t - left .. t + right.
     implementation: None (the fastest available backend that covers the call, see
       `choose_implementation` and docs/dispatch.md), or one of IMPLEMENTATIONS: "pallas_mosaic_gpu"
@@ -107,16 +117,25 @@ def dot_product_attention(
     sinks: None or float [N] (finite), one logit per query head that joins every row's softmax
       denominator without a value (attention sinks, as in gpt-oss and splash attention): O is
       sum_s exp(S_s) V_s / (exp(sink) + sum_s exp(S_s)). Differentiable. Not capped, scaled or
-      masked; a row with no visible key returns 0 (and LSE = sink).
-    return_residuals: also return the log-sum-exp of each query row, so that attention over
-      several key blocks can be combined (ring / context-parallel attention).
+      masked; a row with no visible key returns 0 (and LSE = sink). Concrete non-finite sinks
+      raise ValueError; traced ones (under jit) cannot be checked, and NaN there gives NaN.
+    return_residual: jax.nn's option, with jax.nn's semantics: also return the log-sum-exp of
+      each query row as [B, T, N] (or [T, N]) in the input dtype, under stop_gradient.
+    return_residuals: ours: also return the log-sum-exp of each query row as [B, N, T] float32,
+      differentiable, so that attention over several key blocks can be combined (ring /
+      context-parallel attention). At most one of return_residual and return_residuals may be set
+      (ValueError otherwise: the two residuals differ in layout, dtype and differentiability).
 
   Returns:
     [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
     gradients. Differentiable in query, key, value and bias (flash backward). With
     return_residuals=True, (out, lse): lse [B, N, T] (or [N, T]) float32, the natural log of each
     row's softmax denominator over its visible keys and sink (-inf for rows with neither),
-    differentiable too.
+    differentiable too. With return_residual=True, (out, lse) as jax.nn returns them: lse
+    [B, T, N] (or [T, N]) in the input dtype, not differentiated (stop_gradient), and for a row
+    with no visible key (and no sink) jax.nn's value, its masked logit -0.7 * float32 max
+    (-inf in float16); jax.nn's output in such rows is the mean of V (a softmax over equal masked
+    logits) unless query_seq_lengths pads them, ours is 0.
   """
   return attend(query, key, value, bias, mask, Options.of(locals()))
 
@@ -126,9 +145,26 @@ def attend(query, key, value, bias=None, mask=None, options: Optional["Options"]
   options = Options() if options is None else options
   spec, ops, unbatched = canonicalize(query, key, value, bias, mask, options)
   out, lse = backends.run(options.implementation, spec, ops, options.config)
+  if options.return_residual:
+    lse = jax_nn_residual(lse, ops.q.dtype)
   if unbatched:
     out, lse = out[0], lse[0]
-  return (out, lse) if options.return_residuals else out
+  return (out, lse) if options.return_residuals or options.return_residual else out
+
+
+# jax.nn fills masked logits with -0.7 * the float32 maximum (jax._src.nn.functions.
+# _get_large_negative, in float32 arithmetic; capped at float32's range for float64), and its
+# log-sum-exp over a row where every logit is that value is the value itself (log S is far below
+# its ulp). That is what jax.nn's residual holds for a row with no visible key.
+_JAX_NN_MASKED_LOGIT = np.float32(-0.7) * np.finfo(np.float32).max
+
+
+def jax_nn_residual(lse: jax.Array, dtype) -> jax.Array:
+  """Our LSE [B, N, T] fp32 (-inf for rows without a visible key) -> jax.nn's return_residual:
+  [B, T, N] in `dtype` (the input dtype), under stop_gradient, rows without a key holding jax.nn's
+  masked logit."""
+  lse = jnp.where(lse == -jnp.inf, jnp.asarray(_JAX_NN_MASKED_LOGIT, lse.dtype), lse)
+  return jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(dtype))
 
 
 def choose_implementation(query, key, value, bias=None, mask=None, **options) -> backends.Choice:
@@ -268,7 +304,7 @@ def _qkv(query, key, value):
     raise ValueError(f"the number of key/value heads K={K} (key {k.shape}) must divide the number "
                      f"of query heads N={N} (query {q.shape})")
   if q.dtype not in _SUPPORTED_DTYPES:
-    raise ValueError(f"query dtype must be bfloat16, float16 or float32, got {q.dtype}")
+    raise ValueError(f"query dtype must be bfloat16, float16, float32 or float64, got {q.dtype}")
   if k.dtype != q.dtype or v.dtype != q.dtype:
     raise ValueError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, "
                      f"{v.dtype}")
@@ -278,6 +314,10 @@ def _qkv(query, key, value):
 
 
 def _spec(options: Options, head_dim: int) -> AttentionSpec:
+  if options.return_residual and options.return_residuals:
+    raise ValueError("return_residual (jax.nn's: lse [B, T, N] in the input dtype, stop_gradient) "
+                     "and return_residuals (ours: lse [B, N, T] float32, differentiable) cannot "
+                     "both be set; pick one")
   if options.max_adjust not in MAX_ADJUST_MODES:
     raise ValueError(f"max_adjust must be one of {MAX_ADJUST_MODES}, got {options.max_adjust!r}")
   if not np.isfinite(options.beta) or options.beta < 1.0:
@@ -296,6 +336,27 @@ def _spec(options: Options, head_dim: int) -> AttentionSpec:
                    or options.key_value_seq_lengths is not None),
       logits_soft_cap=_soft_cap(options.logits_soft_cap),
       return_residuals=bool(options.return_residuals))
+
+
+def _concrete(x):
+  """x's values as a NumPy array, or None when x is traced: under jit (or grad) its values exist
+  only when the program runs, so they cannot be checked when it is traced."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def _check_values(row: Operand, x) -> None:
+  """Values a shape and dtype check cannot see, for concrete arrays: negative lengths would
+  silently make every row padding, a NaN sink every output NaN."""
+  values = _concrete(x)
+  if values is None:
+    return
+  if row.counts is not None and np.any(values < 0):
+    raise ValueError(f"{row.arg} must be >= 0, got {values.tolist()}")
+  if row.name == "sinks" and not np.all(np.isfinite(values)):
+    raise ValueError(f"sinks must be finite, got {values.tolist()}")
 
 
 def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Options] = None):
@@ -319,8 +380,9 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
     row = OPERANDS[name]
     if x is not None:
       arrays[name] = _check_operand(row, x, sizes, unbatched)
+      _check_values(row, x)
     elif row.counts is not None:   # lengths are always present: the full extent
       arrays[name] = jnp.full((B,), sizes[row.counts], jnp.int32)
   if spec.max_adjust == "safe":
-    arrays["offset"] = safe_offsets(N, T, spec.numerics.dtypes(q.dtype).p)
+    arrays["offset"] = safe_offsets(N, T, tile_dtypes(spec.numerics, q.dtype).p)
   return spec, OPERANDS.make(**arrays), unbatched

@@ -53,15 +53,22 @@ def load(name: str) -> Backend:
     raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {name!r}")
   try:
     return importlib.import_module(_BY_NAME[name].module)
-  except ImportError as e:
-    raise ValueError(f"implementation={name!r} is not available: {e}") from e
+  except Exception as e:
+    # Not only ImportError: a kernel module written against one JAX may fail to import on another
+    # in any way (an API that changed shape raises KeyError or TypeError at import time), and that
+    # must cost only that backend, never implementation=None on every platform.
+    raise ValueError(f"implementation={name!r} is not available: {type(e).__name__}: {e}") from e
 
 
-def _available(name: str) -> bool:
+def _unavailable(name: str) -> Optional[str]:
+  """None if the backend imports and can compile for the default JAX backend, else why not."""
   try:
-    return load(name).is_available()
-  except ValueError:
-    return False
+    backend = load(name)
+  except ValueError as e:
+    return str(e)
+  if not backend.is_available():
+    return f"not available on the {jax.default_backend()!r} backend"
+  return None
 
 
 class Choice(NamedTuple):
@@ -75,8 +82,9 @@ def choose(spec: AttentionSpec, ops: Operands) -> Choice:
   for reg in REGISTRY:
     if not reg.auto:
       continue
-    if not _available(reg.name):
-      passed_over[reg.name] = f"not available on the {jax.default_backend()!r} backend"
+    reason = _unavailable(reg.name)
+    if reason is not None:
+      passed_over[reg.name] = reason
       continue
     reason = load(reg.name).covers(spec, ops)
     if reason is None:
@@ -87,7 +95,7 @@ def choose(spec: AttentionSpec, ops: Operands) -> Choice:
 
 def default_implementation() -> str:
   """The first available backend implementation=None would try on this JAX backend."""
-  return next(r.name for r in REGISTRY if r.auto and _available(r.name))
+  return next(r.name for r in REGISTRY if r.auto and _unavailable(r.name) is None)
 
 
 def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, config=None):

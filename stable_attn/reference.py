@@ -22,6 +22,7 @@ from jax import lax
 from stable_attn import blocks, tile
 from stable_attn.flash import make_flash_attention, reduce_to_shape, shifted_delta
 from stable_attn.layout import Geometry, Padded, heads_major, pad_operands, pad_to, unpad
+from stable_attn.numerics import Dtypes, Numerics
 from stable_attn.spec import LSE_AXES, OPERANDS, ROW_AXES, AttentionSpec, Operands
 
 KV_AXES = OPERANDS["k"].axes
@@ -181,6 +182,22 @@ class Blocks:
 _ROUND = tile.round_exact   # jnp code: XLA must never elide a rounding point
 
 
+def tile_dtypes(numerics: Numerics, input_dtype) -> Dtypes:
+  """The rounding points of `numerics` for inputs of `input_dtype`, as the jnp implementations
+  (and canonicalize's safe offsets) use them.
+
+  float64 inputs (jax_enable_x64) compute as float32 inputs do -- every point float32 -- with the
+  output (and the gradients) in float64. The tile math is float32 (stable_attn.tile: fp32
+  products, statistics and accumulators), so an "input" point has no float64 to keep, and a
+  float64 score dtype would start the running max at float64's minimum, which is -inf in float32
+  (NaN for rows with no visible key). jax.nn, too, computes its softmax in float32 for float64
+  inputs: both give float64 results with float32 accuracy (~1e-7 relative).
+  """
+  if np.dtype(input_dtype) == np.float64:
+    return numerics.dtypes(np.float32)._replace(input=np.dtype(np.float64))
+  return numerics.dtypes(input_dtype)
+
+
 def segment_mask(ops: Operands):
   """The mask operand with segment ids folded in (bool, broadcastable to [B,N,T,S]), or None: the
   jnp implementations treat packed sequences as a mask."""
@@ -241,7 +258,7 @@ def _axis(x):
 
 def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
   bq, bk = blk.block_q, blk.block_k
-  dt = spec.numerics.dtypes(ops.q.dtype)
+  dt = tile_dtypes(spec.numerics, ops.q.dtype)
   lay = _layout(ops, blk)
   geo, pad, x = lay.geo, lay.pad, lay.x
   num_kv = pad.S // bk
@@ -286,7 +303,7 @@ def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
 
 def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, dlse=None):
   bq, bk = blk.block_q, blk.block_k
-  dt = spec.numerics.dtypes(ops.q.dtype)
+  dt = tile_dtypes(spec.numerics, ops.q.dtype)
   in_dtype = ops.q.dtype
   lay = _layout(ops, blk)
   geo, pad, x = lay.geo, lay.pad, lay.x

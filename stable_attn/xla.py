@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from stable_attn import tile
 from stable_attn.flash import public_lse
 from stable_attn.layout import Geometry
-from stable_attn.reference import segment_mask
+from stable_attn.reference import segment_mask, tile_dtypes
 from stable_attn.spec import AttentionSpec, Operands
 
 
@@ -20,7 +20,7 @@ def xla_attention(spec: AttentionSpec, ops: Operands):
   """-> (O [B,T,N,H] in the input dtype, LSE fp32 [B,N,T], -inf for rows without keys)."""
   geo = Geometry.of(ops)
   B, T, S, N, H = geo.B, geo.T, geo.S, geo.N, geo.H
-  dt = spec.numerics.dtypes(ops.q.dtype)
+  dt = tile_dtypes(spec.numerics, ops.q.dtype)
   q = jnp.swapaxes(ops.q, 1, 2)                                   # [B, N, T, H]
   k = jnp.repeat(jnp.swapaxes(ops.k, 1, 2), geo.G, axis=1)        # [B, N, S, H]
   v = jnp.repeat(jnp.swapaxes(ops.v, 1, 2), geo.G, axis=1)

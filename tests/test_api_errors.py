@@ -40,6 +40,12 @@ k = jnp.ones((2, 10, 2, 16), jnp.float32) * 0.2
     (dict(logits_soft_cap=-3.0), "logits_soft_cap"),
     (dict(logits_soft_cap=float("nan")), "logits_soft_cap"),
     (dict(logits_soft_cap="big"), "logits_soft_cap"),
+    # Values a shape check cannot see (concrete arrays only; see test_traced_values_are_not_checked).
+    (dict(query_seq_lengths=jnp.array([-1, 2])), "query_seq_lengths must be >= 0"),
+    (dict(key_value_seq_lengths=[3, -2]), "key_value_seq_lengths must be >= 0"),
+    (dict(sinks=jnp.array([0.0, jnp.nan, 0.0, 0.0])), "sinks must be finite"),
+    (dict(sinks=jnp.array([0.0, 0.0, -jnp.inf, 0.0])), "sinks must be finite"),
+    (dict(return_residual=True, return_residuals=True), "return_residual .* return_residuals"),
 ])
 def test_bad_input_raises_value_error(kwargs, match):
   args = dict(query=q, key=k, value=k)
@@ -48,6 +54,17 @@ def test_bad_input_raises_value_error(kwargs, match):
     stable_attn.dot_product_attention(args.pop("query"), args.pop("key"), args.pop("value"),
                                       implementation=args.pop("implementation", "reference"),
                                       **args)
+
+
+def test_traced_values_are_not_checked():
+  """Under jit the lengths and sinks are tracers: their values cannot be checked when the call is
+  traced, so it must still trace (no error), and a negative length then means 0 (as documented)."""
+  lengths = jnp.array([-1, 10])
+  run = jax.jit(lambda lengths, sinks: stable_attn.dot_product_attention(
+      q, k, k, key_value_seq_lengths=lengths, sinks=sinks, implementation="reference"))
+  out = run(lengths, jnp.zeros((4,), jnp.float32))
+  assert not jnp.any(out[0]) and jnp.all(jnp.isfinite(out))
+  assert bool(jnp.all(jnp.isnan(run(lengths, jnp.full((4,), jnp.nan))[1])))
 
 
 def test_numerics_fields_are_checked():
@@ -84,3 +101,22 @@ def test_numerics_with_moved_rounding_points():
       resolve(bad)
   with pytest.raises(ValueError, match="numerics"):
     stable_attn.dot_product_attention(q, k, k, numerics="paper+score", implementation="reference")
+
+
+def test_a_backend_that_fails_to_import_is_passed_over(tmp_path, monkeypatch):
+  """A kernel module written against one JAX can fail to import on another with any exception
+  (on JAX 0.12 the Hopper kernel's raises KeyError: plgpu.load lost a parameter). That must cost
+  only that backend: implementation=None passes over it with the error as its reason, and naming
+  it raises ValueError."""
+  from stable_attn import backends
+  (tmp_path / "broken_backend_for_test.py").write_text(
+      "raise KeyError('idx')  # an API that changed shape, met at import time\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  broken = backends.Registration("broken", "broken_backend_for_test")
+  monkeypatch.setattr(backends, "REGISTRY", (broken,) + backends.REGISTRY)
+  monkeypatch.setattr(backends, "_BY_NAME", {**backends._BY_NAME, "broken": broken})
+  choice = stable_attn.choose_implementation(q, k, k)
+  assert choice.name == "reference" and "KeyError" in choice.passed_over["broken"]
+  assert stable_attn.default_implementation() == "reference"
+  with pytest.raises(ValueError, match="implementation='broken' is not available: KeyError"):
+    stable_attn.dot_product_attention(q, k, k, implementation="broken")

@@ -7,14 +7,15 @@ Forward, delta pre-pass, dK/dV and dQ kernels live in `kernels.py`; their tile m
 `stable_attn.tile` and their block ranges `stable_attn.blocks`. Block sizes, warps and stages come
 from `tuning.py` (a table per head dim and dtype), or from a `tuning.Config` passed as `config`.
 spec.interpret=True runs the same kernels with pallas_call(interpret=True), e.g. on a CPU.
-It covers every call stable_attn accepts with head dims up to 256: it is the fallback of the
-Hopper kernel and the kernel of other NVIDIA GPUs.
+It covers every call stable_attn accepts with head dims up to 256, except float64 inputs (reference
+runs those): it is the fallback of the Hopper kernel and the kernel of other NVIDIA GPUs.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from stable_attn.flash import make_flash_attention
 from stable_attn.spec import AttentionSpec, Operands
@@ -45,6 +46,9 @@ def is_available() -> bool:
 
 def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
   H = ops.q.shape[-1]
+  if jnp.dtype(ops.q.dtype) == jnp.float64:
+    return ("float64: the Triton kernels are built and tested for bf16, fp16 and fp32 (float32 "
+            "tile math); float64 runs on reference (or xla)")
   if H > tuning.MAX_HEAD_DIM:
     return f"pallas_gpu supports head dims up to {tuning.MAX_HEAD_DIM}, got query {tuple(ops.q.shape)}"
   return None

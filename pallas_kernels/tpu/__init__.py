@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.tpu.kernels import BlockSizes, flash_attention
 from stable_attn.spec import AttentionSpec, Operands
@@ -26,7 +27,9 @@ def is_available() -> bool:
 
 
 def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
-  """Every call stable_attn accepts."""
+  """Every call stable_attn accepts, except float64 inputs (reference runs those)."""
+  if jnp.dtype(ops.q.dtype) == jnp.float64:
+    return "float64: TPUs have no float64 arithmetic; float64 runs on reference (or xla)"
   return None
 
 
