@@ -14,7 +14,7 @@ from stable_attn import numerics as numerics_lib
 from stable_attn.backends import IMPLEMENTATIONS, default_implementation
 from stable_attn.numerics import Numerics
 from stable_attn.reference import tile_dtypes
-from stable_attn.spec import OPERANDS, AttentionSpec, Operand, Operands
+from stable_attn.spec import OPERANDS, AttentionSpec, Operand
 from stable_attn import tile
 from stable_attn.tile import MAX_ADJUST_MODES
 

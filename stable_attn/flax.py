@@ -33,9 +33,10 @@ def make_attention_fn(**options):
     raise ValueError(f"make_attention_fn got unknown options {unknown}; expected keyword "
                      f"arguments of stable_attn.dot_product_attention: {names}")
   fixed = Options(**options)
-  if fixed.return_residuals:
-    raise ValueError("make_attention_fn cannot take return_residuals=True: Flax's attention "
-                     "modules expect attention_fn to return the output alone")
+  for name in ("return_residual", "return_residuals"):
+    if getattr(fixed, name):
+      raise ValueError(f"make_attention_fn cannot take {name}=True: Flax's attention modules "
+                       f"expect attention_fn to return the output alone")
 
   def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                    dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,

@@ -53,8 +53,9 @@ def test_every_keyword_reaches_canonicalize():
     stable_attn.choose_implementation(q, q, q, not_an_option=1)
   with pytest.raises(ValueError, match="unknown options"):
     sa_flax.make_attention_fn(not_an_option=1)
-  with pytest.raises(ValueError, match="return_residuals"):
-    sa_flax.make_attention_fn(return_residuals=True)
+  for name in ("return_residual", "return_residuals"):
+    with pytest.raises(ValueError, match=name):
+      sa_flax.make_attention_fn(**{name: True})
 
 
 def test_table_rows_describe_the_canonical_operands():

@@ -78,8 +78,9 @@ def test_extreme_sinks_never_nan(impl, interpret):
   np.testing.assert_array_equal(np.asarray(out[:, :, 0], np.float32), 0.0)
   np.testing.assert_allclose(np.asarray(lse[:, 0]), 1e4, rtol=1e-6)
   plain = stable_attn.dot_product_attention(q, k, v, implementation=impl, interpret=interpret)
-  np.testing.assert_array_equal(np.asarray(out[:, :, 1], np.float32),
-                                np.asarray(plain[:, :, 1], np.float32))
+  # Within one bf16 ulp: XLA may order the fp32 epilogue differently in the two programs.
+  np.testing.assert_allclose(np.asarray(out[:, :, 1], np.float32),
+                             np.asarray(plain[:, :, 1], np.float32), rtol=2.0 ** -7, atol=1e-6)
   # The dominant sink's gradient is dLSE summed over its rows (its P is 1, delta is 0).
   np.testing.assert_allclose(float(grads[3][0]), B * T, rtol=1e-5)
 

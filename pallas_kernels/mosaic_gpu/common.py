@@ -41,9 +41,11 @@ def mma_transforms(dtype):
           plgpu.SwizzleTransform(SWIZZLE))
 
 
-# JAX 0.11 takes `plgpu.load(ref, layout=...)` and deprecates the index argument that 0.10 needs.
-_LOAD_NEEDS_INDEX = (inspect.signature(plgpu.load).parameters["idx"].default
-                     is inspect.Parameter.empty)
+# JAX 0.11 takes `plgpu.load(ref, layout=...)` and deprecates the index argument that 0.10 needs;
+# 0.12 removes it.
+_LOAD_PARAMS = inspect.signature(plgpu.load).parameters
+_LOAD_NEEDS_INDEX = ("idx" in _LOAD_PARAMS
+                     and _LOAD_PARAMS["idx"].default is inspect.Parameter.empty)
 
 
 def load_vector(ref, layout):
