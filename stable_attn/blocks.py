@@ -9,7 +9,9 @@ Packed sequences (segment ids) are ranges too: `segment_sections` computes, once
 query block's range of key blocks that can share a document with it (and each key block's range
 of query blocks), and inside it the blocks whose queries and keys all belong to one document.
 `kv_sections` / `q_sections` intersect those with the causal / window / length ranges, so a
-kernel loops over a packed row's own document only, and runs its inside unmasked.
+kernel loops over a packed row's own document only, and runs its inside unmasked. A boolean
+mask operand becomes ranges the same way (`mask_sections`: blocks with any True, and the all-True
+run inside them), so a block-sparse mask costs about its visible blocks.
 Arguments may be Python ints or traced int32 scalars (Pallas program ids, loop indices).
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jax import lax
 from stable_attn.layout import cdiv
 
 __all__ = ["cdiv", "kv_block_range", "q_block_range", "full_kv_range", "full_q_range",
-           "kv_sections", "q_sections", "segment_sections", "intersect", "within_segments",
+           "kv_sections", "q_sections", "segment_sections", "mask_sections", "intersect", "within_segments",
            "split_loop"]
 
 
@@ -174,8 +176,34 @@ def segment_sections(q_seg: jax.Array, kv_seg: jax.Array, block_q: int, block_k:
   share = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])
   whole = ((q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :]
            & (k_lo[:, None, :] == q_lo[:, :, None]))       # [B, nq, nk]
+  return _ranges(share, whole, per)
+
+
+def mask_sections(mask: jax.Array, block_q: int, block_k: int, *, per: str,
+                  groups: int = 1) -> jax.Array:
+  """A boolean mask as block ranges, computed once per call (plain XLA, outside the kernels).
+
+  mask [Bm, Nm, Tp, Sp] (bool or int, nonzero = attend; Bm, Nm full or 1, Tp and Sp multiples of
+  the blocks). Returns int32 [Bm, Nm // groups, n, 4]: for each query block (per="query") the
+  (lo, flo, fhi, hi) of key blocks holding any True -- the hull: all-False blocks inside it still
+  run, masked -- and inside it [flo, fhi), the contiguous run of blocks that are all True (they run
+  without the mask); per="key" the same over query blocks for each key block. groups > 1 merges
+  each run of `groups` heads (a dK/dV kernel loops over the query heads of one kv head): a block is
+  visited if any of them needs it and runs unmasked only if all see it whole.
+  """
+  Bm, Nm, Tp, Sp = mask.shape
+  blocked = (mask != 0).reshape(Bm, Nm // groups, groups, Tp // block_q, block_q,
+                                Sp // block_k, block_k)
+  share = jnp.any(blocked, axis=(2, 4, 6))
+  whole = jnp.all(blocked, axis=(2, 4, 6))                  # [Bm, Nm', nq, nk]
+  return _ranges(share, whole, per)
+
+
+def _ranges(share, whole, per: str):
+  """(lo, flo, fhi, hi) per block from bool [..., nq, nk] block tables: `share`, the blocks to
+  visit, `whole`, those that run unmasked -> int32 [..., n, 4] per query (or per key) block."""
   if per == "key":
-    share, whole = jnp.swapaxes(share, 1, 2), jnp.swapaxes(whole, 1, 2)
+    share, whole = jnp.swapaxes(share, -1, -2), jnp.swapaxes(whole, -1, -2)
   elif per != "query":
     raise ValueError(f"per must be 'query' or 'key', got {per!r}")
   n = share.shape[-1]

@@ -64,11 +64,18 @@ def make_inputs(case: dict, dtype, seed: int):
   k = cast(rng.standard_normal((B, S, K, H)))
   v = cast(rng.standard_normal((B, S, K, H)))
   d_out = cast(rng.standard_normal((B, T, N, H)))
-  bias = cast(rng.standard_normal(case["bias"])) if "bias" in case else None
+  bias = None
+  if "bias" in case:
+    bias = jnp.asarray(rng.standard_normal(case["bias"]), case.get("bias_dtype", dtype))
   mask = None
   if "mask" in case:
     mask = rng.random(case["mask"]) > 0.3
     mask[..., 0] = True  # at least one visible key per row unless a row is masked on purpose
+    if "sparse_blocks" in case:   # whole blocks of False: the kernels' block ranges skip them
+      block, keep = case["sparse_blocks"]
+      nq, nk = -(-mask.shape[-2] // block), -(-mask.shape[-1] // block)
+      hidden = np.repeat(np.repeat(rng.random((nq, nk)) > keep, block, 0), block, 1)
+      mask &= ~hidden[:mask.shape[-2], :mask.shape[-1]]
     for row in case.get("masked_rows", ()):
       mask[..., row, :] = False
     mask = jnp.asarray(mask)

@@ -52,8 +52,12 @@ def _spec_ops(shape=(2, 128, 4, 64), kv_heads=2, dtype=bf16, **kwargs):
     (dict(dtype=f32), "float32"),
     (dict(shape=(1, 64, 2, 96), kv_heads=1), "head dim 96"),
     (dict(shape=(1, 64, 2, 256), kv_heads=1), "head dim 256"),
-    (dict(bias=jnp.zeros((1, 1, 128, 128), f32)), "bias"),
-    (dict(mask=jnp.ones((1, 1, 128, 128), bool)), "mask"),
+    (dict(bias=jnp.zeros((1, 1, 128, 128), f32)), None),
+    (dict(mask=jnp.ones((1, 1, 128, 128), bool), is_causal=True), None),
+    (dict(shape=(2, 128, 4, 128), bias=jnp.zeros((2, 4, 128, 128), bf16),
+          mask=jnp.ones((2, 1, 1, 128), bool)), None),
+    # fp32 bias tiles and the dS staging tile leave the dQ kernel no room at head dim 128.
+    (dict(shape=(2, 128, 4, 128), bias=jnp.zeros((1, 4, 128, 128), f32)), "shared memory"),
     (dict(numerics="paper"), "numerics 'paper'"),
     (dict(numerics="fast+fp32o"), "numerics 'fast\\+fp32o'"),
     (dict(interpret=True), "interpret"),
@@ -186,6 +190,20 @@ GPU_CASES = {
                               docs=6),
     "packed_cross_window_h128": dict(B=2, T=300, S=333, N=4, K=2, H=128, segments=True, docs=3,
                                      window=(100, 20), q_lens=(300, 217), kv_lens=(333, 190)),
+    # Bias (with dbias) and mask tiles streamed beside K/V and Q/dO; a per-head bias summed over
+    # the batch (fp32 dS), a full one (dS in its dtype), a key-padding bias [B, 1, 1, S]; masks
+    # whose all-False blocks the block ranges skip, rows with no visible key.
+    "bias_mask_causal_gqa": dict(B=2, T=300, S=333, N=4, K=2, H=64, is_causal=True,
+                                 bias=(1, 4, 300, 333), mask=(2, 1, 300, 333),
+                                 q_lens=(300, 217), kv_lens=(333, 190)),
+    "bias_full_h128": dict(B=2, T=256, S=200, N=4, K=1, H=128, bias=(2, 4, 256, 200),
+                           soft_cap=10.0, sinks=True),
+    "key_bias_fp32_window": dict(B=2, T=257, S=513, N=2, K=2, H=64, bias=(2, 1, 1, 513),
+                                 bias_dtype=jnp.float32, window=(64, 32)),
+    "block_sparse_mask_h128": dict(B=1, T=512, S=640, N=4, K=2, H=128, mask=(1, 4, 512, 640),
+                                   sparse_blocks=(64, 0.4), masked_rows=(3, 200, 511)),
+    "mask_packed": dict(B=2, T=384, S=384, N=2, K=2, H=64, is_causal=True, segments=True,
+                        mask=(2, 2, 384, 384), sparse_blocks=(128, 0.6)),
 }
 GPU_CHECKS = ([(name, bf16, mode) for name in GPU_CASES for mode in ("off", "paper", "safe")]
               + [(name, f16, "safe") for name in GPU_CASES])
@@ -207,11 +225,12 @@ def test_gpu_default_and_fallback():
   a = stable_attn.dot_product_attention(q, k, v, **kwargs)
   b = stable_attn.dot_product_attention(q, k, v, implementation=IMPL, **kwargs)
   np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  choice = stable_attn.choose_implementation(q, k, v, numerics="paper", **kwargs)
+  assert choice.name == "pallas_gpu" and "numerics" in choice.passed_over[IMPL]
+  with pytest.raises(ValueError, match="does not cover.*numerics"):
+    stable_attn.dot_product_attention(q, k, v, implementation=IMPL, numerics="paper", **kwargs)
   bias = jnp.zeros((1, 1, 1, q.shape[1]), f32)
-  choice = stable_attn.choose_implementation(q, k, v, bias, **kwargs)
-  assert choice.name == "pallas_gpu" and "bias" in choice.passed_over[IMPL]
-  with pytest.raises(ValueError, match="does not cover.*bias"):
-    stable_attn.dot_product_attention(q, k, v, bias, implementation=IMPL, **kwargs)
+  assert stable_attn.choose_implementation(q, k, v, bias, **kwargs).name == IMPL
 
 
 @pytest.mark.gpu
@@ -278,17 +297,19 @@ def test_gpu_fully_masked_rows_are_zero():
   np.testing.assert_array_equal(np.asarray(grads[0][0], np.float32), 0.0)
 
 
-@pytest.mark.parametrize("feature", ["segments", "sinks", "soft_cap"])
+@pytest.mark.parametrize("feature", ["segments", "sinks", "soft_cap", "bias", "mask"])
 def test_features_lower_for_cuda(feature):
   """The whole Mosaic GPU lowering of forward, dK/dV and dQ (short of the GPU compiler) with each
   feature, on a CPU host: what the kernels use must lower (jnp.logaddexp, a custom_jvp, did not)."""
   B, T, N, K, H = 1, 512, 4, 2, 64
   ids = jnp.asarray(np.repeat(np.arange(4), T // 4)[None], jnp.int32)
   kwargs = dict(segments=dict(q_segment_ids=ids), sinks=dict(sinks=jnp.zeros(N, f32)),
-                soft_cap=dict(logits_soft_cap=20.0))[feature]
-  config = tuning.table_config(H)
+                soft_cap=dict(logits_soft_cap=20.0), bias=dict(bias=jnp.zeros((1, N, T, T), bf16)),
+                mask=dict(mask=jnp.ones((1, 1, T, T), bool)))[feature]
 
   def lowered(spec, ops):
+    config = tuning.table_config(H, 2, **mosaic._extras(ops))
+
     def f(ops):
       o, vjp = jax.vjp(lambda o: mosaic._flash(spec, config, o)[0], ops)
       return o, vjp(o)

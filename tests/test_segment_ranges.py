@@ -1,6 +1,7 @@
 """Packed sequences as block ranges (stable_attn.blocks.segment_sections), against brute force."""
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -66,3 +67,32 @@ def test_intersection_with_causal_ranges_keeps_every_visible_block():
           assert lo <= j < hi, (i, j, (lo, flo, fhi, hi))
         if flo <= j < fhi:
           assert tiles[:, j].all(), (i, j, (lo, flo, fhi, hi))
+
+
+@pytest.mark.parametrize("per", ["query", "key"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_mask_sections_match_brute_force(per, groups):
+  """blocks.mask_sections: the hull of blocks with any True, and the all-True run inside it (kept
+  only when contiguous), per query block or per key block, merged over head groups."""
+  rng = np.random.default_rng()
+  bq, bk, nq, nk, heads = 8, 4, 5, 7, 4
+  blocks_true = rng.random((2, heads, nq, nk)) < 0.5
+  mask = np.repeat(np.repeat(blocks_true, bq, 2), bk, 3)
+  mask &= rng.random(mask.shape) < 0.9   # some blocks partly True
+  got = np.asarray(blocks.mask_sections(jnp.asarray(mask), bq, bk, per=per, groups=groups))
+  per_block = mask.reshape(2, heads // groups, groups, nq, bq, nk, bk)
+  share, whole = per_block.any(axis=(2, 4, 6)), per_block.all(axis=(2, 4, 6))
+  if per == "key":
+    share, whole = share.swapaxes(-1, -2), whole.swapaxes(-1, -2)
+  for index in np.ndindex(share.shape[:-1]):
+    visited = np.flatnonzero(share[index])
+    lo, flo, fhi, hi = got[index]
+    if visited.size == 0:
+      assert lo == hi
+      continue
+    assert (lo, hi) == (visited[0], visited[-1] + 1)
+    full = np.flatnonzero(whole[index])
+    if full.size and full[-1] - full[0] + 1 == full.size:
+      assert (flo, fhi) == (full[0], full[-1] + 1)
+    else:
+      assert flo == fhi

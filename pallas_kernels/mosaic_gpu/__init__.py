@@ -7,10 +7,12 @@ dQ kernels, no atomics). See forward.py, backward.py and docs/dispatch.md.
 
 What it covers (`covers`): bf16/fp16 on an sm_90 GPU, head dims 64 and 128, numerics "fast", every
 max_adjust mode, causal, local windows, lengths, GQA/MQA, T != S and lengths that are not block
-multiples (padded), a logits soft cap, attention sinks, segment ids (packed sequences). Everything
-else -- bias or mask operands, other numerics presets, fp32, other head dims -- is
-implementation="pallas_gpu" (implementation=None picks it; naming this backend for such a call
-raises ValueError with the reason).
+multiples (padded), a logits soft cap, attention sinks, segment ids (packed sequences), bias (with
+its gradient) and boolean mask operands, streamed by TMA beside K/V (their all-False blocks
+skipped through block ranges). Everything else -- other numerics presets, fp32, other head dims,
+a bias whose tiles do not fit shared memory -- is implementation="pallas_gpu"
+(implementation=None picks it; naming this backend for such a call raises ValueError with the
+reason).
 """
 from __future__ import annotations
 
@@ -21,12 +23,12 @@ import jax.numpy as jnp
 
 from stable_attn import numerics as numerics_lib
 from stable_attn import tile
-from stable_attn.flash import make_flash_attention
+from stable_attn.flash import make_flash_attention, reduce_to_shape
 from stable_attn.layout import Geometry, pad_operands, pad_to, unpad
 from stable_attn.spec import LSE_AXES, OPERANDS, ROW_AXES, AttentionSpec, Operands
 
 from pallas_kernels.mosaic_gpu import tuning
-from pallas_kernels.mosaic_gpu.common import Call, segment_sections
+from pallas_kernels.mosaic_gpu.common import Call, block_ranges
 
 __all__ = ["attention", "is_available", "covers", "tuning"]
 
@@ -53,12 +55,32 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
     return f"dtype {jnp.dtype(ops.q.dtype).name}: the Hopper kernels take bfloat16 and float16"
   if H not in tuning.HEAD_DIMS:
     return f"head dim {H}: the Hopper kernels cover {tuning.HEAD_DIMS}"
-  if ops.bias is not None or ops.mask is not None:
-    return "bias and mask operands run on pallas_gpu"
   if spec.numerics.dtypes(ops.q.dtype) != numerics_lib.FAST.dtypes(ops.q.dtype):
     return (f"numerics {spec.numerics.name!r}: the Hopper kernels compute the 'fast' rounding "
             f"(fp32 scores and statistics, P in the input dtype)")
+  try:
+    tuning.table_config(H, jnp.dtype(ops.q.dtype).itemsize, **_extras(ops))
+  except ValueError as e:
+    return f"the bias and mask tiles do not fit shared memory: {e}"
   return None
+
+
+def _ds_dtype(ops: Operands):
+  """dS's dtype for a bias's gradient: the bias's own when dS is the gradient itself (every dim
+  full), fp32 when it is summed over the bias's broadcast dims first; None without a bias."""
+  if ops.bias is None:
+    return None
+  full = (ops.q.shape[0], ops.q.shape[2], ops.q.shape[1], ops.k.shape[1])
+  return ops.bias.dtype if tuple(ops.bias.shape) == full else jnp.dtype(jnp.float32)
+
+
+def _extras(ops: Operands) -> dict:
+  """The shared memory the bias and mask tiles take (tuning.TuningConfig.smem_problem)."""
+  if ops.bias is None and ops.mask is None:
+    return {}
+  beside = (0 if ops.bias is None else jnp.dtype(ops.bias.dtype).itemsize) + (ops.mask is not None)
+  ds = _ds_dtype(ops)
+  return dict(beside=beside, ds_itemsize=0 if ds is None else jnp.dtype(ds).itemsize)
 
 
 def _call(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands) -> Call:
@@ -67,12 +89,25 @@ def _call(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands) -> Ca
               spec.numerics.dtypes(ops.q.dtype), config, packed=ops.q_seg is not None)
 
 
+def _padded(ops: Operands, call: Call) -> Operands:
+  """The operands padded for the kernels; bias and mask with their query and key dims
+  materialised (TMA copies tiles of them) and the mask as int8."""
+  x = pad_operands(ops, call.pad)
+  pairwise = {}
+  for name in ("bias", "mask"):
+    a = getattr(x, name)
+    if a is not None:
+      a = jnp.broadcast_to(a, a.shape[:2] + (call.pad.T, call.pad.S))
+      pairwise[name] = a.astype(jnp.int8) if name == "mask" else a
+  return x._replace(**pairwise)
+
+
 def _forward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands):
   from pallas_kernels.mosaic_gpu.forward import forward_call
   call = _call(spec, config, ops)
-  x = pad_operands(ops, call.pad)
+  x = _padded(ops, call)
   fwd = config.fwd
-  o, lse = forward_call(call, x, segment_sections(x, fwd.block_q, fwd.block_kv, "query"))
+  o, lse = forward_call(call, x, block_ranges(x, fwd.block_q, fwd.block_kv, "query"))
   o = unpad(o, ROW_AXES, call.geo)
   return o, o, unpad(lse, LSE_AXES, call.geo)
 
@@ -81,15 +116,19 @@ def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o
               dlse=None):
   from pallas_kernels.mosaic_gpu.backward import backward_call
   call = _call(spec, config, ops)
-  x = pad_operands(ops, call.pad)._replace(offset=None)   # the backward reads the LSE instead
+  x = _padded(ops, call)._replace(offset=None)   # the backward reads the LSE instead
   rows = lambda a: pad_to(a.astype(ops.q.dtype), ROW_AXES, call.pad)
   lse = pad_to(lse, LSE_AXES, call.pad, tile.EMPTY_ROW_LSE)
   if dlse is not None:
     dlse = pad_to(dlse, LSE_AXES, call.pad)
-  dq, dk, dv = backward_call(call, x, rows(o_res), lse, rows(do), dlse)
+  dq, dk, dv, ds = backward_call(call, x, rows(o_res), lse, rows(do), dlse, _ds_dtype(ops))
+  dbias = None
+  if ds is not None:
+    geo = call.geo
+    dbias = reduce_to_shape(ds[:, :, :geo.T, :geo.S], ops.bias.shape).astype(ops.bias.dtype)
   kv_axes = OPERANDS["k"].axes
   return (unpad(dq, ROW_AXES, call.geo), unpad(dk, kv_axes, call.geo),
-          unpad(dv, kv_axes, call.geo), None)
+          unpad(dv, kv_axes, call.geo), dbias)
 
 
 _flash = make_flash_attention(_forward, _backward, partition=True)
@@ -104,11 +143,11 @@ def attention(spec: AttentionSpec, ops: Operands,
   if not is_available():
     raise ValueError("implementation='pallas_mosaic_gpu' needs a Hopper (sm_90) GPU; the default "
                      f"backend is {jax.default_backend()!r}")
-  H = ops.q.shape[-1]
+  H, itemsize = ops.q.shape[-1], jnp.dtype(ops.q.dtype).itemsize
   if config is None:
-    config = tuning.table_config(H)
+    config = tuning.table_config(H, itemsize, **_extras(ops))
   elif not isinstance(config, tuning.TuningConfig):
     raise ValueError(f"config for implementation='pallas_mosaic_gpu' must be a "
                      f"pallas_kernels.mosaic_gpu.tuning.TuningConfig, got {config!r}")
-  config.check_smem(H, jnp.dtype(ops.q.dtype).itemsize)
+  config.check_smem(H, itemsize, **_extras(ops))
   return _flash(spec, config, ops)

@@ -27,7 +27,7 @@ from stable_attn.flash import shifted_delta
 from stable_attn.spec import BackwardInputs, Operands
 
 from pallas_kernels.mosaic_gpu import common
-from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32, segment_sections
+from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
 
 COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
@@ -53,19 +53,22 @@ def _store(smem, value, gmem):
 # dK, dV
 # ---------------------------------------------------------------------------------------------
 
-def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_ref, scratch, *,
-                call: Call):
-  (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kseg_smem, qseg_smem), (
-      kv_loaded, loaded), free = scratch
+def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dk_ref, dv_ref,
+                scratch, *, call: Call):
+  """refs.bias and refs.mask, when present, are transposed: [Bx, Nx, Sp, Tp]."""
+  (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kseg_smem, qseg_smem, bias_smem,
+   mask_smem), (kv_loaded, loaded), free = scratch
   spec, tiles, G = call.spec, call.config.dkv, call.geo.G
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k = lax.axis_index("kv_seq") * (2 * bk)
   q_len, kv_len = call.lengths(refs, b)
-  # The query blocks of one warpgroup's keys (its packed-sequence range intersected in).
-  ranges = lambda k_start: call.q_ranges(
-      k_start, bk, bq, q_len, kv_len, common.segment_range(sections_ref, b, k_start // bk))
-  lo, hi = common.union_range(ranges(cta_k), ranges(cta_k + bk))
+  # The query blocks of one warpgroup's keys (its packed-sequence and mask ranges intersected in;
+  # the mask's merged over the kv head's query heads).
+  q_ranges = lambda k_start: call.q_ranges(
+      k_start, bk, bq, q_len, kv_len, common.block_range(ranges.segments, b, kvh, k_start // bk),
+      common.block_range(ranges.mask, b, kvh, k_start // bk))
+  lo, hi = common.union_range(q_ranges(cta_k), q_ranges(cta_k + bk))
   per_head = hi - lo
 
   @pl.when(wg < 2)
@@ -80,7 +83,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_
                               kv_loaded.at[wg])
     plgpu.barrier_wait(kv_loaded.at[wg])
     kv_ids = common.load_vector(kseg_smem.at[wg], ROWS) if call.packed else None
-    mine = common.clamp_ranges(ranges(k_start), lo, hi)
+    mine = common.clamp_ranges(q_ranges(k_start), lo, hi)
 
     def head(g, carry):
       def step(i, carry, kind):
@@ -91,14 +94,16 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_
           plgpu.barrier_arrive(free.at[slot])
           return carry
         q, do = q_smem.at[slot], do_smem.at[slot]
+        bias_t, allowed_t = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bk, bk),
+                                               kind == "masked")
         ok = None
         if kind == "masked":
           q_ids = common.load_vector(qseg_smem.at[slot], COLS) if call.packed else None
           ok = call.visible((bk, bq), i * bq, k_start, q_len, kv_len, q_axis=1, q_ids=q_ids,
-                            kv_ids=kv_ids)
+                            kv_ids=kv_ids, mask=allowed_t)
 
         def p_of_scores(qk_t):
-          s_t = call.scores(qk_t, ok)
+          s_t = call.scores(qk_t, ok, bias_t)
           return tile.backward_p(s_t, common.load_vector(lse_smem.at[slot], COLS),
                                  in_dtype=call.dt.input, base2=True, q_axis=1), s_t.dtanh
 
@@ -141,14 +146,15 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_
                               loaded.at[slot])
       plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
                               loaded.at[slot])
-      if call.packed:
-        plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[slot],
-                                loaded.at[slot])
+      # The queries' segment ids and the CTA's transposed bias and mask tiles travel with Q.
+      common.copy_beside(refs, b, n, pl.ds(cta_k, 2 * bk), pl.ds(q_start, bq), loaded.at[slot],
+                         (qseg_smem, bias_smem, mask_smem), slot, seg_rows=pl.ds(q_start, bq),
+                         seg_ref=refs.q_seg)
 
     common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)])
 
 
-def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, sections):
+def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ranges):
   tiles = call.config.dkv
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, K, H = call.geo.B, call.geo.K, call.pad.H
@@ -161,34 +167,39 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, sections):
           plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq), f32), plgpu.SMEM((stages, bq), f32),
           plgpu.SMEM((2, bk), jnp.int32) if call.packed else None,
-          plgpu.SMEM((stages, bq), jnp.int32) if call.packed else None)
+          plgpu.SMEM((stages, bq), jnp.int32) if call.packed else None,
+          *common.pairwise_smem(x, stages, 2 * bk, bq))
+  beside = call.packed + (x.bias is not None) + (x.mask is not None)
   barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=2),
-              plgpu.Barrier(num_arrivals=4 + call.packed, num_barriers=stages))
+              plgpu.Barrier(num_arrivals=4 + beside, num_barriers=stages))
   return common.launch(
       functools.partial(_dkv_kernel, call=call),
       (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
       out_type=(jax.ShapeDtypeStruct(x.k.shape, dtype), jax.ShapeDtypeStruct(x.v.shape, dtype)),
       grid=(B, K, call.pad.S // (2 * bk)), grid_names=("batch", "heads", "kv_seq"),
-  )(x, grads, sections)
+  )(x, grads, ranges)
 
 
 # ---------------------------------------------------------------------------------------------
 # dQ
 # ---------------------------------------------------------------------------------------------
 
-def _dq_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dq_ref, scratch, *,
+def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_ref, *rest,
                call: Call):
-  (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, qseg_smem, kseg_smem), (
-      q_loaded, loaded), free = scratch
+  """With a bias, rest = (dS [B, N, Tp, Sp], scratch): every block's dS, zeros where unvisited."""
+  ds_ref, scratch = rest if len(rest) == 2 else (None, rest[0])
+  (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, qseg_smem, kseg_smem, bias_smem,
+   mask_smem, ds_smem), (q_loaded, loaded), free = scratch
   spec, tiles = call.spec, call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   num_tiles = call.pad.T // (2 * bq)
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_q = (num_tiles - 1 - lax.axis_index("q_seq")) * (2 * bq)
   q_len, kv_len = call.lengths(refs, b)
-  ranges = lambda q_start: call.kv_ranges(
-      q_start, bq, bk, q_len, kv_len, common.segment_range(sections_ref, b, q_start // bq))
-  lo, hi = common.union_range(ranges(cta_q), ranges(cta_q + bq))
+  kv_ranges = lambda q_start: call.kv_ranges(
+      q_start, bq, bk, q_len, kv_len, common.block_range(ranges.segments, b, n, q_start // bq),
+      common.block_range(ranges.mask, b, n, q_start // bq))
+  lo, hi = common.union_range(kv_ranges(cta_q), kv_ranges(cta_q + bq))
 
   @pl.when(wg < 2)
   def _compute():
@@ -217,20 +228,25 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dq_ref, scra
         plgpu.barrier_arrive(free.at[slot])
         return dq
       k = k_smem.at[slot]
+      bias, allowed = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bq, bq),
+                                         kind == "masked")
       ok = None
       if kind == "masked":
         kv_ids = common.load_vector(kseg_smem.at[slot], COLS) if call.packed else None
-        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids, kv_ids=kv_ids)
+        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids, kv_ids=kv_ids,
+                          mask=allowed)
 
       def p_of_scores(qk):
-        s = call.scores(qk, ok)
+        s = call.scores(qk, ok, bias)
         return tile.backward_p(s, lse, in_dtype=call.dt.input, base2=True)[0], s.dtanh
 
       (p, dtanh), dp = _scores_then_p(
           lambda acc: plgpu.wgmma(acc, q, k.transpose((1, 0))),
           lambda acc: plgpu.wgmma(acc, do, v_smem.at[slot].transpose((1, 0))),
           (bq, bk), p_of_scores)
-      _, ds_op = tile.backward_ds(p, dp, delta, in_dtype=call.dt.input, dtanh=dtanh)
+      ds, ds_op = tile.backward_ds(p, dp, delta, in_dtype=call.dt.input, dtanh=dtanh)
+      if ds_ref is not None:
+        store_ds(ds, j)
 
       def update(acc):
         plgpu.wgmma(acc, ds_op, k)
@@ -239,9 +255,25 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dq_ref, scra
       plgpu.barrier_arrive(free.at[slot])
       return dq
 
-    mine = common.clamp_ranges(ranges(q_start), lo, hi)
+    def store_ds(ds, j):
+      """dS of block j -> dS[b, n, rows, keys] through this warpgroup's staging tile."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous block's store has read it
+      _store(ds_smem.at[wg], ds.astype(ds_smem.dtype),
+             ds_ref.at[b, n, pl.ds(q_start, bq), pl.ds(j * bk, bk)])
+
+    mine = common.clamp_ranges(kv_ranges(q_start), lo, hi)
     dq = common.sections(lo, mine, hi, step, common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA))
     _store(q, (dq * spec.scale).astype(q_smem.dtype), dq_ref.at[rows])
+    if ds_ref is not None:   # the blocks this warpgroup's rows never visit: dS = 0
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      ds_smem.at[wg][...] = common.zeros((bq, bk), plgpu.Layout.WGMMA).astype(ds_smem.dtype)
+      plgpu.commit_smem()
+
+      def zero(j):
+        plgpu.copy_smem_to_gmem(ds_smem.at[wg], ds_ref.at[b, n, pl.ds(q_start, bq),
+                                                          pl.ds(j * bk, bk)])
+      pl.loop(0, mine[0])(zero)
+      pl.loop(mine[3], call.pad.S // bk)(zero)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -250,17 +282,16 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dq_ref, scra
     kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
 
     def load(j, slot):
-      rows = (b, pl.ds(j * bk, bk), kv_head)
-      plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[slot], loaded.at[slot])
-      plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[slot], loaded.at[slot])
-      if call.packed:
-        plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(j * bk, bk)], kseg_smem.at[slot],
-                                loaded.at[slot])
+      keys = pl.ds(j * bk, bk)
+      plgpu.copy_gmem_to_smem(refs.k.at[b, keys, kv_head], k_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(refs.v.at[b, keys, kv_head], v_smem.at[slot], loaded.at[slot])
+      common.copy_beside(refs, b, n, pl.ds(cta_q, 2 * bq), keys, loaded.at[slot],
+                         (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
 
     common.stream(lo, hi, stages, [(free, load)])
 
 
-def _dq_call(call: Call, x: Operands, grads: BackwardInputs, sections):
+def _dq_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ranges, ds_dtype):
   tiles = call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H = call.geo.B, call.geo.N, call.pad.H
@@ -273,23 +304,37 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, sections):
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((2, bq), jnp.int32) if call.packed else None,
-          plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None)
+          plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None,
+          *common.pairwise_smem(x, stages, 2 * bq, bk),
+          None if ds_dtype is None else plgpu.SMEM(
+              (2, bq, bk), ds_dtype, transforms=common.tile_transforms(bk, ds_dtype)))
+  beside = call.packed + (x.bias is not None) + (x.mask is not None)
   barriers = (plgpu.Barrier(num_arrivals=4 + call.packed, num_barriers=2),
-              plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=stages))
+              plgpu.Barrier(num_arrivals=2 + beside, num_barriers=stages))
+  out_type = jax.ShapeDtypeStruct(x.q.shape, dtype)
+  if ds_dtype is not None:
+    out_type = (out_type, jax.ShapeDtypeStruct((B, N, call.pad.T, call.pad.S), ds_dtype))
   return common.launch(
       functools.partial(_dq_kernel, call=call),
       (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
-      out_type=jax.ShapeDtypeStruct(x.q.shape, dtype),
+      out_type=out_type,
       grid=(B, N, call.pad.T // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
-  )(x, grads, sections)
+  )(x, grads, ranges)
 
 
-def backward_call(call: Call, x: Operands, o, lse, do, dlse=None):
-  """Padded operands and O, dO [B, Tp, N, H], lse and dlse [B, N, Tp] natural units ->
-  (dq, dk, dv)."""
+def backward_call(call: Call, x: Operands, o, lse, do, dlse=None, ds_dtype=None):
+  """Padded operands (x.bias, x.mask: [Bx, Nx, Tp, Sp], the mask as int8) and O, dO [B, Tp, N, H],
+  lse and dlse [B, N, Tp] natural units -> (dq, dk, dv, dS [B, N, Tp, Sp] in ds_dtype, or None
+  when ds_dtype is None)."""
   delta = shifted_delta(jnp.swapaxes(tile.delta(do, o), 1, 2), dlse)    # [B, N, Tp], fp32
   grads = BackwardInputs(do, lse, delta)
   dkv, dq = call.config.dkv, call.config.dq
-  dk, dv = _dkv_call(call, x, grads, segment_sections(x, dkv.block_q, dkv.block_kv, "key"))
-  dq = _dq_call(call, x, grads, segment_sections(x, dq.block_q, dq.block_kv, "query"))
-  return dq, dk, dv
+  # The dK/dV kernel computes S^T: it reads the bias and mask transposed (one XLA transpose).
+  transposed = x._replace(**{name: None if a is None else jnp.swapaxes(a, 2, 3)
+                             for name, a in (("bias", x.bias), ("mask", x.mask))})
+  dk, dv = _dkv_call(call, transposed, grads,
+                     common.block_ranges(x, dkv.block_q, dkv.block_kv, "key", call.geo.G))
+  dq = _dq_call(call, x, grads, common.block_ranges(x, dq.block_q, dq.block_kv, "query"),
+                ds_dtype)
+  dq, ds = dq if ds_dtype is not None else (dq, None)
+  return dq, dk, dv, ds

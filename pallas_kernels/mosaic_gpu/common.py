@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,14 @@ SWIZZLE = 128
 def mma_transforms(dtype):
   return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(SWIZZLE))
+
+
+def tile_transforms(cols: int, dtype):
+  """Tiling and swizzle of a [rows, cols] SMEM tile read into (or written from) the WGMMA layout:
+  the widest swizzle the row holds (bias, mask and dS tiles: cols * itemsize may be 64 bytes)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = min(SWIZZLE, cols * itemsize)
+  return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 # JAX 0.11 takes `plgpu.load(ref, layout=...)` and deprecates the index argument that 0.10 needs;
@@ -84,9 +93,10 @@ class Call:
       return refs.q_lens[b], refs.kv_lens[b]
     return self.geo.T, self.geo.S
 
-  def scores(self, qk, ok) -> tile.Scores:
-    """A tile's masked, soft-capped scores in log2 units (either orientation)."""
-    return tile.scores(qk, ok, scale=self.spec.scale, dt=self.dt, base2=True,
+  def scores(self, qk, ok, bias=None) -> tile.Scores:
+    """A tile's masked, soft-capped scores in log2 units (either orientation; bias, the bias
+    tile in the same orientation, or None)."""
+    return tile.scores(qk, ok, scale=self.spec.scale, bias=bias, dt=self.dt, base2=True,
                        soft_cap=self.spec.logits_soft_cap)
 
   def iota_positions(self, shape, q_start, k_start, *, q_axis: int):
@@ -96,45 +106,73 @@ class Call:
     return q, k
 
   def visible(self, shape, q_start, k_start, q_len, kv_len, *, q_axis: int = 0, q_ids=None,
-              kv_ids=None):
+              kv_ids=None, mask=None):
     """The tile's visibility (WGMMA layout); q_ids / kv_ids: the rows' and columns' segment ids
-    as per-row / per-column vectors (ROWS / COLS of the tile), or None."""
+    as per-row / per-column vectors (ROWS / COLS of the tile), or None; mask: the mask operand's
+    tile (bool, same shape and orientation), or None."""
     q, k = self.iota_positions(shape, q_start, k_start, q_axis=q_axis)
     q_seg = kv_seg = None
     if q_ids is not None:
       q_seg = lax.broadcast_in_dim(q_ids, shape, (q_axis,))
       kv_seg = lax.broadcast_in_dim(kv_ids, shape, (1 - q_axis,))
     return tile.visible(q, k, q_len, kv_len, causal=self.spec.is_causal, window=self.spec.window,
-                        q_seg=q_seg, kv_seg=kv_seg)
+                        mask=mask, q_seg=q_seg, kv_seg=kv_seg)
 
-  def kv_ranges(self, q_start, bq: int, bk: int, q_len, kv_len, segments=None):
+  def kv_ranges(self, q_start, bq: int, bk: int, q_len, kv_len, segments=None, mask=None):
     """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections);
-    segments: the block's packed-sequence range (`segment_range`)."""
-    return blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
-                              window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                              has_mask=False, segments=segments)
+    segments / mask: the block's packed-sequence / mask-operand range (`block_range`)."""
+    ranges = blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
+                                window=self.spec.window, q_len=q_len, kv_len=kv_len,
+                                has_mask=False, segments=segments)
+    return blocks.intersect(ranges, mask)
 
-  def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len, segments=None):
+  def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len, segments=None, mask=None):
     """(lo, flo, fhi, hi) of the query blocks that see key columns [k_start, +bk)."""
-    return blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
-                             window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                             has_mask=False, segments=segments)
+    ranges = blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
+                               window=self.spec.window, q_len=q_len, kv_len=kv_len,
+                               has_mask=False, segments=segments)
+    return blocks.intersect(ranges, mask)
 
 
-def segment_sections(x, block_q: int, block_kv: int, per: str):
-  """The call's packed-sequence block ranges for one kernel's block sizes (blocks.segment_sections
-  on the padded ids, once per call in XLA), or None without segment ids."""
-  if x.q_seg is None:
+class Ranges(NamedTuple):
+  """A kernel's block ranges computed once per call (XLA), [..., blocks, 4] int32 (lo, flo, fhi,
+  hi) in global memory, or None: `segments` [B, n, 4] from the segment ids, `mask` [Bm, Nm, n, 4]
+  from the mask operand (Bm, Nm full or 1)."""
+  segments: Optional[jax.Array] = None
+  mask: Optional[jax.Array] = None
+
+
+def block_ranges(x, block_q: int, block_kv: int, per: str, groups: int = 1) -> Ranges:
+  """The call's packed-sequence and mask block ranges for one kernel's block sizes (per="query":
+  for each query block, per="key": for each key block; groups: query heads merged per mask row,
+  the dK/dV kernel's G when the mask has a head dim)."""
+  segments = mask = None
+  if x.q_seg is not None:
+    segments = blocks.segment_sections(x.q_seg, x.kv_seg, block_q, block_kv, per=per)
+  if x.mask is not None:
+    groups = groups if x.mask.shape[1] > 1 else 1
+    mask = blocks.mask_sections(x.mask, block_q, block_kv, per=per, groups=groups)
+  return Ranges(segments, mask)
+
+
+def block_range(ranges_ref, b, n, block):
+  """Block `block`'s (lo, flo, fhi, hi) from a `Ranges` field ([B, n, 4], or [Bm, Nm, n, 4] read
+  at batch row b and head n, either broadcast), or None when the field is None."""
+  if ranges_ref is None:
     return None
-  return blocks.segment_sections(x.q_seg, x.kv_seg, block_q, block_kv, per=per)
+  index = (b,) if ranges_ref.ndim == 3 else (pairwise_index(ranges_ref, b, n))
+  return tuple(ranges_ref[(*index, block, c)] for c in range(4))
 
 
-def segment_range(sections_ref, b, block):
-  """Block `block` of batch row b's (lo, flo, fhi, hi) from the call's packed-sequence ranges
-  (blocks.segment_sections, [B, blocks, 4] in global memory), or None without segment ids."""
-  if sections_ref is None:
-    return None
-  return tuple(sections_ref[b, block, c] for c in range(4))
+def pairwise_index(ref, b, n):
+  """(batch, head) index into a [Bx, Nx, ...] operand whose leading dims are full or 1."""
+  return (b if ref.shape[0] > 1 else 0, n if ref.shape[1] > 1 else 0)
+
+
+def pairwise_tile(ref, b, n, rows, cols):
+  """A [Bx, Nx, R, C] operand (bias, mask, their transposes) at batch row b, head n: the GMEM tile
+  rows x cols (pl.ds slices) for a TMA copy."""
+  return ref.at[(*pairwise_index(ref, b, n), rows, cols)]
 
 
 def union_range(ranges_0, ranges_1):
@@ -214,3 +252,34 @@ def stream(first, stop, stages: int, loads):
 
 def slot_of(step, stages: int):
   return lax.rem(step, jnp.asarray(stages, step.dtype))
+
+
+def pairwise_smem(x, stages: int, rows: int, cols: int):
+  """SMEM slots for the bias and mask tiles that stream beside another operand: [stages, rows,
+  cols] each in the operand's dtype (the mask as int8), or None where the operand is absent."""
+  return tuple(None if a is None else
+               plgpu.SMEM((stages, rows, cols), a.dtype, transforms=tile_transforms(cols, a.dtype))
+               for a in (x.bias, x.mask))
+
+
+def copy_beside(refs, b, n, rows, cols, barrier, buffers, slot, *, seg_rows=None, seg_ref=None):
+  """TMA copies of what streams beside a block into its slot, on the block's barrier: segment ids
+  (seg_ref at [b, seg_rows]; kv_seg when seg_ref is None) into buffers[0], the bias and mask tiles
+  [rows, cols] of batch row b, head n into buffers[1] and buffers[2] (each None when absent)."""
+  seg_smem, bias_smem, mask_smem = buffers
+  if seg_smem is not None:
+    ids = refs.kv_seg if seg_ref is None else seg_ref
+    plgpu.copy_gmem_to_smem(ids.at[b, seg_rows], seg_smem.at[slot], barrier)
+  for operand, smem in ((refs.bias, bias_smem), (refs.mask, mask_smem)):
+    if operand is not None:
+      plgpu.copy_gmem_to_smem(pairwise_tile(operand, b, n, rows, cols), smem.at[slot], barrier)
+
+
+def read_beside(bias_smem, mask_smem, slot, rows, masked: bool):
+  """A compute warpgroup's bias tile (its `rows` of the slot, or None) and, on a masked block, its
+  mask tile as bool (else None), read into registers in the WGMMA layout."""
+  bias = None if bias_smem is None else bias_smem.at[slot, rows][...]
+  allowed = None
+  if masked and mask_smem is not None:
+    allowed = mask_smem.at[slot, rows][...] != 0
+  return bias, allowed

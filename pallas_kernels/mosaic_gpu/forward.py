@@ -37,9 +37,9 @@ from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
 COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
-def _kernel(refs: Operands, sections_ref, o_ref, lse_ref, scratch, *, call: Call):
-  (q_smem, k_smem, v_smem, off_smem, lse_smem, qseg_smem, kseg_smem), loaded, free, schedule = (
-      scratch)
+def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, call: Call):
+  (q_smem, k_smem, v_smem, off_smem, lse_smem, qseg_smem, kseg_smem, bias_smem, mask_smem), (
+      loaded, free, schedule) = scratch[0], scratch[1:]
   q_loaded, k_loaded, v_loaded = loaded
   k_free, v_free = free
   spec, dt, tiles = call.spec, call.dt, call.config.fwd
@@ -48,10 +48,11 @@ def _kernel(refs: Operands, sections_ref, o_ref, lse_ref, scratch, *, call: Call
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_q = (num_tiles - 1 - lax.axis_index("q_seq")) * (2 * bq)   # heaviest causal tiles first
   q_len, kv_len = call.lengths(refs, b)
-  # The key blocks of one warpgroup's rows (its packed-sequence range intersected in).
-  ranges = lambda q_start: call.kv_ranges(
-      q_start, bq, bk, q_len, kv_len, common.segment_range(sections_ref, b, q_start // bq))
-  lo, hi = common.union_range(ranges(cta_q), ranges(cta_q + bq))
+  # The key blocks of one warpgroup's rows (its packed-sequence and mask ranges intersected in).
+  kv_ranges = lambda q_start: call.kv_ranges(
+      q_start, bq, bk, q_len, kv_len, common.block_range(ranges.segments, b, n, q_start // bq),
+      common.block_range(ranges.mask, b, n, q_start // bq))
+  lo, hi = common.union_range(kv_ranges(cta_q), kv_ranges(cta_q + bq))
 
   def rendezvous():
     plgpu.barrier_arrive(schedule)
@@ -98,14 +99,18 @@ def _kernel(refs: Operands, sections_ref, o_ref, lse_ref, scratch, *, call: Call
         return acc_ref[...]
 
       qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
+      # What travels with K is read before its slot is freed: segment ids, bias and mask tiles.
+      bias, allowed = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bq, bq),
+                                         kind == "masked")
       kv_ids = None
-      if kind == "masked" and call.packed:   # read before the slot is freed
+      if kind == "masked" and call.packed:
         kv_ids = common.load_vector(kseg_smem.at[slot], COLS)
       plgpu.barrier_arrive(k_free.at[slot])
       ok = None
       if kind == "masked":
-        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids, kv_ids=kv_ids)
-      s = call.scores(qk, ok)
+        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids, kv_ids=kv_ids,
+                          mask=allowed)
+      s = call.scores(qk, ok, bias)
       p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
                                      offset=offset, base2=True)
       acc = tile.scale_acc(acc, alpha, dt=dt)
@@ -123,7 +128,7 @@ def _kernel(refs: Operands, sections_ref, o_ref, lse_ref, scratch, *, call: Call
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, stats
 
-    mine = common.clamp_ranges(ranges(q_start), lo, hi)
+    mine = common.clamp_ranges(kv_ranges(q_start), lo, hi)
     pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
     wait_k(lo)
     init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
@@ -145,21 +150,21 @@ def _kernel(refs: Operands, sections_ref, o_ref, lse_ref, scratch, *, call: Call
 
     def loader(ref, smem, barrier):
       def load(j, slot):
-        plgpu.copy_gmem_to_smem(ref.at[b, pl.ds(j * bk, bk), kv_head], smem.at[slot],
-                                barrier.at[slot])
-        if call.packed and ref is refs.k:   # the keys' segment ids travel with K
-          plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(j * bk, bk)], kseg_smem.at[slot],
-                                  barrier.at[slot])
+        keys = pl.ds(j * bk, bk)
+        plgpu.copy_gmem_to_smem(ref.at[b, keys, kv_head], smem.at[slot], barrier.at[slot])
+        if ref is refs.k:   # the keys' segment ids and the CTA's bias and mask tiles travel with K
+          common.copy_beside(refs, b, n, pl.ds(cta_q, 2 * bq), keys, barrier.at[slot],
+                             (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
       return load
 
     common.stream(lo, hi, stages, [(k_free, loader(refs.k, k_smem, k_loaded)),
                                    (v_free, loader(refs.v, v_smem, v_loaded))])
 
 
-def forward_call(call: Call, x: Operands, sections=None):
-  """Padded operands (x.offset: [N, Tp] fp32 natural units, or None) and, with segment ids, their
-  block ranges (blocks.segment_sections per block_q rows) -> (O [B, Tp, N, H] in the input dtype,
-  LSE fp32 [B, N, Tp])."""
+def forward_call(call: Call, x: Operands, ranges: common.Ranges):
+  """Padded operands (x.offset: [N, Tp] fp32 natural units, or None; x.bias, x.mask: [Bx, Nx, Tp,
+  Sp], the mask as int8) and their block ranges (common.block_ranges per block_q rows) -> (O [B,
+  Tp, N, H] in the input dtype, LSE fp32 [B, N, Tp])."""
   tiles = call.config.fwd
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
@@ -172,13 +177,15 @@ def forward_call(call: Call, x: Operands, sections=None):
           plgpu.SMEM((2, bq), f32) if call.safe else None,
           plgpu.SMEM((2, bq), f32),
           plgpu.SMEM((2, bq), jnp.int32) if call.packed else None,
-          plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None)
+          plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None,
+          *common.pairwise_smem(x, stages, 2 * bq, bk))
+  with_k = 1 + call.packed + (x.bias is not None) + (x.mask is not None)
   loaded = (plgpu.Barrier(num_arrivals=1 + call.safe + call.packed, num_barriers=2),
-            plgpu.Barrier(num_arrivals=1 + call.packed, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=with_k, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages))
   free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
   return common.launch(
       functools.partial(_kernel, call=call), (smem, loaded, free, plgpu.Barrier(num_arrivals=2)),
       out_type=(jax.ShapeDtypeStruct(x.q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)),
       grid=(B, N, Tp // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
-  )(x, sections)
+  )(x, ranges)

@@ -62,22 +62,38 @@ class TuningConfig:
   def kv_multiple(self) -> int:
     return math.lcm(self.fwd.block_kv, COMPUTE_WGS * self.dkv.block_kv, self.dq.block_kv)
 
-  def check_smem(self, head_dim: int, itemsize: int) -> None:
-    """ValueError when a kernel's shared memory would not fit (227 KB per CTA on Hopper)."""
+  def smem_problem(self, head_dim: int, itemsize: int, *, beside: int = 0,
+                   ds_itemsize: int = 0):
+    """Why a kernel's shared memory would not fit (227 KB per CTA on Hopper), or None.
+
+    beside: bytes per score of the tiles that stream beside a block (bias and mask: their
+    itemsizes); ds_itemsize: the dQ kernel's dS staging tile (a bias's gradient), 0 without."""
     row = head_dim * itemsize
     # Per query row: its tiles (Q; Q and dO), fp32 statistics and int32 segment id; per key row:
-    # K and V and its segment id. Resident rows per warpgroup, streamed rows per stage.
+    # K and V and its segment id. Resident rows per warpgroup, streamed rows per stage; the bias
+    # and mask tiles cover the CTA's resident rows and one streamed block per stage.
     fwd, dkv, dq = self.fwd, self.dkv, self.dq
     need = {
-        "fwd": COMPUTE_WGS * fwd.block_q * (row + 12) + fwd.stages * fwd.block_kv * (2 * row + 4),
+        "fwd": (COMPUTE_WGS * fwd.block_q * (row + 12) + fwd.stages * fwd.block_kv * (2 * row + 4)
+                + fwd.stages * COMPUTE_WGS * fwd.block_q * fwd.block_kv * beside),
         "dkv": (COMPUTE_WGS * dkv.block_kv * (2 * row + 4)
-                + dkv.stages * dkv.block_q * (2 * row + 12)),
-        "dq": COMPUTE_WGS * dq.block_q * (2 * row + 12) + dq.stages * dq.block_kv * (2 * row + 4),
+                + dkv.stages * dkv.block_q * (2 * row + 12)
+                + dkv.stages * COMPUTE_WGS * dkv.block_kv * dkv.block_q * beside),
+        "dq": (COMPUTE_WGS * dq.block_q * (2 * row + 12) + dq.stages * dq.block_kv * (2 * row + 4)
+               + dq.stages * COMPUTE_WGS * dq.block_q * dq.block_kv * beside
+               + COMPUTE_WGS * dq.block_q * dq.block_kv * ds_itemsize),
     }
     for kernel, nbytes in need.items():
       if nbytes + SMEM_RESERVE > SMEM_BYTES:
-        raise ValueError(f"{kernel} tiling {getattr(self, kernel)} needs {nbytes} bytes of shared "
-                         f"memory at head dim {head_dim}; Hopper has {SMEM_BYTES}")
+        return (f"{kernel} tiling {getattr(self, kernel)} needs {nbytes} bytes of shared memory "
+                f"at head dim {head_dim}; Hopper has {SMEM_BYTES}")
+    return None
+
+  def check_smem(self, head_dim: int, itemsize: int, **extras) -> None:
+    """ValueError when a kernel's shared memory would not fit (`smem_problem`)."""
+    problem = self.smem_problem(head_dim, itemsize, **extras)
+    if problem is not None:
+      raise ValueError(problem)
 
 
 _T = Tiles
@@ -88,7 +104,22 @@ TABLE = {
 }
 
 
-def table_config(head_dim: int) -> TuningConfig:
+# With bias or mask tiles streaming beside K/V (or Q/dO), 64-key forward blocks and two stages
+# leave them room at head dim 128.
+_BESIDE = _T(64, 64, 2)
+
+
+def table_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
+  """The table's config for a head dim; with `extras` (bias / mask tiles: see `smem_problem`),
+  the first of it and smaller tilings that fits shared memory (ValueError when none does)."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
-  return TABLE[head_dim]
+  config = TABLE[head_dim]
+  if not extras:
+    return config
+  candidates = (config, config.replace(dkv=_BESIDE), config.replace(fwd=_BESIDE),
+                config.replace(fwd=_BESIDE, dkv=_BESIDE))
+  for candidate in candidates:
+    if candidate.smem_problem(head_dim, itemsize, **extras) is None:
+      return candidate
+  candidates[-1].check_smem(head_dim, itemsize, **extras)
