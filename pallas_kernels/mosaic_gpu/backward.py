@@ -8,6 +8,9 @@ dK/dV  one CTA per (batch, kv head, 2 * block_kv key rows). Each compute warpgro
        SwapAB), so P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers.
 dQ     one CTA per (batch, query head, 2 * block_q query rows), like the forward: Q, dO, LSE and
        delta resident, K and V streamed; dQ += dS K.
+Bias and mask tiles stream with the blocks (transposed for dK/dV, one XLA transpose per call);
+with a bias the dQ kernel also writes dS (the bias's gradient before any broadcast sum) through a
+per-warpgroup staging tile, zeros for the blocks its rows never visit.
 Both use stable_attn.tile's backward functions and the block ranges of stable_attn.blocks (causal,
 window and other documents' blocks skipped, edge blocks masked; segment ids stream with the blocks
 they belong to), with the pipelines of common.py.
