@@ -14,6 +14,7 @@ from train.cli import PROG, build_parser, build_config, main as cli_main
 from train.config import get_config
 from train.loop import RunOptions, TrainingStopped, train
 from train.metrics import read_metrics, read_tensorboard
+from tests.test_train_cache import restore_cache_config  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 ALICE = str(Path(__file__).parent / "data" / "carroll-alice.txt")
@@ -341,9 +342,10 @@ def test_cli_main_reports_bad_flags(capsys):
   assert "attention='flash' is not one of" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("restore_cache_config")
 def test_cli_refuses_bad_inputs_before_writing_anything(tmp_path, capsys):
-  """A bad --keep-checkpoints, --out-dir or --data: exit code 2 and one line naming it, before an
-  out dir or its train.log exists."""
+  """A bad --keep-checkpoints, --out-dir, --data or --compilation-cache: exit code 2 and one line
+  naming it, before an out dir or its train.log exists."""
   a_file = tmp_path / "a_file"
   a_file.write_text("not a directory")
   short = tmp_path / "short.txt"
@@ -356,10 +358,13 @@ def test_cli_refuses_bad_inputs_before_writing_anything(tmp_path, capsys):
       (["--data", str(tmp_path / "missing")], tmp_path / "missing_data",
        f"--data {tmp_path / 'missing'}: no such file or directory"),
       (["--data", str(short)], tmp_path / "short_data", "fewer than block_size + 1 = 33"),
+      (["--data", ALICE, "--compilation-cache", str(a_file / "cache")], tmp_path / "cache_out",
+       f"--compilation-cache {a_file / 'cache'} cannot be created: {a_file} is a file"),
   ]
   for argv, out, says in cases:
+    cache = [] if "--compilation-cache" in argv else ["--no-compilation-cache"]
     rc = cli_main(["--config", "tiny", "--block-size", "32", "--batch-size", "2", "--no-progress",
-                   "--no-tensorboard", "--out-dir", str(out)] + argv)
+                   "--no-tensorboard", "--out-dir", str(out)] + argv + cache)
     err = capsys.readouterr().err.splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"{PROG}: error: "), (argv, err)
     assert says in err[0], (says, err[0])
@@ -367,12 +372,16 @@ def test_cli_refuses_bad_inputs_before_writing_anything(tmp_path, capsys):
   assert a_file.read_text() == "not a directory"
 
 
+@pytest.mark.usefixtures("restore_cache_config")
 def test_cli_runs_a_job_and_reports_unreadable_checkpoints_in_one_line(tmp_path, capsys):
-  out = tmp_path / "cli"
+  out, cache = tmp_path / "cli", tmp_path / "jax_cache"
   flags = ["--config", "tiny", "--out-dir", str(out), "--data", ALICE, "--block-size", "32",
            "--batch-size", "2", "--attention", "jax_xla", "--sample-tokens", "4", "--no-progress",
-           "--no-tensorboard", "--eval-batches", "1"]
+           "--no-tensorboard", "--eval-batches", "1", "--compilation-cache", str(cache)]
   assert cli_main(flags + ["--max-steps", "2"]) == 0
+  # The persistent compilation cache was on, where the flag said, and the log says so.
+  assert any(p.name.startswith("jit_step-") for p in cache.iterdir()), sorted(cache.iterdir())
+  assert f"persistent compilation cache: {cache}" in (out / "train.log").read_text()
   recs = read_metrics(out)
   assert recs[0]["step"] == 0 and "loss" in recs[0]
   assert (out / "checkpoints" / "2").is_dir() and (out / "loss.png").exists()
@@ -402,7 +411,8 @@ def test_two_processes_match_one(tmp_path):
   localhost CPU."""
   flags = ["--data", ALICE, "--block-size", "32", "--batch-size", "4", "--max-steps", "3",
            "--log-every", "1", "--eval-every", "0", "--monitor-every", "0", "--ckpt-every", "2",
-           "--sample-tokens", "0", "--attention", "jax_xla", "--no-progress", "--no-tensorboard"]
+           "--sample-tokens", "0", "--attention", "jax_xla", "--no-progress", "--no-tensorboard",
+           "--no-compilation-cache"]
   port = _free_port()
   base_env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   base_env.pop("XLA_FLAGS", None)

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import jax_cache
 from .attention import JAX_NN
 from .config import (ATTENTION_CHOICES, MAX_ADJUST_CHOICES, NUMERICS_CHOICES, CONFIGS, TrainConfig,
                      get_config)
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
   a("--distributed", action="store_true",
     help="call jax.distributed.initialize() (auto-detected too)")
   a("--prepare-only", action="store_true", help="prepare the corpus and exit")
+  jax_cache.add_flags(p)
   return p
 
 
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
       if jax.default_backend() != "gpu":
         raise ValueError("--attention cudnn needs a CUDA GPU; this backend is "
                          + jax.default_backend())
+    if not args.prepare_only:
+      jax_cache.configure(args.compilation_cache)   # before anything compiles
   except ValueError as e:
     print(f"{PROG}: error: {e}", file=sys.stderr)
     return 2

@@ -8,7 +8,9 @@ tokens whatever the number of devices.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import stable_attn
 from .attention import JAX_NN, OURS
@@ -180,3 +182,19 @@ def get_config(name: str) -> TrainConfig:
   if name not in CONFIGS:
     raise ValueError(f"--config {name!r} is unknown; choose one of {', '.join(CONFIGS)}")
   return CONFIGS[name]
+
+
+def check_dir(path: Path, flag: str) -> None:
+  """ValueError in one line when the directory `flag` names (--out-dir, --compilation-cache) is a
+  file or could not be created; creates nothing (checked before any work)."""
+  if path.exists():
+    if not path.is_dir():
+      raise ValueError(f"{flag} {path} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+      raise ValueError(f"{flag} {path} is not writable")
+    return
+  parent = next(p for p in path.absolute().parents if p.exists())
+  if not parent.is_dir():
+    raise ValueError(f"{flag} {path} cannot be created: {parent} is a file")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ValueError(f"{flag} {path} cannot be created: {parent} is not writable")

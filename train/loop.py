@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from . import attention as attn_lib
 from . import data as data_lib
+from . import jax_cache
 from .checkpoint import Checkpointer
-from .config import TrainConfig
+from .config import TrainConfig, check_dir
 from .metrics import MetricsLogger, peak_tflops, plot_loss, to_python
 # abstract_model and init_params are imported from here by reproduction/gradients.py.
 from .model import abstract_model, count_params, flops_per_token  # noqa: F401
@@ -222,7 +223,7 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   if opts.time_limit is not None and opts.time_limit <= 0:
     raise ValueError(f"time_limit must be positive, got {opts.time_limit}")
   out_dir = Path(opts.out_dir)
-  _check_out_dir(out_dir)
+  check_dir(out_dir, "--out-dir")
   main = jax.process_index() == 0
   log = _Log(main)
   mcfg, n_dev = cfg.model, jax.device_count()
@@ -277,21 +278,6 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   return run, params, opt_state, state
 
 
-def _check_out_dir(out_dir: Path) -> None:
-  """ValueError in one line when --out-dir is a file or could not be created, before any work."""
-  if out_dir.exists():
-    if not out_dir.is_dir():
-      raise ValueError(f"--out-dir {out_dir} is a file, not a directory")
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-      raise ValueError(f"--out-dir {out_dir} is not writable")
-    return
-  parent = next(p for p in out_dir.absolute().parents if p.exists())
-  if not parent.is_dir():
-    raise ValueError(f"--out-dir {out_dir} cannot be created: {parent} is a file")
-  if not os.access(parent, os.W_OK | os.X_OK):
-    raise ValueError(f"--out-dir {out_dir} cannot be created: {parent} is not writable")
-
-
 def _make_out_dir(out_dir: Path) -> None:
   """Creates --out-dir; ValueError in one line when it cannot be created or written to."""
   try:
@@ -309,7 +295,7 @@ def _log_config(log: _Log, cfg: TrainConfig, opts: RunOptions) -> None:
       f"compute {mcfg.dtype}")
   log(f"train: {jax.process_count()} process(es), {jax.device_count()} device(s): "
       f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
-      f"FSDP {cfg.fsdp}")
+      f"FSDP {cfg.fsdp}; {jax_cache.describe()}")
   documents = ("; documents masked at end-of-text tokens (--pack-documents)" if mcfg.pack_documents
                else "")
   log(f"train: attention {attn_lib.describe(mcfg)}{documents}")
