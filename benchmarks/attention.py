@@ -1,10 +1,13 @@
 """Attention kernel benchmark: our kernels -- pallas_mosaic_gpu ("mosaic_*", Hopper) and pallas_gpu
-("ours_*", Triton), each with max_adjust off / paper / safe -- next to cuDNN, XLA and JAX's Pallas
-`mha`, in one process, protocol of ../shared/docs/peers.md.
+("ours_*", Triton), each with max_adjust off / paper / safe -- next to cuDNN, XLA, tokamax (its
+Mosaic GPU kernel, when importable) and JAX's Mosaic GPU attention example, in one process,
+protocol of ../shared/docs/peers.md. JAX's deprecated Pallas Triton `mha` runs only when named
+(--only ...,pallas_mha).
 
     PYTHONPATH=. python benchmarks/attention.py                  # the peers.md shapes
     PYTHONPATH=. python benchmarks/attention.py --shapes targets # the Hopper kernel's target shapes
     PYTHONPATH=. python benchmarks/attention.py --sweep          # tiling variants of pallas_gpu
+    ... --compilation-cache DIR / --no-compilation-cache         # JAX's persistent cache (on)
 
 Protocol: random normal inputs (bf16 by default); each figure is the median of 5 blocks of 30
 back-to-back calls with one block_until_ready per block, after compilation and warm-up.
@@ -32,14 +35,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stable_attn  # noqa: E402
+from benchmarks import peers  # noqa: E402
 from pallas_kernels.gpu import tuning  # noqa: E402
-
-try:  # deprecated in JAX 0.11 (the Triton lowering), may move or go
-  from jax.experimental.pallas.ops.gpu import attention as _pallas_mha_module
-  PALLAS_MHA_ERROR = None
-except Exception as e:  # pragma: no cover - depends on the installed JAX
-  _pallas_mha_module = None
-  PALLAS_MHA_ERROR = f"{type(e).__name__}: {e}"
+from train import jax_cache  # noqa: E402
 
 try:  # JAX's Mosaic GPU FlashAttention-3 example: float16 only, no causal backward
   from jax.experimental.pallas.ops.gpu import attention_mgpu as _jax_mgpu_module
@@ -49,6 +47,10 @@ except Exception:  # pragma: no cover - depends on the installed JAX
 # backward for these shapes (forward only).
 CAST_TO = {"jax_mgpu": jnp.float16}
 FORWARD_ONLY = ("jax_mgpu",)
+# Run only when named in --only (deprecated in JAX 0.11: its import warns).
+OPT_IN = ("pallas_mha",)
+# The peers whose speed each row is put against (ratio columns), with their column names.
+RATIO_PEERS = {"cudnn": "cuDNN", "tokamax": "tokamax", "pallas_mha": "mha"}
 
 # (B, T, N query heads, K kv heads, H, causal): the peers.md table.
 SHAPES = [
@@ -87,7 +89,8 @@ def time_calls(fn, args, calls: int, blocks: int, warmup: int = 3) -> float:
 
 
 def implementations(shape, only=None):
-  """name -> f(q, k, v) -> O ([B, T, N, H] queries, [B, T, K, H] keys and values)."""
+  """name -> f(q, k, v) -> O ([B, T, N, H] queries, [B, T, K, H] keys and values): every arm that
+  is importable here, or those named in `only` (the OPT_IN ones only when named)."""
   B, T, N, K, H, causal = shape
   scale = 1.0 / np.sqrt(H)
   impls = {}
@@ -96,9 +99,12 @@ def implementations(shape, only=None):
   if B * N * T * T <= XLA_MAX_SCORES:
     impls["xla"] = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="xla")
-  if _pallas_mha_module is not None and K == N:
-    impls["pallas_mha"] = lambda q, k, v: _pallas_mha_module.mha(
-        q, k, v, None, sm_scale=float(scale), causal=causal)
+  tokamax = peers.tokamax_attention()
+  if tokamax is not None:
+    impls["tokamax"] = lambda q, k, v: tokamax(q, k, v, is_causal=causal)
+  mha = peers.pallas_mha()[0] if only and "pallas_mha" in only else None
+  if mha is not None and K == N:
+    impls["pallas_mha"] = lambda q, k, v: mha(q, k, v, None, sm_scale=float(scale), causal=causal)
   if _jax_mgpu_module is not None and H in (64, 128) and T % 128 == 0:
     # It has no softmax scale: Q is pre-scaled outside the timed calls (see bench_shape).
     config = _jax_mgpu_module.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
@@ -113,6 +119,16 @@ def implementations(shape, only=None):
   if only:
     impls = {k: v for k, v in impls.items() if k in only}
   return impls
+
+
+def peer_notes(only=None) -> list[str]:
+  """A line for each peer that does not run here because it does not import."""
+  notes = []
+  if peers.tokamax_attention() is None and (not only or "tokamax" in only):
+    notes.append(f"tokamax: not run, {peers.TOKAMAX_MISSING}.")
+  if only and "pallas_mha" in only and peers.pallas_mha()[1]:
+    notes.append(f"JAX Pallas mha: not run, not importable: `{peers.pallas_mha()[1]}`.")
+  return notes
 
 
 def make_inputs(B, T, N, K, H, dtype, seed=0):
@@ -199,7 +215,14 @@ def ratios(rows, shape, impl, base, which="fb"):
   return getattr(by[base], attr) / getattr(by[impl], attr)
 
 
-def markdown(rows, device, dtype, calls, blocks):
+def ratio_peers(rows):
+  """The RATIO_PEERS with a row in `rows` (cuDNN always: its columns are the table's anchor)."""
+  present = {r.impl for r in rows}
+  return {p: name for p, name in RATIO_PEERS.items() if p == "cudnn" or p in present}
+
+
+def markdown(rows, device, dtype, calls, blocks, notes=()):
+  against = ratio_peers(rows)
   lines = [f"# Attention benchmark on {device}",
            "",
            f"JAX {jax.__version__}, {np.dtype(dtype).name}, random normal inputs; median of {blocks} "
@@ -207,22 +230,22 @@ def markdown(rows, device, dtype, calls, blocks):
            "TFLOP/s by the FlashAttention convention (forward 4*B*N*T*S*H, halved when causal; "
            "bwd 2.5x, fwd+bwd 3.5x forward; bwd time = fwd+bwd - fwd). Errors: relative "
            "Frobenius error against an fp32 XLA reference (grad = max over dQ, dK, dV). "
-           "x cuDNN / x mha: fwd+bwd speed relative to cuDNN / JAX Pallas mha in this run; "
-           "fwd x cuDNN: the forward alone.",
+           "x cuDNN / x tokamax / x mha: fwd+bwd speed relative to that peer in this run (tokamax: "
+           "its Mosaic GPU kernel; mha: JAX's Pallas Triton attention); fwd x ...: the forward "
+           "alone.",
            ""]
-  if PALLAS_MHA_ERROR:
-    lines += [f"JAX Pallas mha not importable: `{PALLAS_MHA_ERROR}`", ""]
+  lines += list(notes) + ([""] if notes else [])
+  ratio_heads = "".join(f" fwd x {name} | x {name} |" for name in against.values())
   lines += ["| shape | impl | fwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
-            "| fwd x cuDNN | x cuDNN | x mha | err O | err grad | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"|{ratio_heads} err O | err grad | note |",
+            "|---" * (10 + 2 * len(against)) + "|"]
   for r in rows:
+    ratio_cells = "".join(f" {ratios(rows, r.shape, r.impl, peer, 'fwd'):.2f} | "
+                          f"{ratios(rows, r.shape, r.impl, peer):.2f} |" for peer in against)
     lines.append(
         f"| {shape_name(r.shape)} | {r.impl} | {r.fwd_ms:.3f} | {r.tflops('fwd'):.0f} | "
-        f"{r.tflops('bwd'):.0f} | {r.fb_ms:.3f} | {r.tflops('fb'):.0f} | "
-        f"{ratios(rows, r.shape, r.impl, 'cudnn', 'fwd'):.2f} | "
-        f"{ratios(rows, r.shape, r.impl, 'cudnn'):.2f} | "
-        f"{ratios(rows, r.shape, r.impl, 'pallas_mha'):.2f} | {r.err_o:.1e} | {r.err_grad:.1e} | "
-        f"{r.note} |")
+        f"{r.tflops('bwd'):.0f} | {r.fb_ms:.3f} | {r.tflops('fb'):.0f} |{ratio_cells} "
+        f"{r.err_o:.1e} | {r.err_grad:.1e} | {r.note} |")
   shapes = list(dict.fromkeys(r.shape for r in rows))
   lines += ["", "Cost of the fix (time relative to max_adjust=off of the same kernel):", "",
             "| shape | kernel | fwd paper / off | fwd safe / off | fwd+bwd paper / off "
@@ -320,22 +343,27 @@ def main(argv=None):
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--calls", type=int, default=30)
   p.add_argument("--blocks", type=int, default=5)
-  p.add_argument("--only", default="", help="comma-separated implementation names")
+  p.add_argument("--only", "--implementations", dest="only", default="",
+                 help="comma-separated arm names (default: all that import here, without the "
+                      f"opt-in {', '.join(OPT_IN)})")
   p.add_argument("--sweep", action="store_true", help="time tiling variants instead")
   p.add_argument("--sweep-kernels", default="fwd,dkv,dq")
   p.add_argument("--no-check", action="store_true", help="skip the fp32 reference errors")
   p.add_argument("--out-dir", default=RESULTS)
   p.add_argument("--tag", default="", help="suffix of the result file names")
+  jax_cache.add_flags(p)
   args = p.parse_args(argv)
+  cache = jax_cache.configure_or_exit(p, args)
   dtype = jnp.dtype(args.dtype)
   device = jax.devices()[0].device_kind
   shapes = {"all": SHAPES, "targets": TARGETS, "targets2": TARGETS[:2]}[args.shapes]
-  print(f"device: {device}; jax {jax.__version__}; pallas mha: "
-        f"{'ok' if PALLAS_MHA_ERROR is None else PALLAS_MHA_ERROR}", flush=True)
+  only = [s for s in args.only.split(",") if s] or None
+  notes = peer_notes(only)
+  print(f"device: {device}; jax {jax.__version__}; compilation cache: {cache or 'off'}",
+        *notes, sep="\n", flush=True)
   if args.sweep:
     sweep(shapes, dtype, args.calls, args.blocks, args.sweep_kernels.split(","))
     return
-  only = [s for s in args.only.split(",") if s] or None
   rows = []
   for shape in shapes:
     print(shape_name(shape), flush=True)
@@ -344,18 +372,21 @@ def main(argv=None):
   slug = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower() + args.tag
   md_path = os.path.join(args.out_dir, f"attention_{slug}.md")
   with open(md_path, "w") as f:
-    f.write(markdown(rows, device, dtype, args.calls, args.blocks))
+    f.write(markdown(rows, device, dtype, args.calls, args.blocks, notes))
   try:
     plot(rows, device, os.path.join(args.out_dir, f"attention_{slug}.png"))
   except Exception as e:  # matplotlib missing is not fatal
     print(f"plot failed: {e}")
   print(f"\nwrote {md_path}\n")
   print(f"{'shape':32s} {'impl':12s} {'fwd TF':>7s} {'f+b TF':>7s} {'fwd/cu':>6s} {'f+b/cu':>6s} "
-        f"{'errO':>7s} {'errG':>7s}")
+        f"{'fwd/tk':>6s} {'f+b/tk':>6s} {'errO':>7s} {'errG':>7s}")
   for r in rows:
     print(f"{shape_name(r.shape):32s} {r.impl:12s} {r.tflops('fwd'):7.0f} {r.tflops('fb'):7.0f} "
-          f"{ratios(rows, r.shape, r.impl, 'cudnn', 'fwd'):6.2f} "
-          f"{ratios(rows, r.shape, r.impl, 'cudnn'):6.2f} {r.err_o:7.1e} {r.err_grad:7.1e}")
+          + "".join(f"{ratios(rows, r.shape, r.impl, peer, which):6.2f} "
+                    for peer in ("cudnn", "tokamax") for which in ("fwd", "fb"))
+          + f"{r.err_o:7.1e} {r.err_grad:7.1e}")
+  for note in notes:
+    print(note)
 
 
 if __name__ == "__main__":

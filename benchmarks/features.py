@@ -29,18 +29,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stable_attn  # noqa: E402
 from benchmarks import attention as bench  # noqa: E402
+from benchmarks import peers  # noqa: E402
 from stable_attn import backends  # noqa: E402
 from stable_attn.api import Options, canonicalize  # noqa: E402
-
-
-def _peer_tokamax():
-  """tokamax's dot_product_attention (its sm90 Mosaic GPU kernel), or None when not importable
-  (../shared/tools/peer-wheels.sh prepares it for a machine without a package index)."""
-  try:
-    import tokamax
-  except ImportError:
-    return None
-  return lambda q, k, v, **kw: tokamax.dot_product_attention(q, k, v, implementation="mosaic", **kw)
+from train import jax_cache  # noqa: E402
 
 
 def _dense_mask(ids):
@@ -52,7 +44,7 @@ def _dense_mask(ids):
 def _callable(implementation, interpret, **kwargs):
   """f(q, k, v) -> O for one of ours or a peer (None if that peer does not take the call)."""
   if implementation == "tokamax":
-    peer = _peer_tokamax()
+    peer = peers.tokamax_attention()
     if set(kwargs) - {"is_causal", "logits_soft_cap"}:
       return None   # no segment ids or sinks in tokamax's GPU kernels
     return lambda q, k, v: peer(q, k, v, **kwargs)
@@ -76,8 +68,8 @@ def _inputs(shape, seed=0):
 def _why_not(impl, interpret, q, k, v, **kwargs):
   """None if `impl` runs this call here, else why not."""
   if impl == "tokamax":
-    if _peer_tokamax() is None:
-      return "tokamax is not importable"
+    if peers.tokamax_attention() is None:
+      return peers.TOKAMAX_MISSING
     if _callable(impl, interpret, **kwargs) is None:
       return "tokamax takes no segment ids or sinks on GPU"
     return None
@@ -109,7 +101,9 @@ def main(argv=None):
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--blocks", type=int, default=5)
   p.add_argument("--out-dir", default=bench.RESULTS)
+  jax_cache.add_flags(p)
   args = p.parse_args(argv)
+  jax_cache.configure_or_exit(p, args)
   N, H = (2, 32) if args.smoke else (16, 128)
   packings = ([(4, 32), (1, 128)] if args.smoke else [(8, 1024), (64, 128), (1, 8192)])
   cap_shapes = [(1, 64, 2, 32)] if args.smoke else [(4, 4096, 16, 128), (16, 1024, 12, 64)]

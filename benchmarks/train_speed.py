@@ -6,6 +6,7 @@ JSON to benchmarks/results/ naming the device, and prints the table last.
 
   python benchmarks/train_speed.py                          # GPT-2 124M, seq 1024, on the GPU
   python benchmarks/train_speed.py --config tiny --steps 3  # CPU smoke run
+  --compilation-cache DIR / --no-compilation-cache          # JAX's persistent cache (default on)
 
 Arms: ours = stable_attn (implementation chosen by stable_attn: the Pallas kernel on GPU, the
 blockwise reference elsewhere; --max-adjust safe), ours_off = the same without the max adjustment,
@@ -32,6 +33,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from train import attention as attn_lib  # noqa: E402
+from train import jax_cache  # noqa: E402
 from train.config import get_config  # noqa: E402
 from train.metrics import peak_tflops  # noqa: E402
 from train.model import abstract_model, count_params, flops_per_token  # noqa: E402
@@ -48,13 +50,39 @@ ARMS = {
 }
 
 
-def run_arm(cfg, n_steps: int, warmup: int, mesh, tokens: np.ndarray) -> dict:
-  """Compile, warm up, then time n_steps optimizer steps. tokens: [1, B, T+1] int32 (global)."""
-  # The trainer's own set-up (train.step.make_training): what is timed is the step it trains with.
+def arm_config(base, arm: str, *, batch_size: int | None = None, seq: int | None = None,
+               numerics: str = "fast", fsdp: bool = False):
+  """The config an arm trains: `base` with the arm's attention, one micro-batch per step and a
+  global batch of batch_size sequences per device (default 16 for contexts of 1024 and more, else
+  the config's) of seq tokens (default the config's context)."""
+  seq = seq or base.model.block_size
+  per_dev = batch_size or (16 if seq >= 1024 else base.batch_size)
+  return base.replace(batch_size=per_dev * jax.device_count(), grad_accum=1, fsdp=fsdp,
+                      model=dict(block_size=seq,
+                                 numerics=numerics if ARMS[arm]["attention"] == "auto" else "fast",
+                                 **ARMS[arm]))
+
+
+def tokens_for(cfg) -> np.ndarray:
+  """The synthetic batch: [1, B, T+1] int32 token ids (global), the same for every arm."""
+  B, T = cfg.batch_size, cfg.model.block_size
+  return np.random.default_rng(0).integers(0, cfg.model.vocab_size, size=(1, B, T + 1),
+                                          dtype=np.int32)
+
+
+def set_up(cfg, mesh, tokens: np.ndarray):
+  """The trainer's own set-up (train.step.make_training) and the batch on its sharding ->
+  (training, x, y): what is timed is the step the trainer trains with."""
   training = make_training(cfg, mesh)
-  params, opt_state = training.params, training.opt_state
   x = jax.device_put(tokens[..., :-1], training.batch_sharding)
   y = jax.device_put(tokens[..., 1:], training.batch_sharding)
+  return training, x, y
+
+
+def run_arm(cfg, n_steps: int, warmup: int, mesh, tokens: np.ndarray) -> dict:
+  """Compile, warm up, then time n_steps optimizer steps. tokens: [1, B, T+1] int32 (global)."""
+  training, x, y = set_up(cfg, mesh, tokens)
+  params, opt_state = training.params, training.opt_state
   t0 = time.perf_counter()
   compiled = training.train_step.lower(params, opt_state, x, y).compile()
   compile_s = time.perf_counter() - t0
@@ -135,7 +163,9 @@ def main(argv=None) -> int:
   p.add_argument("--peak-tflops", type=float, default=None)
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
   p.add_argument("--tag", default="", help="suffix of the result files' names (e.g. remat)")
+  jax_cache.add_flags(p)
   args = p.parse_args(argv)
+  jax_cache.configure_or_exit(p, args)
 
   if args.steps < 1 or args.warmup < 0:
     raise ValueError(f"need --steps >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
@@ -145,20 +175,17 @@ def main(argv=None) -> int:
     if a not in ARMS:
       raise ValueError(f"--arms: {a!r} is not one of {', '.join(ARMS)}")
   n_dev = jax.device_count()
-  seq = args.seq or base.model.block_size
-  per_dev = args.batch_size or (16 if seq >= 1024 else base.batch_size)
-  batch = per_dev * n_dev
   mesh = make_mesh()
   peak, peak_note = peak_tflops(args.peak_tflops)
   device = jax.devices()[0].device_kind
-  tokens = np.random.default_rng(0).integers(0, 50257, size=(1, batch, seq + 1), dtype=np.int32)
   abstract = nnx.state(abstract_model(base.model), nnx.Param)
+  config_of = lambda arm: arm_config(base, arm, batch_size=args.batch_size, seq=args.seq,
+                                     numerics=args.numerics, fsdp=args.fsdp)
+  shape = config_of("ours")   # every arm trains the same batch shape on the same tokens
+  batch, seq, tokens = shape.batch_size, shape.model.block_size, tokens_for(shape)
   rows = []
   for arm in arms:
-    cfg = base.replace(batch_size=batch, grad_accum=1, fsdp=args.fsdp,
-                       model=dict(block_size=seq,
-                                  numerics=args.numerics if ARMS[arm]["attention"] == "auto"
-                                  else "fast", **ARMS[arm]))
+    cfg = config_of(arm)
     fpt = flops_per_token(cfg.model, count_params(abstract, exclude_positions=True))
     row = {"arm": arm, "attention": label(cfg.model),
            "attention_detail": attn_lib.describe(cfg.model)}

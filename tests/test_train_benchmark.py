@@ -28,7 +28,8 @@ def test_train_speed_runs_on_cpu(tmp_path, capsys, monkeypatch):
   # --config tiny made smaller still: the script's own path in a fraction of the compile time.
   monkeypatch.setattr(train_speed, "get_config", lambda name: micro())
   rc = train_speed.main(["--config", "tiny", "--seq", "16", "--batch-size", "2", "--steps", "1",
-                         "--warmup", "0", "--arms", "xla", "--out", str(tmp_path)])
+                         "--warmup", "0", "--arms", "xla", "--out", str(tmp_path),
+                         "--no-compilation-cache"])
   assert rc == 0
   table = capsys.readouterr().out
   assert "| xla | jax.nn xla |" in table
