@@ -3,10 +3,13 @@
 Their timings mean nothing here; what is checked is that they still run against the current API,
 so the next GPU session does not spend device time on a broken script.
 """
+import re
+
+import jax
 import numpy as np
 import pytest
 
-from benchmarks import attention, features, peers
+from benchmarks import attention, compile_time, features, peers
 
 
 @pytest.mark.slow
@@ -50,3 +53,57 @@ def test_attention_arms_and_peer_columns():
   if peers.tokamax_attention() is None:
     assert attention.peer_notes() == ["tokamax: not run, tokamax is not importable."]
     assert attention.peer_notes(["cudnn"]) == []
+
+
+def _column(table: str, label: str, column: str) -> float:
+  lines = [line for line in table.splitlines() if line.startswith("|")]
+  names = [c.strip() for c in lines[0].split("|")]
+  row = next(line for line in lines if f"| {label} |" in line)
+  return float(row.split("|")[names.index(column)])
+
+
+def test_compile_time_tiny(tmp_path, capsys):
+  """The whole script on the CPU: attention programs (here, after jax.clear_caches()), the train
+  step cold and then warm from the persistent cache in a second process."""
+  out = tmp_path / "compile_time.md"
+  rc = compile_time.main(["--tiny", "--in-process", "--train-arms", "xla", "--out", str(out)])
+  printed = capsys.readouterr().out
+  table = out.read_text()
+  assert rc == 0, printed
+  assert printed.rstrip().endswith(table.rstrip())   # the table comes last
+  assert "- pallas_mosaic_gpu: not run, ValueError: implementation='pallas_mosaic_gpu' needs a " \
+         "Hopper (sm_90) GPU" in table
+  assert "- cudnn: not run, cuDNN needs a GPU" in table
+  for label in ("fwd", "bwd", "fwd+bwd", "train step, xla, cold", "train step, xla, warm"):
+    assert _column(table, label, "compile s") >= 0, label
+  # The second launch read what the first wrote.
+  assert (_column(table, "train step, xla, warm", "compile s")
+          < _column(table, "train step, xla, cold", "compile s") / 2), table
+  assert jax.config.jax_enable_compilation_cache   # this process's setting is back
+
+
+def test_compile_time_leaves_out_backward_kernels():
+  """pallas_mosaic_gpu's backward without its dQ or dK/dV kernel (lowered for CUDA on this host):
+  one Mosaic GPU kernel fewer each, none with both left out; the functions are back after."""
+  from pallas_kernels import mosaic_gpu as mosaic
+  from pallas_kernels.mosaic_gpu import backward, tuning
+  from stable_attn.api import Options, canonicalize
+  from tests import cases
+  kernels, why = compile_time.separable_kernels("pallas_mosaic_gpu")
+  assert why is None and set(kernels) == {"dK/dV", "dQ"}, (
+      f"{why}: say in benchmarks/compile_time.SEPARABLE which functions launch the kernels now")
+  q = jax.random.normal(jax.random.key(0), (1, 256, 2, 64), jax.numpy.bfloat16)
+  spec, ops, _ = canonicalize(q, q, q, options=Options(is_causal=True, max_adjust="safe"))
+  config = tuning.table_config(64)
+  originals = {name: getattr(backward, name) for name in kernels.values()}
+
+  def count(left_out):
+    with compile_time.kernels_left_out("pallas_mosaic_gpu", left_out):
+      text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o)[0], ops)
+    found = re.search(r"mosaic_gpu\w* (\d+) \((\d+) distinct\)", compile_time.custom_calls(text))
+    return int(found.group(1)) if found else 0
+
+  assert count([]) == 3
+  assert count(["dQ"]) == 2 and count(["dK/dV"]) == 2
+  assert count(["dQ", "dK/dV"]) == 1
+  assert {name: getattr(backward, name) for name in kernels.values()} == originals
