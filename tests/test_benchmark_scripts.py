@@ -62,6 +62,7 @@ def _column(table: str, label: str, column: str) -> float:
   return float(row.split("|")[names.index(column)])
 
 
+@pytest.mark.slow
 def test_compile_time_tiny(tmp_path, capsys):
   """The whole script on the CPU: attention programs (here, after jax.clear_caches()), the train
   step cold and then warm from the persistent cache in a second process."""
