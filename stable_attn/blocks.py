@@ -26,7 +26,7 @@ from jax import lax
 from stable_attn.layout import cdiv
 
 __all__ = ["cdiv", "kv_block_range", "q_block_range", "full_kv_range", "full_q_range",
-           "kv_sections", "q_sections", "segment_sections", "mask_sections", "intersect", "within_segments",
+           "kv_sections", "q_sections", "segment_sections", "mask_sections", "mask_blocks", "intersect", "within_segments",
            "split_loop"]
 
 
@@ -185,18 +185,31 @@ def mask_sections(mask: jax.Array, block_q: int, block_k: int, *, per: str,
 
   mask [Bm, Nm, Tp, Sp] (bool or int, nonzero = attend; Bm, Nm full or 1, Tp and Sp multiples of
   the blocks). Returns int32 [Bm, Nm // groups, n, 4]: for each query block (per="query") the
-  (lo, flo, fhi, hi) of key blocks holding any True -- the hull: all-False blocks inside it still
-  run, masked -- and inside it [flo, fhi), the contiguous run of blocks that are all True (they run
-  without the mask); per="key" the same over query blocks for each key block. groups > 1 merges
-  each run of `groups` heads (a dK/dV kernel loops over the query heads of one kv head): a block is
-  visited if any of them needs it and runs unmasked only if all see it whole.
+  (lo, flo, fhi, hi) of key blocks holding any True -- the hull; all-False blocks inside it are
+  flagged by `mask_blocks` -- and inside it [flo, fhi), the contiguous run of blocks that are all
+  True (they run without the mask); per="key" the same over query blocks for each key block.
+  groups > 1 merges each run of `groups` heads (a dK/dV kernel loops over the query heads of one
+  kv head): a block is visited if any of them needs it and runs unmasked only if all see it whole.
   """
+  share, whole = _mask_tables(mask, block_q, block_k, groups)
+  return _ranges(share, whole, per)
+
+
+def mask_blocks(mask: jax.Array, block_q: int, block_k: int, *, per: str) -> jax.Array:
+  """int32 [Bm, Nm, n, m]: 1 where block (i, j) of the mask holds any True, 0 where it is all
+  False (a kernel runs such a block inside its range as a skip step); i over query blocks and j
+  over key blocks for per="query", the other way round for per="key"."""
+  share, _ = _mask_tables(mask, block_q, block_k, 1)
+  return (jnp.swapaxes(share, -1, -2) if per == "key" else share).astype(jnp.int32)
+
+
+def _mask_tables(mask, block_q: int, block_k: int, groups: int):
+  """(any, all) of every [block_q, block_k] block of a [Bm, Nm, Tp, Sp] mask, over runs of `groups`
+  heads -> two bool [Bm, Nm // groups, Tp // block_q, Sp // block_k]."""
   Bm, Nm, Tp, Sp = mask.shape
   blocked = (mask != 0).reshape(Bm, Nm // groups, groups, Tp // block_q, block_q,
                                 Sp // block_k, block_k)
-  share = jnp.any(blocked, axis=(2, 4, 6))
-  whole = jnp.all(blocked, axis=(2, 4, 6))                  # [Bm, Nm', nq, nk]
-  return _ranges(share, whole, per)
+  return jnp.any(blocked, axis=(2, 4, 6)), jnp.all(blocked, axis=(2, 4, 6))
 
 
 def _ranges(share, whole, per: str):

@@ -73,7 +73,8 @@ def test_intersection_with_causal_ranges_keeps_every_visible_block():
 @pytest.mark.parametrize("groups", [1, 2])
 def test_mask_sections_match_brute_force(per, groups):
   """blocks.mask_sections: the hull of blocks with any True, and the all-True run inside it (kept
-  only when contiguous), per query block or per key block, merged over head groups."""
+  only when contiguous), per query block or per key block, merged over head groups; and
+  blocks.mask_blocks, the per-block flags."""
   rng = np.random.default_rng()
   bq, bk, nq, nk, heads = 8, 4, 5, 7, 4
   blocks_true = rng.random((2, heads, nq, nk)) < 0.5
@@ -84,6 +85,9 @@ def test_mask_sections_match_brute_force(per, groups):
   share, whole = per_block.any(axis=(2, 4, 6)), per_block.all(axis=(2, 4, 6))
   if per == "key":
     share, whole = share.swapaxes(-1, -2), whole.swapaxes(-1, -2)
+  if groups == 1:   # the per-block flags: 0 exactly for the all-False blocks
+    flags = blocks.mask_blocks(jnp.asarray(mask), bq, bk, per=per)
+    np.testing.assert_array_equal(np.asarray(flags), share.astype(np.int32))
   for index in np.ndindex(share.shape[:-1]):
     visited = np.flatnonzero(share[index])
     lo, flo, fhi, hi = got[index]

@@ -93,7 +93,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dk
         dk, dv = carry
         slot = common.slot_of(g * per_head + i - lo, stages)
         plgpu.barrier_wait(loaded.at[slot])
-        if kind == "skip":
+        if kind in ("skip", "empty"):
           plgpu.barrier_arrive(free.at[slot])
           return carry
         q, do = q_smem.at[slot], do_smem.at[slot]
@@ -126,7 +126,8 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dk
         plgpu.barrier_arrive(free.at[slot])
         return dk, dv
 
-      return common.sections(lo, mine, hi, step, carry)
+      flags = common.block_flags(ranges.mask_blocks, b, kvh * G + g, k_start // bk)
+      return common.sections(lo, mine, hi, step, carry, flags)
 
     zeros = common.zeros((bk, call.pad.H), plgpu.Layout.WGMMA)
     dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
@@ -227,7 +228,9 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
     def step(j, dq, kind):
       slot = common.slot_of(j - lo, stages)
       plgpu.barrier_wait(loaded.at[slot])
-      if kind == "skip":
+      if kind in ("skip", "empty"):
+        if kind == "empty" and ds_ref is not None:   # a block in range whose mask is all False
+          store_ds(common.zeros((bq, bk), plgpu.Layout.WGMMA), j)
         plgpu.barrier_arrive(free.at[slot])
         return dq
       k = k_smem.at[slot]
@@ -265,7 +268,8 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
              ds_ref.at[b, n, pl.ds(q_start, bq), pl.ds(j * bk, bk)])
 
     mine = common.clamp_ranges(kv_ranges(q_start), lo, hi)
-    dq = common.sections(lo, mine, hi, step, common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA))
+    dq = common.sections(lo, mine, hi, step, common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA),
+                         common.block_flags(ranges.mask_blocks, b, n, q_start // bq))
     _store(q, (dq * spec.scale).astype(q_smem.dtype), dq_ref.at[rows])
     if ds_ref is not None:   # the blocks this warpgroup's rows never visit: dS = 0
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)

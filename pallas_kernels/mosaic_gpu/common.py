@@ -137,22 +137,34 @@ class Call:
 class Ranges(NamedTuple):
   """A kernel's block ranges computed once per call (XLA), [..., blocks, 4] int32 (lo, flo, fhi,
   hi) in global memory, or None: `segments` [B, n, 4] from the segment ids, `mask` [Bm, Nm, n, 4]
-  from the mask operand (Bm, Nm full or 1)."""
+  from the mask operand (Bm, Nm full or 1), and `mask_blocks` [Bm, Nm, n, m] int32, 0 for the
+  blocks whose mask tile is all False (blocks.mask_blocks)."""
   segments: Optional[jax.Array] = None
   mask: Optional[jax.Array] = None
+  mask_blocks: Optional[jax.Array] = None
 
 
 def block_ranges(x, block_q: int, block_kv: int, per: str, groups: int = 1) -> Ranges:
   """The call's packed-sequence and mask block ranges for one kernel's block sizes (per="query":
   for each query block, per="key": for each key block; groups: query heads merged per mask row,
   the dK/dV kernel's G when the mask has a head dim)."""
-  segments = mask = None
+  segments = mask = flags = None
   if x.q_seg is not None:
     segments = blocks.segment_sections(x.q_seg, x.kv_seg, block_q, block_kv, per=per)
   if x.mask is not None:
     groups = groups if x.mask.shape[1] > 1 else 1
     mask = blocks.mask_sections(x.mask, block_q, block_kv, per=per, groups=groups)
-  return Ranges(segments, mask)
+    flags = blocks.mask_blocks(x.mask, block_q, block_kv, per=per)
+  return Ranges(segments, mask, flags)
+
+
+def block_flags(flags_ref, b, n, block):
+  """j -> the mask's flag of block (block, j) (`Ranges.mask_blocks`; j clamped into the table),
+  or None without a mask."""
+  if flags_ref is None:
+    return None
+  last = flags_ref.shape[-1] - 1
+  return lambda j: flags_ref[(*pairwise_index(flags_ref, b, n), block, jnp.minimum(j, last))]
 
 
 def block_range(ranges_ref, b, n, block):
@@ -199,9 +211,25 @@ def clamp_ranges(ranges, lo, hi):
   return a, b, c, d
 
 
-def sections(lo, my_ranges, hi, step, carry):
+def sections(lo, my_ranges, hi, step, carry, flags=None):
   """Runs step(j, carry, kind) over the union [lo, hi): "skip" outside this warpgroup's range,
-  "masked" on its edge blocks and "full" on the blocks all its rows see whole."""
+  "masked" on its edge blocks and "full" on the blocks all its rows see whole.
+
+  flags (`block_flags`, or None): a "masked" block whose flag is 0 (its mask tile all False) runs
+  as an "empty" step (a skip step that knows the block was in its range); each step loads the next
+  block's flag, so its latency hides behind a block."""
+  if flags is not None:
+    def flagged(j, state, kind, step=step):
+      carry, flag = state
+      upcoming = flags(j + 1)
+      if kind == "masked":
+        carry = lax.cond(flag != 0, lambda c: step(j, c, "masked"), lambda c: step(j, c, "empty"),
+                         carry)
+      else:
+        carry = step(j, carry, kind)
+      return carry, upcoming
+
+    return sections(lo, my_ranges, hi, flagged, (carry, flags(lo)))[0]
   a, b, c, d = my_ranges
   for start, stop, kind in ((lo, a, "skip"), (a, b, "masked"), (b, c, "full"), (c, d, "masked"),
                             (d, hi, "skip")):

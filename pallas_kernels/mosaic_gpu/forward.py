@@ -87,7 +87,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
     def step(j, carry, kind):
       acc, stats = carry
       slot = common.slot_of(j - lo, stages)
-      if kind == "skip":
+      if kind in ("skip", "empty"):
         plgpu.barrier_arrive(k_free.at[slot])
         rendezvous()
         plgpu.barrier_wait(v_loaded.at[slot])
@@ -135,7 +135,8 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
     pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
     wait_k(lo)
     init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
-    acc, stats = common.sections(lo, mine, hi, step, init)
+    acc, stats = common.sections(lo, mine, hi, step, init,
+                                 common.block_flags(ranges.mask_blocks, b, n, q_start // bq))
     pl.when(wg == 0)(rendezvous)
     sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
     o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True, sink=sink)
