@@ -1,4 +1,4 @@
-"""What packed sequences, the logit soft cap and attention sinks cost, forward+backward, in one process.
+"""What packed sequences, the soft cap, sinks, bias and masks cost, forward+backward, in one process.
 
     PYTHONPATH=. python benchmarks/features.py              # on a GPU: the Hopper kernel, pallas_gpu,
                                                             # cuDNN and tokamax (when importable)
@@ -9,9 +9,13 @@ of 128, or one of 8192, against the same documents unpacked (a batch of rows, no
 one document: the same row without segment ids). The segment block ranges (stable_attn.blocks)
 should make a packed row cost about what its documents cost alone. Soft cap: B4 T4096 N16 H128 and
 B16 T1024 N12 H64 causal with logits_soft_cap=50 against no cap, forward+backward and forward; sinks
-(one per head) at B4 T4096 N16 H128 against none. The peers run what they take: tokamax (its
-Mosaic GPU kernel) the soft cap and plain attention, jax.nn's cuDNN attention plain attention and
-packed rows as a dense mask; each of ours gets "peer ms / ours" per call.
+(one per head) at B4 T4096 N16 H128 against none. Bias: an ALiBi bias [1, N, T, T] (its gradient
+included) at both soft-cap shapes. Masks at B4 T4096 N16 H128, not causal: random (80% True,
+[B, 1, T, T]), block-sparse (25% of the 128 x 128 blocks and the diagonal, [1, 1, T, T]; the
+kernels' block ranges and flags skip the rest) and all True. The peers run what they take: tokamax
+(its Mosaic GPU kernel) the soft cap, bias, masks and plain attention, jax.nn's cuDNN attention
+plain attention, bias, masks and packed rows as a dense mask; each of ours gets "peer ms / ours"
+per call.
 Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks). Writes
 benchmarks/results/features_<device>.md and prints it.
 """
@@ -45,15 +49,18 @@ def _callable(implementation, interpret, **kwargs):
   """f(q, k, v) -> O for one of ours or a peer (None if that peer does not take the call)."""
   if implementation == "tokamax":
     peer = peers.tokamax_attention()
-    if set(kwargs) - {"is_causal", "logits_soft_cap"}:
+    if set(kwargs) - {"is_causal", "logits_soft_cap", "bias", "mask"}:
       return None   # no segment ids or sinks in tokamax's GPU kernels
     return lambda q, k, v: peer(q, k, v, **kwargs)
   if implementation == "cudnn":   # jax.nn's cuDNN attention: packed rows as a dense mask
-    if set(kwargs) - {"is_causal", "q_segment_ids"}:
+    if set(kwargs) - {"is_causal", "q_segment_ids", "bias", "mask"}:
       return None
-    mask = None if "q_segment_ids" not in kwargs else _dense_mask(kwargs["q_segment_ids"])
+    mask = kwargs.get("mask")
+    if "q_segment_ids" in kwargs:
+      mask = _dense_mask(kwargs["q_segment_ids"])
     return lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=kwargs.get("is_causal", False), implementation="cudnn")
+        q, k, v, kwargs.get("bias"), mask, is_causal=kwargs.get("is_causal", False),
+        implementation="cudnn")
   return lambda q, k, v: stable_attn.dot_product_attention(
       q, k, v, implementation=implementation, interpret=interpret, **kwargs)
 
@@ -79,12 +86,34 @@ def _why_not(impl, interpret, q, k, v, **kwargs):
     if _callable(impl, interpret, **kwargs) is None:
       return "jax.nn's cuDNN attention takes no soft cap or sinks"
     return None
-  spec, ops, _ = canonicalize(q, k, v, options=Options(interpret=interpret, **kwargs))
+  bias, mask = kwargs.pop("bias", None), kwargs.pop("mask", None)
+  spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(interpret=interpret, **kwargs))
   backend = backends.load(impl)
   reason = backend.covers(spec, ops)
   if reason is None and not (interpret or backend.is_available()):
     reason = f"not available on the {jax.default_backend()!r} backend"
   return reason
+
+
+def _alibi(shape):
+  """ALiBi's bias [1, N, T, T]: -slope_n * |t - s|, slopes 2^(-8 n / N), in bf16."""
+  _, T, N, _ = shape
+  pos = jnp.arange(T)
+  slopes = 2.0 ** (-8.0 * (jnp.arange(N) + 1) / N)
+  return (-slopes[:, None, None] * jnp.abs(pos[:, None] - pos[None, :]))[None].astype(jnp.bfloat16)
+
+
+def _random_mask(shape, keep=0.8):
+  B, T, _, _ = shape
+  return jax.random.uniform(jax.random.PRNGKey(1), (B, 1, T, T)) < keep
+
+
+def _block_sparse_mask(shape, keep: float, block: int):
+  """[1, 1, T, T]: a random `keep` share of the block x block blocks and the diagonal ones True."""
+  T, nb = shape[1], shape[1] // block
+  blocks = jax.random.uniform(jax.random.PRNGKey(2), (nb, nb)) < keep
+  blocks = blocks | jnp.eye(nb, dtype=bool)
+  return jnp.repeat(jnp.repeat(blocks, block, 0), block, 1)[None, None]
 
 
 def _label(shape) -> str:
@@ -112,19 +141,25 @@ def main(argv=None):
   device = jax.devices()[0].device_kind
   rows, ms = [], {}
   for impl in args.implementations.split(","):
-    def timed(name, shape, forward_only=False, **kwargs):
+    def timed(name, shape, forward_only=False, bias=None, mask=None, **kwargs):
+      """ms per call; bias and mask are arguments of the timed program (the bias differentiated
+      with q, k and v), never constants folded into it."""
       q, k, v, do = _inputs(shape)
       name = f"{name}, forward" if forward_only else name
-      reason = _why_not(impl, interpret, q, k, v, **kwargs)
+      reason = _why_not(impl, interpret, q, k, v, bias=bias, mask=mask, **kwargs)
       if reason is not None:
         rows.append((impl, name, float("nan"), f"not run: {reason}"))
         return float("nan")
-      attention = _callable(impl, interpret, **kwargs)
-      fn = jax.jit(attention if forward_only else
-                   lambda q, k, v, do: jax.vjp(attention, q, k, v)[1](do))
+
+      def attention(q, k, v, bias, mask):
+        given = {n: a for n, a in (("bias", bias), ("mask", mask)) if a is not None}
+        return _callable(impl, interpret, **kwargs, **given)(q, k, v)
+
+      fn = jax.jit(attention if forward_only else lambda q, k, v, bias, mask, do: jax.vjp(
+          lambda q, k, v, b: attention(q, k, v, b, mask), q, k, v, bias)[1](do))
       try:
-        t = 1e3 * bench.time_calls(fn, (q, k, v) if forward_only else (q, k, v, do), calls,
-                                   blocks)
+        args = (q, k, v, bias, mask) + (() if forward_only else (do,))
+        t = 1e3 * bench.time_calls(fn, args, calls, blocks)
       except Exception as e:  # a row that says so, and the other arms go on
         rows.append((impl, name, float("nan"), f"FAILED {type(e).__name__}: {str(e)[:300]}"))
         return float("nan")
@@ -152,6 +187,16 @@ def main(argv=None):
     rows.append((impl, f"sinks / none, {_label(shape)}", sunk / ms.get((impl, f"{_label(shape)}, "
                                                                         "no cap"), np.nan),
                  "ratio"))
+    for shape in cap_shapes:
+      timed(f"{_label(shape)}, ALiBi bias [1, N, T, T]", shape, is_causal=True,
+            bias=_alibi(shape))
+    shape = cap_shapes[0]
+    label = _label(shape).replace(" causal", "")
+    dense = timed(f"{label}, mask all True", shape, mask=jnp.ones((1, 1) + shape[1:2] * 2, bool))
+    timed(f"{label}, mask random 80% [B, 1, T, T]", shape, mask=_random_mask(shape))
+    sparse = timed(f"{label}, mask block-sparse 25% [1, 1, T, T]", shape,
+                   mask=_block_sparse_mask(shape, 0.25, 64 if args.smoke else 128))
+    rows.append((impl, f"block-sparse 25% / all True, {label}", sparse / dense, "ratio"))
   # Ours against each peer on the same call: the peer's time / ours.
   for peer_name in ("cudnn", "tokamax"):
     for (impl, name), t in list(ms.items()):
@@ -160,7 +205,7 @@ def main(argv=None):
         rows.append((impl, f"speed-up over {peer_name}: {name}", peer / t,
                      f"{peer_name} ms / ours"))
 
-  lines = [f"# Packed sequences, soft cap and sinks, fwd+bwd, {device}", "",
+  lines = [f"# Packed sequences, soft cap, sinks, bias and masks, fwd+bwd, {device}", "",
            f"JAX {jax.__version__}, bf16, median of {blocks} blocks of {calls} calls"
            f"{' (smoke run: interpret mode, tiny shapes)' if args.smoke else ''}.", "",
            "| implementation | case | ms (fwd+bwd unless forward; or ratio) | note |",
