@@ -160,10 +160,11 @@ _JAX_NN_MASKED_LOGIT = np.float32(-0.7) * np.finfo(np.float32).max
 
 
 def jax_nn_residual(lse: jax.Array, dtype) -> jax.Array:
-  """Our LSE [B, N, T] fp32 (-inf for rows without a visible key) -> jax.nn's return_residual:
-  [B, T, N] in `dtype` (the input dtype), under stop_gradient, rows without a key holding jax.nn's
-  masked logit."""
-  lse = jnp.where(lse == -jnp.inf, jnp.asarray(_JAX_NN_MASKED_LOGIT, lse.dtype), lse)
+  """A backend's LSE [B, N, T] fp32 (rows without a visible key: tile.EMPTY_ROW_LSE, or -inf) ->
+  jax.nn's return_residual: [B, T, N] in `dtype` (the input dtype), under stop_gradient, rows
+  without a key holding jax.nn's masked logit (in float16 that is -inf, as jax.nn's)."""
+  empty = (lse == tile.EMPTY_ROW_LSE) | (lse == -jnp.inf)
+  lse = jnp.where(empty, jnp.asarray(_JAX_NN_MASKED_LOGIT, lse.dtype), lse)
   return jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(dtype))
 
 

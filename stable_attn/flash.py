@@ -26,9 +26,14 @@ Backward = Callable[..., tuple]
 RESIDUAL_NAMES = ("attn_out", "attn_lse")
 
 
-def public_lse(lse: jax.Array) -> jax.Array:
-  """The log-sum-exp as returned to users: -inf for rows with no visible key (internally a large
-  finite sentinel, so that the backward's exp(S - LSE) is 0 there)."""
+def public_lse(lse: jax.Array, spec: AttentionSpec) -> jax.Array:
+  """The log-sum-exp as a backend returns it. For a caller who asked for it (return_residuals):
+  -inf for rows with no visible key. Otherwise it stays internal and keeps the large finite
+  sentinel tile.EMPTY_ROW_LSE there (which also makes the backward's exp(S - LSE) 0): no step may
+  make an infinity the caller did not ask for (jax.debug_infs checks every one); jax.nn's
+  return_residual is derived from it in `stable_attn.api.jax_nn_residual`."""
+  if not spec.return_residuals:
+    return lse
   return jnp.where(lse == tile.EMPTY_ROW_LSE, -jnp.inf, lse)
 
 
@@ -40,9 +45,9 @@ def make_flash_attention(forward: Forward, backward: Backward,
   jax.sharding over batch and heads (`stable_attn.partition`): for kernels XLA cannot split (Pallas
   calls). Pure-jnp passes leave it off and let XLA partition them.
 
-  The LSE output ([B, N, T] fp32, natural log, -inf for rows without keys) is differentiable too
-  when spec.return_residuals is set: its cotangent enters the backward as delta - dLSE (the
-  log-sum-exp's gradient with respect to the scores is P).
+  The LSE output ([B, N, T] fp32, natural log; rows without keys: see `public_lse`) is
+  differentiable too when spec.return_residuals is set: its cotangent enters the backward as
+  delta - dLSE (the log-sum-exp's gradient with respect to the scores is P).
   """
 
   if partition:
@@ -53,14 +58,14 @@ def make_flash_attention(forward: Forward, backward: Backward,
   def attention(spec, config, ops):
     _check_offsets(spec, ops)
     o, _, lse = forward(spec, config, ops)
-    return o, public_lse(lse)
+    return o, public_lse(lse, spec)
 
   def attention_fwd(spec, config, ops):
     _check_offsets(spec, ops)
     o, o_residual, lse = forward(spec, config, ops)
     residuals = (ops, checkpoint_name(o_residual, RESIDUAL_NAMES[0]),
                  checkpoint_name(lse, RESIDUAL_NAMES[1]))
-    return (o, public_lse(lse)), residuals
+    return (o, public_lse(lse, spec)), residuals
 
   def attention_bwd(spec, config, residuals, cotangents):
     ops, o_residual, lse = residuals

@@ -40,11 +40,13 @@ Max adjustment (`max_adjust`):
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from stable_attn.numerics import Dtypes
@@ -54,6 +56,10 @@ PAPER_TIE_TOLERANCE = 1e-3
 SAFE_WEIGHT_MIN, SAFE_WEIGHT_MAX = 0.55, 0.95   # range of the largest P_bar under "safe"
 # Log-sum-exp of a row with no visible key: exp(S - LSE) is then 0 for every score.
 EMPTY_ROW_LSE = 1e30
+# A masked score: finite, so that no step makes an infinity (jax.debug_infs checks every
+# intermediate of the jnp implementations), yet below every visible score and below the initial
+# running max by so much that exp(MASKED_SCORE - m) is 0 for any running max m (`init_stats`).
+MASKED_SCORE = float(jnp.finfo(jnp.float32).min)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -77,12 +83,40 @@ def round_convert(x: jax.Array, dtype) -> jax.Array:
 
 
 def round_exact(x: jax.Array, dtype) -> jax.Array:
-  """Like `round_convert`, but XLA may never elide it (the jnp implementations and interpret mode:
-  XLA:CPU's excess-precision simplification may drop an f32 -> bf16 -> f32 pair)."""
+  """Like `round_convert` (the same value as a real cast, subnormals and overflow included), but
+  XLA may never elide it (the jnp implementations and interpret mode: XLA:CPU's excess-precision
+  simplification may drop an f32 -> bf16 -> f32 pair, and a bitcast round trip is folded away).
+
+  reduce_precision is never removed, but with fewer exponent bits than fp32 (fp16) it flushes the
+  dtype's subnormals to zero where a cast keeps them: a long fp16 row whose P_bar all lie below
+  2^-14 summed to 0. Below the smallest normal, a cast rounds to the fixed grid of subnormals
+  (spacing `smallest_subnormal`), to nearest, ties to even; scaling by a power of two is exact, so
+  round(x / spacing) * spacing is that rounding.
+  """
   if jnp.dtype(dtype) == jnp.float32:
     return x
   info = jnp.finfo(dtype)
-  return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  if info.nexp >= 8:   # fp32's exponent range (bf16): reduce_precision keeps the subnormals
+    return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  return _round_narrow(x, jnp.dtype(dtype))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _round_narrow(x, dtype):
+  info = jnp.finfo(dtype)
+  rounded = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  tiny, spacing = float(info.tiny), float(info.smallest_subnormal)
+  small = jnp.clip(x, -tiny, tiny)   # clipped so that no lane overflows (no inf under debug_infs)
+  grid = lax.round(small * (1.0 / spacing), lax.RoundingMethod.TO_NEAREST_EVEN) * spacing
+  return jnp.where(jnp.abs(x) < tiny, grid, rounded)
+
+
+@_round_narrow.defjvp
+def _round_narrow_jvp(dtype, primals, tangents):
+  # The derivative of a cast, whose transpose casts the cotangent (subnormals kept); the
+  # derivative of reduce_precision would flush subnormal cotangents, the grid's would be zero.
+  (x,), (t,) = primals, tangents
+  return _round_narrow(x, dtype), t.astype(dtype).astype(t.dtype)
 
 
 RoundFn = Callable[[jax.Array, object], jax.Array]
@@ -146,9 +180,11 @@ def scores(qk, ok=None, *, scale: float, bias=None, dt: Dtypes, round_fn: RoundF
   """Logits of a tile from its product qk = Q K^T (fp32, either orientation).
 
   scale * qk + bias, soft-capped to soft_cap * tanh(. / soft_cap) when soft_cap is given, rounded
-  to the score dtype, in log2 units when base2, and -inf where `ok` (bool, same shape, or None =
-  all visible) is False. bias, when given, is in the tile's orientation. Masked scores give P = 0
-  exactly in every later step, with no second select.
+  to the score dtype, in log2 units when base2, and MASKED_SCORE where `ok` (bool, same shape, or
+  None = all visible) is False. bias, when given, is in the tile's orientation. Masked scores give
+  P = 0 exactly in every later step, with no second select. With the scale kept outside the tile
+  (factor != 1, compiled base-2 kernels only) masked scores are -inf: MASKED_SCORE * factor would
+  rise above the initial max when factor < 1.
   """
   if base2 and jnp.dtype(dt.score) != jnp.float32:
     raise ValueError(f"base-2 scores need fp32 scores, not {jnp.dtype(dt.score).name}")
@@ -167,7 +203,9 @@ def scores(qk, ok=None, *, scale: float, bias=None, dt: Dtypes, round_fn: RoundF
       s, dtanh = t * soft_cap, 1.0 - t * t
     s = round_fn(s, dt.score)
     s, factor = (s * LOG2E if base2 else s), 1.0
-  return Scores(s if ok is None else jnp.where(ok, s, -jnp.inf), factor, dtanh)
+  if ok is not None:
+    s = jnp.where(ok, s, MASKED_SCORE if factor == 1.0 else -jnp.inf)
+  return Scores(s, factor, dtanh)
 
 
 def visible(q_pos, k_pos, q_len, kv_len, *, causal: bool, window, mask=None, q_seg=None,
@@ -218,13 +256,31 @@ def safe_offset(q_pos, head, p_dtype, *, base2: bool = False) -> jax.Array:
   return -jnp.log2(weight) if base2 else -jnp.log(weight)
 
 
+def _above_lowest(x, dtype):
+  """x, raised to `dtype`'s lowest finite value when dtype is narrower than fp32 (the "paper"
+  preset's scores): a masked score minus a max would round to -inf there. exp of either is 0."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return x
+  return jnp.maximum(x, float(jnp.finfo(dtype).min))
+
+
 def paper_adjusted_max(s, block_max, beta: float, dt: Dtypes, round_fn: RoundFn = round_convert,
                        *, base2: bool = False, q_axis: int = 0):
-  """The paper's per-block rule on masked scores s (an array) and their row max (per query)."""
+  """The paper's per-block rule on masked scores s (an array) and their row max (per query).
+
+  Masked scores are never within the tolerance of a visible block max. A block with no visible
+  score counts all its entries as ties (the paper's code fills masked scores with a finite -max,
+  so there they tie): the max becomes 0, as it always has here.
+  """
   tolerance = PAPER_TIE_TOLERANCE * (LOG2E if base2 else 1.0)
-  close = s >= _rows(round_fn(block_max - tolerance, dt.score), s, q_axis)
+  threshold = round_fn(_above_lowest(block_max - tolerance, dt.score), dt.score)
+  close = s >= _rows(threshold, s, q_axis)
   ties = jnp.sum(jnp.where(close, 1.0, 0.0), axis=1 - q_axis) > 1.5
-  adjusted = jnp.where(ties & (block_max > 0), round_fn(beta * block_max, dt.score), block_max)
+  if s.shape[1 - q_axis] > 1:
+    ties = ties | (block_max <= MASKED_SCORE)
+  # beta * block_max only where it is used (max > 0): a masked block's max would overflow.
+  boosted = round_fn(beta * jnp.maximum(block_max, 0.0), dt.score)
+  adjusted = jnp.where(ties & (block_max > 0), boosted, block_max)
   return jnp.where(ties & (adjusted < 0), 0.0, adjusted)
 
 
@@ -238,8 +294,17 @@ class RowStats(NamedTuple):
   l: jax.Array    # running sum of P_bar
 
 
+def initial_max(score_dtype) -> float:
+  """The running max before any key: the score dtype's lowest finite value, for fp32 one step
+  above MASKED_SCORE, so that exp(MASKED_SCORE - m) is 0 (m - MASKED_SCORE >= 2^104) while no
+  visible score (>= MASKED_SCORE + 2^104, i.e. all but the lowest fp32 value) is below it."""
+  if jnp.dtype(score_dtype) == jnp.float32:
+    return float(np.nextafter(np.float32(MASKED_SCORE), np.float32(0)))
+  return float(jnp.finfo(score_dtype).min)
+
+
 def init_stats(rows: int, dt: Dtypes) -> RowStats:
-  return RowStats(jnp.full((rows,), jnp.finfo(dt.score).min, f32), jnp.zeros((rows,), f32))
+  return RowStats(jnp.full((rows,), initial_max(dt.score), f32), jnp.zeros((rows,), f32))
 
 
 def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: float,
@@ -264,10 +329,10 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   if offset is not None and jnp.dtype(dt.score) == jnp.float32:
     p = exp(s.minus(tile_rows(m_new + offset)))   # the offset folded into the max
   else:
-    shifted = round_fn(s.minus(tile_rows(m_new)), dt.score)
+    shifted = round_fn(_above_lowest(s.minus(tile_rows(m_new)), dt.score), dt.score)
     p = exp(shifted if offset is None else shifted - tile_rows(offset))
   p_low = operand(p, dt.p, round_fn)
-  alpha = exp(round_fn(stats.m - m_new, dt.score))
+  alpha = exp(round_fn(_above_lowest(stats.m - m_new, dt.score), dt.score))
   row_sum = jnp.sum(p_low.astype(f32) if dt.sum_of_rounded_p else p, axis=k_axis)
   l_new = round_fn(round_fn(round_fn(alpha, dt.sum) * stats.l, dt.sum) + round_fn(row_sum, dt.sum),
                    dt.sum)
@@ -315,12 +380,14 @@ def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn
     lse = jnp.where(empty, EMPTY_ROW_LSE, lse)
   else:
     sink = jnp.asarray(sink, f32)
-    lse_keys = jnp.where(empty, -jnp.inf, lse)
+    # A row without keys has LSE = sink and keeps nothing of its (zero) O. Its keys' LSE gets the
+    # sink as a finite stand-in (-inf would be the value: no step may make an infinity, see
+    # MASKED_SCORE), replaced in both results.
+    lse_keys = jnp.where(empty, sink, lse)
     # logaddexp by hand: jnp.logaddexp is a custom_jvp, which Mosaic GPU kernels cannot lower.
-    # The sink is finite, so the larger of the two is finite and exp(-inf - top) is 0.
     top = jnp.maximum(lse_keys, sink)
-    lse = top + jnp.log(jnp.exp(lse_keys - top) + jnp.exp(sink - top))
-    kept = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse_keys - lse)))
+    lse = jnp.where(empty, sink, top + jnp.log(jnp.exp(lse_keys - top) + jnp.exp(sink - top)))
+    kept = jnp.where(empty, 0.0, jnp.exp(lse_keys - lse))
     o_exact = o_exact * _rows(kept, acc, q_axis)
   o = round_fn(o_exact, dt.out).astype(dt.input)
   # The fp32 residual skips the output rounding: delta then sees O before it is rounded.
@@ -396,6 +463,8 @@ def tied_rows(s, ok, dtype) -> jax.Array:
   max becomes 1.0), the trigger of the paper's biased rounding.
   """
   if ok is not None:
-    s = jnp.where(ok, s, -jnp.inf)
-  p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)).astype(dtype)
-  return jnp.sum((p == 1).astype(jnp.int32), axis=-1) > 1
+    s = jnp.where(ok, s, MASKED_SCORE)
+  ones = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)).astype(dtype) == 1
+  if ok is not None:   # a row with no visible key has max MASKED_SCORE, so P_bar = 1 everywhere
+    ones = ones & ok
+  return jnp.sum(ones.astype(jnp.int32), axis=-1) > 1

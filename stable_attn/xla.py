@@ -17,7 +17,7 @@ from stable_attn.spec import AttentionSpec, Operands
 
 
 def xla_attention(spec: AttentionSpec, ops: Operands):
-  """-> (O [B,T,N,H] in the input dtype, LSE fp32 [B,N,T], -inf for rows without keys)."""
+  """-> (O [B,T,N,H] in the input dtype, LSE fp32 [B,N,T]; rows without keys: flash.public_lse)."""
   geo = Geometry.of(ops)
   B, T, S, N, H = geo.B, geo.T, geo.S, geo.N, geo.H
   dt = tile_dtypes(spec.numerics, ops.q.dtype)
@@ -50,7 +50,7 @@ def xla_attention(spec: AttentionSpec, ops: Operands):
   fn = jax.vmap(one_head, (0, 0, 0, b_ax, m_ax, None, None, o_ax, s_ax))
   fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, None, None))
   o, lse = fn(q, k, v, bias, mask, ops.q_lens, ops.kv_lens, ops.offset, ops.sinks)
-  return jnp.swapaxes(o, 1, 2), public_lse(lse)
+  return jnp.swapaxes(o, 1, 2), public_lse(lse, spec)
 
 
 # The backend protocol (stable_attn.backends): never picked by implementation=None.

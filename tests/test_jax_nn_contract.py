@@ -280,8 +280,6 @@ def test_return_residual_is_jax_nns_unbatched_and_not_differentiated():
   assert np.any(_f64(jax.jit(jax.grad(residual_sum("return_residuals")))(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 item 2: tile.round_exact flushes fp16 subnormal "
-                   "P to 0 (lax.reduce_precision); remove this mark with that fix")
 def test_fp16_subnormal_probabilities_match_jax_nn():
   """One query over 4096 keys: one at score 0 (V = 0), the rest at -10 (V = 1), so the output is
   carried by probabilities of ~4.5e-5, below fp16's smallest normal (6.1e-5). A cast keeps them
