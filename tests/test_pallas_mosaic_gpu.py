@@ -191,7 +191,7 @@ GPU_CASES = {
     "packed_cross_window_h128": dict(B=2, T=300, S=333, N=4, K=2, H=128, segments=True, docs=3,
                                      window=(100, 20), q_lens=(300, 217), kv_lens=(333, 190)),
     # Bias (with dbias) and mask tiles streamed beside K/V and Q/dO; a per-head bias summed over
-    # the batch (fp32 dS), a full one (dS in its dtype), a key-padding bias [B, 1, 1, S]; masks
+    # the batch, a full one, an fp32 key-padding bias [B, 1, 1, S] summed over rows; masks
     # whose all-False blocks the block ranges skip, rows with no visible key.
     "bias_mask_causal_gqa": dict(B=2, T=300, S=333, N=4, K=2, H=64, is_causal=True,
                                  bias=(1, 4, 300, 333), mask=(2, 1, 300, 333),

@@ -66,12 +66,12 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
 
 
 def _ds_dtype(ops: Operands):
-  """dS's dtype for a bias's gradient: the bias's own when dS is the gradient itself (every dim
-  full), fp32 when it is summed over the bias's broadcast dims first; None without a bias."""
-  if ops.bias is None:
-    return None
-  full = (ops.q.shape[0], ops.q.shape[2], ops.q.shape[1], ops.k.shape[1])
-  return ops.bias.dtype if tuple(ops.bias.shape) == full else jnp.dtype(jnp.float32)
+  """dS's dtype for a bias's gradient, or None without a bias: the bias's own (as tokamax does),
+  also where dS is then summed over the bias's broadcast dims -- that sum accumulates in fp32, so
+  the one extra rounding is of each dS element, the size of dbias's own final rounding. An fp32
+  dS would double the bytes the dQ kernel writes and XLA reads back (measured: most of what a
+  [1, N, T, T] bias cost over plain attention at the GPT-2 shape)."""
+  return None if ops.bias is None else jnp.dtype(ops.bias.dtype)
 
 
 def _extras(ops: Operands) -> dict:
@@ -125,7 +125,8 @@ def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o
   dbias = None
   if ds is not None:
     geo = call.geo
-    dbias = reduce_to_shape(ds[:, :, :geo.T, :geo.S], ops.bias.shape).astype(ops.bias.dtype)
+    ds = ds[:, :, :geo.T, :geo.S].astype(jnp.float32)   # fused into the sum
+    dbias = reduce_to_shape(ds, ops.bias.shape).astype(ops.bias.dtype)
   kv_axes = OPERANDS["k"].axes
   return (unpad(dq, ROW_AXES, call.geo), unpad(dk, kv_axes, call.geo),
           unpad(dv, kv_axes, call.geo), dbias)
