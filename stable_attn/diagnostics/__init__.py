@@ -1,6 +1,8 @@
-"""Diagnostics that show what the paper talks about: the tie-stress rounding-bias probe.
+"""Diagnostics that show what the paper talks about: the tie-stress rounding-bias probe, and what
+the max adjustment costs in accuracy.
 
-    python -m stable_attn.diagnostics            # prints the table
+    python -m stable_attn.diagnostics            # prints the bias-probe table
+    python -m stable_attn.diagnostics.accuracy   # errors of O and the gradients against float64
 """
 from stable_attn.diagnostics.probe import (PLACEMENTS, REGIMES, GradientProbeResult, ProbeResult,
                                            measure, measure_gradients, signed_ulp_error, sweep,
