@@ -110,7 +110,7 @@ def _random_mask(shape, keep=0.8):
 
 def _block_sparse_mask(shape, keep: float, block: int):
   """[1, 1, T, T]: a random `keep` share of the block x block blocks and the diagonal ones True."""
-  T, nb = shape[1], shape[1] // block
+  nb = shape[1] // block
   blocks = jax.random.uniform(jax.random.PRNGKey(2), (nb, nb)) < keep
   blocks = blocks | jnp.eye(nb, dtype=bool)
   return jnp.repeat(jnp.repeat(blocks, block, 0), block, 1)[None, None]
