@@ -92,6 +92,7 @@ print("RESULT" + json.dumps(out))
 # pallas_gpu only: pallas_tpu and mosaic_gpu share the partitioning code (flash.make_flash_attention)
 # but cannot run it here; the TPU interpreter's io_callbacks cannot be custom-partitioned, and Mosaic
 # GPU has no interpreter.
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["pallas_gpu"])
 def test_sharded_over_batch_and_heads(impl):
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",

@@ -67,6 +67,7 @@ def test_layer_errors_match_an_independent_float64_computation(arm):
     assert np.all((got["dwq_rank1_share"] > 0) & (got["dwq_rank1_share"] <= 1 + 1e-6))
 
 
+@pytest.mark.slow
 def test_study_on_a_tiny_checkpoint(tmp_path):
     cfg = get_config("tiny").replace(
         model=dict(n_layer=2, n_head=2, n_embd=32, block_size=32, attention="reference",
@@ -165,6 +166,7 @@ def test_outcomes_and_report(tmp_path):
         explosion.main(["report", "--out", str(tmp_path), "--arms", "paper/on"])
 
 
+@pytest.mark.slow
 def test_run_launches_arms_on_cpu(tmp_path):
     """The launcher end to end on CPU: two arms one after another, identical until numerics differ."""
     argv = ["run", "--out", str(tmp_path), "--config", "tiny", "--lrs", "3e-3", "--arms", "paper/off,fast/off",
@@ -177,6 +179,7 @@ def test_run_launches_arms_on_cpu(tmp_path):
     assert "numerics='paper'" in (explosion.run_dir(tmp_path, 3e-3, "paper/off") / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_arms_branch_from_a_trunk_on_cpu(tmp_path):
     """--trunk: the arms start from the trunk's checkpoint and continue it exactly as one straight run
     would (same weights, optimizer state, batch position and lr schedule)."""

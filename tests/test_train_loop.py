@@ -278,6 +278,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_sharded_training_matches_single_device(tmp_path):
   run(micro(max_steps=4, grad_accum=2), tmp_path / "single")
   single = [l for _, l in losses(tmp_path / "single")]
