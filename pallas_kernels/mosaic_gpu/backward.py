@@ -158,6 +158,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dk
     common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)])
 
 
+@common.lowered_once("call")
 def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ranges):
   tiles = call.config.dkv
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
@@ -298,6 +299,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
     common.stream(lo, hi, stages, [(free, load)])
 
 
+@common.lowered_once("call", "ds_dtype")
 def _dq_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ranges, ds_dtype):
   tiles = call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages

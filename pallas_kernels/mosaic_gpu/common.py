@@ -237,6 +237,17 @@ def sections(lo, my_ranges, hi, step, carry, flags=None):
   return carry
 
 
+def lowered_once(*static_argnames):
+  """A kernel call (`call` and the other static_argnames static, the rest pytrees of arrays)
+  jitted, so that every place of one program that makes the same call (a model's layers) shares
+  one traced jaxpr, which JAX then lowers once: one Mosaic GPU module that XLA compiles once.
+  Lowered in place instead, each call is its own module -- JAX 0.11 gives every lowered module a
+  unique name (its mosaic_gpu.dump_basename attribute, part of the kernel hash), and a backward
+  also carries its caller's source location -- and a 12-layer GPT-2 step compiled 36 Mosaic GPU
+  kernels instead of 3 (benchmarks/compile_time.py)."""
+  return lambda fn: jax.jit(fn, static_argnames=static_argnames)
+
+
 def launch(kernel, scratch, *, out_type, grid, grid_names):
   """A warp-specialised Mosaic GPU kernel: two compute warpgroups and a producer ("wg" 0, 1, 2)
   per CTA over `grid`. Returns run(*inputs): each input is a pytree of arrays (the padded

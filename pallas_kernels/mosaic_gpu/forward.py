@@ -165,6 +165,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
                                    (v_free, loader(refs.v, v_smem, v_loaded))])
 
 
+@common.lowered_once("call")
 def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   """Padded operands (x.offset: [N, Tp] fp32 natural units, or None; x.bias, x.mask: [Bx, Nx, Tp,
   Sp], the mask as int8) and their block ranges (common.block_ranges per block_q rows) -> (O [B,
