@@ -88,6 +88,14 @@ def time_calls(fn, args, calls: int, blocks: int, warmup: int = 3) -> float:
   return statistics.median(per_call)
 
 
+def matmul_ceiling(dtype, calls: int, blocks: int, n: int = 8192) -> tuple[float, int]:
+  """(TFLOP/s, n) of a dense [n, n] @ [n, n] matmul in `dtype` (XLA, fp32 accumulation): what the
+  tensor cores reach in this run, the ceiling each attention figure is read against."""
+  a, b = (jax.random.normal(jax.random.PRNGKey(i), (n, n), jnp.float32).astype(dtype)
+          for i in range(2))
+  return 2.0 * n ** 3 / time_calls(jax.jit(jnp.matmul), (a, b), calls, blocks) / 1e12, n
+
+
 def implementations(shape, only=None):
   """name -> f(q, k, v) -> O ([B, T, N, H] queries, [B, T, K, H] keys and values): every arm that
   is importable here, or those named in `only` (the OPT_IN ones only when named)."""
@@ -221,7 +229,7 @@ def ratio_peers(rows):
   return {p: name for p, name in RATIO_PEERS.items() if p == "cudnn" or p in present}
 
 
-def markdown(rows, device, dtype, calls, blocks, notes=()):
+def markdown(rows, device, dtype, calls, blocks, notes=(), ceiling=None):
   against = ratio_peers(rows)
   lines = [f"# Attention benchmark on {device}",
            "",
@@ -234,17 +242,23 @@ def markdown(rows, device, dtype, calls, blocks, notes=()):
            "its Mosaic GPU kernel; mha: JAX's Pallas Triton attention); fwd x ...: the forward "
            "alone.",
            ""]
+  if ceiling:
+    ceiling, n = ceiling
+    notes = [f"Matmul ceiling in this run: a dense {np.dtype(dtype).name} {n} x {n} x {n} matmul "
+             f"(XLA) at {ceiling:.0f} TFLOP/s; 'of mm' = fwd+bwd TFLOP/s / that.", *notes]
   lines += list(notes) + ([""] if notes else [])
   ratio_heads = "".join(f" fwd x {name} | x {name} |" for name in against.values())
+  mm_head = " of mm |" if ceiling else ""
   lines += ["| shape | impl | fwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
-            f"|{ratio_heads} err O | err grad | note |",
-            "|---" * (10 + 2 * len(against)) + "|"]
+            f"|{mm_head}{ratio_heads} err O | err grad | note |",
+            "|---" * (10 + bool(ceiling) + 2 * len(against)) + "|"]
   for r in rows:
     ratio_cells = "".join(f" {ratios(rows, r.shape, r.impl, peer, 'fwd'):.2f} | "
                           f"{ratios(rows, r.shape, r.impl, peer):.2f} |" for peer in against)
     lines.append(
         f"| {shape_name(r.shape)} | {r.impl} | {r.fwd_ms:.3f} | {r.tflops('fwd'):.0f} | "
-        f"{r.tflops('bwd'):.0f} | {r.fb_ms:.3f} | {r.tflops('fb'):.0f} |{ratio_cells} "
+        f"{r.tflops('bwd'):.0f} | {r.fb_ms:.3f} | {r.tflops('fb'):.0f} |"
+        + (f" {r.tflops('fb') / ceiling:.2f} |" if ceiling else "") + f"{ratio_cells} "
         f"{r.err_o:.1e} | {r.err_grad:.1e} | {r.note} |")
   shapes = list(dict.fromkeys(r.shape for r in rows))
   lines += ["", "Cost of the fix (time relative to max_adjust=off of the same kernel):", "",
@@ -364,6 +378,9 @@ def main(argv=None):
   if args.sweep:
     sweep(shapes, dtype, args.calls, args.blocks, args.sweep_kernels.split(","))
     return
+  ceiling = matmul_ceiling(dtype, args.calls, args.blocks,
+                           n=8192 if jax.default_backend() == "gpu" else 512)
+  print(f"matmul ceiling: {ceiling[0]:.0f} TFLOP/s", flush=True)
   rows = []
   for shape in shapes:
     print(shape_name(shape), flush=True)
@@ -372,7 +389,7 @@ def main(argv=None):
   slug = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower() + args.tag
   md_path = os.path.join(args.out_dir, f"attention_{slug}.md")
   with open(md_path, "w") as f:
-    f.write(markdown(rows, device, dtype, args.calls, args.blocks, notes))
+    f.write(markdown(rows, device, dtype, args.calls, args.blocks, notes, ceiling))
   try:
     plot(rows, device, os.path.join(args.out_dir, f"attention_{slug}.png"))
   except Exception as e:  # matplotlib missing is not fatal

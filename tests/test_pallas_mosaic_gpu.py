@@ -22,7 +22,7 @@ from stable_attn import blocks, tile
 from stable_attn.api import Options, canonicalize
 from stable_attn.layout import Padded
 from stable_attn.diagnostics import REGIMES, tie_inputs
-from stable_attn.reference import exact_attention
+from stable_attn.reference import exact_attention, exact_attention_vjp
 from tests import cases
 
 IMPL = "pallas_mosaic_gpu"
@@ -322,9 +322,10 @@ def test_gpu_fully_masked_rows_are_zero():
 @pytest.mark.gpu
 @on_hopper
 def test_gpu_vmap_matches_each_slice():
-  """jax.vmap folds the vmapped axis into the kernels' batch (stable_attn.partition): values and
-  gradients equal the unvmapped call on each slice bit for bit, and the values the float64
-  reference."""
+  """jax.vmap folds the vmapped axis into the kernels' batch (stable_attn.partition): the output
+  equals the unvmapped call on each slice bit for bit (same kernel, same rows); the gradients
+  match each slice's to rounding (delta = rowsum(dO * O) is an XLA reduction whose rounding may
+  differ with the batch) and the float64 gradients within bf16 tolerance."""
   rng = np.random.default_rng(5)
   q, k, v = (jnp.asarray(rng.standard_normal(s), bf16)
              for s in ((3, 2, 256, 4, 64), (3, 2, 320, 2, 64), (3, 2, 320, 2, 64)))
@@ -336,13 +337,16 @@ def test_gpu_vmap_matches_each_slice():
     out, vjp = jax.vjp(jax.jit(fn), *args)
     return out, vjp(d_out)
 
-  batched = value_and_grads(jax.vmap(f), do, q, k, v)
+  out, grads = value_and_grads(jax.vmap(f), do, q, k, v)
+  _, tol_grad = cases.TOLERANCE[bf16]
   for i in range(q.shape[0]):
-    one = value_and_grads(f, do[i], q[i], k[i], v[i])
-    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(batched)):
-      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b[i], np.float32))
-    want = exact_attention(q[i], k[i], v[i], is_causal=True)
-    assert np.abs(np.asarray(batched[0][i], np.float64) - want).max() < 0.02
+    one_out, one_grads = value_and_grads(f, do[i], q[i], k[i], v[i])
+    np.testing.assert_array_equal(np.asarray(one_out, np.float32), np.asarray(out[i], np.float32))
+    exact = exact_attention_vjp(q[i], k[i], v[i], do[i], is_causal=True)
+    for name, g, one, want in zip("qkv", grads, one_grads, (exact.dq, exact.dk, exact.dv)):
+      np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(one, np.float32),
+                                 rtol=0, atol=1e-3 * float(np.abs(want).max()), err_msg=name)
+      assert cases.relative_error(g[i], want) < tol_grad, name
 
 
 @pytest.mark.parametrize("feature", ["segments", "sinks", "soft_cap", "bias", "mask"])
