@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stable_attn  # noqa: E402
 from benchmarks import peers  # noqa: E402
 from pallas_kernels.gpu import tuning  # noqa: E402
+from pallas_kernels.mosaic_gpu import tuning as mosaic_tuning  # noqa: E402
 from train import jax_cache  # noqa: E402
 
 try:  # JAX's Mosaic GPU FlashAttention-3 example: float16 only, no causal backward
@@ -47,8 +48,9 @@ except Exception:  # pragma: no cover - depends on the installed JAX
 # backward for these shapes (forward only).
 CAST_TO = {"jax_mgpu": jnp.float16}
 FORWARD_ONLY = ("jax_mgpu",)
-# Run only when named in --only (deprecated in JAX 0.11: its import warns).
-OPT_IN = ("pallas_mha",)
+# Run only when named in --only: JAX's Pallas Triton mha (deprecated in JAX 0.11: its import
+# warns) and the Hopper kernel with its fused-dQ backward (TuningConfig.fused_dq, opt-in).
+OPT_IN = ("pallas_mha", "mosaic_fused")
 # The peers whose speed each row is put against (ratio columns), with their column names.
 RATIO_PEERS = {"cudnn": "cuDNN", "tokamax": "tokamax", "pallas_mha": "mha"}
 
@@ -118,6 +120,11 @@ def implementations(shape, only=None):
     config = _jax_mgpu_module.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
                                            causal=causal)
     impls["jax_mgpu"] = lambda q, k, v: _jax_mgpu_module.attention(q, k, v, config)
+  if H in (64, 128) and only and "mosaic_fused" in only:   # FA3's fused-dQ backward
+    fused = mosaic_tuning.fused_dq_config(H)
+    impls["mosaic_fused"] = lambda q, k, v: stable_attn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="pallas_mosaic_gpu", max_adjust="safe",
+        config=fused)
   for prefix, implementation in (("mosaic", "pallas_mosaic_gpu"), ("ours", "pallas_gpu")):
     for mode in ("off", "paper", "safe"):
       impls[f"{prefix}_{mode}"] = functools.partial(

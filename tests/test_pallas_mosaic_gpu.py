@@ -191,6 +191,21 @@ def test_layers_share_one_kernel_each():
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
 
 
+@pytest.mark.parametrize("H", [64, 128])
+def test_fused_dq_lowers_for_cuda(H):
+  """With TuningConfig.fused_dq the backward is one kernel: forward and dK/dV(+dQ), two in all;
+  a bias (whose gradient needs dS from the dQ kernel) keeps three."""
+  spec, ops = _spec_ops(shape=(2, 256, 4, H), kv_heads=2, is_causal=True, logits_soft_cap=20.0)
+  config = tuning.fused_dq_config(H)
+  text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+  spec, ops = _spec_ops(shape=(2, 256, 4, H), kv_heads=2,
+                        bias=jnp.zeros((1, 4, 256, 256), bf16))
+  config = tuning.fused_dq_config(H, 2, **mosaic._extras(ops))
+  text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
+
+
 # --- compiled on a Hopper GPU ----------------------------------------------------------------------
 
 GPU_CASES = {
@@ -237,6 +252,25 @@ GPU_CHECKS = ([(name, bf16, mode) for name in GPU_CASES for mode in ("off", "pap
                          ids=[f"{n}-{jnp.dtype(d).name}-{m}" for n, d, m in GPU_CHECKS])
 def test_gpu_matches_exact(name, dtype, max_adjust):
   cases.check_case(IMPL, dict(name=name, **GPU_CASES[name]), dtype, max_adjust, "fast", seed=5)
+
+
+FUSED_CASES = ["gpt2", "gqa_h128_lens", "cross_window", "T_gt_S", "empty_rows",
+               "softcap_sinks_gqa_h128", "packed_causal_gqa", "mask_packed"]
+
+
+def _fused_config(case, dtype):
+  extras = dict(beside=1, ds_itemsize=0) if "mask" in case else {}
+  return tuning.fused_dq_config(case["H"], jnp.dtype(dtype).itemsize, **extras)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("max_adjust", ["off", "safe"])
+@pytest.mark.parametrize("name", FUSED_CASES)
+def test_gpu_fused_dq_matches_exact(name, max_adjust):
+  """FlashAttention-3's backward (dQ reduce-added by the dK/dV kernel, opt-in) against float64."""
+  case = dict(name=name, **GPU_CASES[name])
+  cases.check_case(IMPL, case, bf16, max_adjust, "fast", seed=5, config=_fused_config(case, bf16))
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ they belong to), with the pipelines of common.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -56,11 +57,13 @@ def _store(smem, value, gmem):
 # dK, dV
 # ---------------------------------------------------------------------------------------------
 
-def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dk_ref, dv_ref,
-                scratch, *, call: Call):
-  """refs.bias and refs.mask, when present, are transposed: [Bx, Nx, Sp, Tp]."""
+def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_acc, dk_ref,
+                dv_ref, scratch, *, call: Call):
+  """refs.bias and refs.mask, when present, are transposed: [Bx, Nx, Sp, Tp]. dq_acc: None, or
+  (config.fused_dq) the fp32 [B, Tp, N, H] dQ accumulator (zeros on entry) that each step adds
+  its dS K into with a TMA reduce-add: FlashAttention-3's backward, no dQ kernel."""
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kseg_smem, qseg_smem, bias_smem,
-   mask_smem), (kv_loaded, loaded), free = scratch
+   mask_smem, ds_smem, dq_smem), (kv_loaded, loaded), free = scratch
   spec, tiles, G = call.spec, call.config.dkv, call.geo.G
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
@@ -120,10 +123,27 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dk
           plgpu.wgmma(dv_acc, p_op, do)   # runs while dS is computed
           _, ds_op = tile.backward_ds(p_t, dp_t, common.load_vector(delta_smem.at[slot], COLS),
                                       in_dtype=call.dt.input, q_axis=1, dtanh=dtanh)
+          if dq_acc is None:
+            plgpu.wgmma(dk_acc, ds_op, q)
+            return
+          ds_smem.at[wg][...] = ds_op   # dS^T, the dQ product's operand (transposed)
+          plgpu.commit_smem()
           plgpu.wgmma(dk_acc, ds_op, q)
+
+          def dq_product(acc):   # issued behind dK's: one wait for dV, dK and dQ
+            plgpu.wgmma(acc, ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg])
+            dq = acc[...]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduce has read it
+            dq_smem.at[wg][...] = dq
+
+          pl.run_scoped(dq_product, plgpu.ACC((bq, call.pad.H), f32))
 
         dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
         plgpu.barrier_arrive(free.at[slot])
+        if dq_acc is not None:   # dQ[rows of block i, head g] += dS K over this warpgroup's keys
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc.at[b, pl.ds(i * bq, bq), kvh * G + g],
+                                  reduction_op="add")
         return dk, dv
 
       flags = common.block_flags(ranges.mask_blocks, b, kvh * G + g, k_start // bk)
@@ -160,11 +180,13 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dk
 
 @common.lowered_once("call")
 def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ranges):
+  """-> (dK, dV), or with config.fused_dq (dK, dV, dQ fp32 unscaled)."""
   tiles = call.config.dkv
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, K, H = call.geo.B, call.geo.K, call.pad.H
   dtype = x.q.dtype
   mma = common.mma_transforms(dtype)
+  fused = call.config.fused_dq
 
   smem = (plgpu.SMEM((2, bk, H), dtype, transforms=mma),
           plgpu.SMEM((2, bk, H), dtype, transforms=mma),
@@ -173,16 +195,22 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
           plgpu.SMEM((stages, bq), f32), plgpu.SMEM((stages, bq), f32),
           plgpu.SMEM((2, bk), jnp.int32) if call.packed else None,
           plgpu.SMEM((stages, bq), jnp.int32) if call.packed else None,
-          *common.pairwise_smem(x, stages, 2 * bk, bq))
+          *common.pairwise_smem(x, stages, 2 * bk, bq),
+          plgpu.SMEM((2, bk, bq), dtype, transforms=mma) if fused else None,
+          plgpu.SMEM((2, bq, H), f32, transforms=common.tile_transforms(H, f32))
+          if fused else None)
   beside = call.packed + (x.bias is not None) + (x.mask is not None)
   barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=2),
               plgpu.Barrier(num_arrivals=4 + beside, num_barriers=stages))
-  return common.launch(
+  dq_acc = jax.new_ref(jnp.zeros(x.q.shape, f32)) if fused else None
+  dk, dv = common.launch(
       functools.partial(_dkv_kernel, call=call),
       (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
       out_type=(jax.ShapeDtypeStruct(x.k.shape, dtype), jax.ShapeDtypeStruct(x.v.shape, dtype)),
       grid=(B, K, call.pad.S // (2 * bk)), grid_names=("batch", "heads", "kv_seq"),
-  )(x, grads, ranges)
+      in_place=fused,
+  )(x, grads, ranges, dq_acc)
+  return (dk, dv) if not fused else (dk, dv, dq_acc[...])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,8 +369,13 @@ def backward_call(call: Call, x: Operands, o, lse, do, dlse=None, ds_dtype=None)
   # The dK/dV kernel computes S^T: it reads the bias and mask transposed (one XLA transpose).
   transposed = x._replace(**{name: None if a is None else jnp.swapaxes(a, 2, 3)
                              for name, a in (("bias", x.bias), ("mask", x.mask))})
-  dk, dv = _dkv_call(call, transposed, grads,
-                     common.block_ranges(x, dkv.block_q, dkv.block_kv, "key", call.geo.G))
+  dkv_ranges = common.block_ranges(x, dkv.block_q, dkv.block_kv, "key", call.geo.G)
+  if call.config.fused_dq and ds_dtype is None:
+    dk, dv, dq = _dkv_call(call, transposed, grads, dkv_ranges)
+    return (dq * call.spec.scale).astype(x.q.dtype), dk, dv, None
+  if call.config.fused_dq:   # a bias's gradient needs dS: the dQ kernel writes it
+    call = dataclasses.replace(call, config=call.config.replace(fused_dq=False))
+  dk, dv = _dkv_call(call, transposed, grads, dkv_ranges)
   dq = _dq_call(call, x, grads, common.block_ranges(x, dq.block_q, dq.block_kv, "query"),
                 ds_dtype)
   dq, ds = dq if ds_dtype is not None else (dq, None)

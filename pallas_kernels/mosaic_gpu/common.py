@@ -248,12 +248,14 @@ def lowered_once(*static_argnames):
   return lambda fn: jax.jit(fn, static_argnames=static_argnames)
 
 
-def launch(kernel, scratch, *, out_type, grid, grid_names):
+def launch(kernel, scratch, *, out_type, grid, grid_names, in_place: bool = False):
   """A warp-specialised Mosaic GPU kernel: two compute warpgroups and a producer ("wg" 0, 1, 2)
   per CTA over `grid`. Returns run(*inputs): each input is a pytree of arrays (the padded
   `Operands`, `BackwardInputs`; None leaves for absent ones), and kernel(*inputs as the same
   pytrees of refs, *output refs, scratch) gets them by name, then `scratch` (a tuple of SMEM /
-  barrier types) allocated collectively for the three warpgroups."""
+  barrier types) allocated collectively for the three warpgroups. in_place: some inputs are
+  jax.new_ref arrays the kernel writes (pl.kernel takes them; plgpu.kernel's vmap wrapper does
+  not -- the API folds vmap into the batch before any kernel runs)."""
   def run(*inputs):
     flat, tree = jax.tree.flatten(inputs)
 
@@ -262,9 +264,12 @@ def launch(kernel, scratch, *, out_type, grid, grid_names):
       pl.run_scoped(lambda *allocated: kernel(*named, *refs[len(flat):], allocated), *scratch,
                     collective_axes="wg")
 
+    params = plgpu.CompilerParams(approx_math=True)
+    if in_place:
+      mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
+      return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=params)(*flat)
     return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
-                        num_threads=3, thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(approx_math=True))(*flat)
+                        num_threads=3, thread_name="wg", compiler_params=params)(*flat)
 
   return run
 

@@ -49,6 +49,9 @@ class TuningConfig:
   fwd: Tiles
   dkv: Tiles
   dq: Tiles
+  # FlashAttention-3's backward: the dK/dV kernel also adds each step's dS K into an fp32 dQ
+  # (TMA reduce-add); no dQ kernel, 5 tile matmuls instead of 7, not bitwise deterministic.
+  fused_dq: bool = False
 
   def replace(self, **changes) -> "TuningConfig":
     return dataclasses.replace(self, **changes)
@@ -78,7 +81,10 @@ class TuningConfig:
                 + fwd.stages * COMPUTE_WGS * fwd.block_q * fwd.block_kv * beside),
         "dkv": (COMPUTE_WGS * dkv.block_kv * (2 * row + 4)
                 + dkv.stages * dkv.block_q * (2 * row + 12)
-                + dkv.stages * COMPUTE_WGS * dkv.block_kv * dkv.block_q * beside),
+                + dkv.stages * COMPUTE_WGS * dkv.block_kv * dkv.block_q * beside
+                # fused dQ: each warpgroup's dS^T tile and fp32 dQ staging tile
+                + self.fused_dq * COMPUTE_WGS * dkv.block_q * (dkv.block_kv * itemsize
+                                                               + head_dim * 4)),
         "dq": (COMPUTE_WGS * dq.block_q * (2 * row + 12) + dq.stages * dq.block_kv * (2 * row + 4)
                + dq.stages * COMPUTE_WGS * dq.block_q * dq.block_kv * beside
                + COMPUTE_WGS * dq.block_q * dq.block_kv * ds_itemsize),
@@ -107,6 +113,19 @@ TABLE = {
 # With bias or mask tiles streaming beside K/V (or Q/dO), 64-key forward blocks and two stages
 # leave them room at head dim 128.
 _BESIDE = _T(64, 64, 2)
+
+
+# FlashAttention-3's fused dQ (opt-in, TuningConfig.fused_dq): its dK/dV kernel also stages dS^T
+# and an fp32 dQ tile, so it takes fewer Q/dO stages. Measured on an H100 against the table's
+# two-kernel backward (docs/hopper_kernel.md): faster only at H64 without a causal mask.
+_FUSED_DKV = {64: _T(64, 64, 3), 128: _T(64, 64, 2)}
+
+
+def fused_dq_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
+  """`table_config` with the fused-dQ backward (not bitwise deterministic: dQ is summed by TMA
+  reduce-adds in whatever order the CTAs run)."""
+  return table_config(head_dim, itemsize, **extras).replace(fused_dq=True,
+                                                            dkv=_FUSED_DKV[head_dim])
 
 
 def table_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
