@@ -63,8 +63,9 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
   (config.fused_dq) the fp32 [B, Tp, N, H] dQ accumulator (zeros on entry) that each step adds
   its dS K into with a TMA reduce-add: FlashAttention-3's backward, no dQ kernel."""
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kseg_smem, qseg_smem, bias_smem,
-   mask_smem, ds_smem, dq_smem), (kv_loaded, loaded), free = scratch
+   mask_smem, ds_smem, dq_smem), (kv_loaded, loaded, ds_ready), free = scratch
   spec, tiles, G = call.spec, call.config.dkv, call.geo.G
+  split = _splits_dq(call)
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
   cta_k = lax.axis_index("kv_seq") * (2 * bk)
@@ -88,16 +89,55 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
       plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(k_start, bk)], kseg_smem.at[wg],
                               kv_loaded.at[wg])
     plgpu.barrier_wait(kv_loaded.at[wg])
+    if split:   # each warpgroup's dQ columns take both warpgroups' keys
+      plgpu.barrier_wait(kv_loaded.at[1 - wg])
     kv_ids = common.load_vector(kseg_smem.at[wg], ROWS) if call.packed else None
     mine = common.clamp_ranges(q_ranges(k_start), lo, hi)
+    half = call.pad.H // 2
+
+    def share_ds(ds_op, buf):
+      """Splitting dQ's columns: this warpgroup's dS^T into its half of the shared buffer, then
+      wait for the other's."""
+      ds_smem.at[buf, wg][...] = ds_op
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_ready.at[buf])
+      plgpu.barrier_wait(ds_ready.at[buf])
+
+    def dq_columns(buf):
+      """dS K for this warpgroup's half of dQ's columns over both warpgroups' keys -> dq_smem
+      (waits for every wgmma in flight, dK's and dV's too)."""
+      for w in range(2):
+        @pl.when(wg == w)
+        def _():
+          def product(acc):
+            for j in range(2):
+              plgpu.wgmma(acc, ds_smem.at[buf, j].transpose((1, 0)),
+                          k_smem.at[j, :, pl.ds(w * half, half)])
+            dq = acc[...]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduce has read it
+            dq_smem.at[wg][...] = dq
+          pl.run_scoped(product, plgpu.ACC((bq, half), f32))
+
+    def reduce_dq(g, i):
+      plgpu.commit_smem()
+      cols = pl.ds(wg * half, half) if split else pl.ds(0, call.pad.H)
+      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc.at[b, pl.ds(i * bq, bq), kvh * G + g, cols],
+                              reduction_op="add")
 
     def head(g, carry):
       def step(i, carry, kind):
         dk, dv = carry
-        slot = common.slot_of(g * per_head + i - lo, stages)
+        t = g * per_head + i - lo
+        slot = common.slot_of(t, stages)
+        buf = common.slot_of(t, 2)
         plgpu.barrier_wait(loaded.at[slot])
         if kind in ("skip", "empty"):
+          if split:   # the other warpgroup may see this block: dQ's columns still take both
+            share_ds(common.zeros((bk, bq), plgpu.Layout.WGMMA).astype(ds_smem.dtype), buf)
+            dq_columns(buf)
           plgpu.barrier_arrive(free.at[slot])
+          if split:
+            reduce_dq(g, i)
           return carry
         q, do = q_smem.at[slot], do_smem.at[slot]
         bias_t, allowed_t = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bk, bk),
@@ -126,6 +166,11 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           if dq_acc is None:
             plgpu.wgmma(dk_acc, ds_op, q)
             return
+          if split:
+            plgpu.wgmma(dk_acc, ds_op, q)
+            share_ds(ds_op, buf)
+            dq_columns(buf)
+            return
           ds_smem.at[wg][...] = ds_op   # dS^T, the dQ product's operand (transposed)
           plgpu.commit_smem()
           plgpu.wgmma(dk_acc, ds_op, q)
@@ -140,10 +185,8 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
 
         dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
         plgpu.barrier_arrive(free.at[slot])
-        if dq_acc is not None:   # dQ[rows of block i, head g] += dS K over this warpgroup's keys
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc.at[b, pl.ds(i * bq, bq), kvh * G + g],
-                                  reduction_op="add")
+        if dq_acc is not None:   # dQ[rows of block i, head g] += dS K
+          reduce_dq(g, i)
         return dk, dv
 
       flags = common.block_flags(ranges.mask_blocks, b, kvh * G + g, k_start // bk)
@@ -178,6 +221,13 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
     common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)])
 
 
+def _splits_dq(call: Call) -> bool:
+  """FlashAttention-3's split of the fused dQ: each warpgroup computes half of dQ's columns over
+  the CTA's 2 * block_kv keys (half the reduce-adds and half the dQ registers of a warpgroup
+  computing all columns over its own keys; the halves are whole 128-byte swizzle tiles)."""
+  return call.config.fused_dq and call.pad.H % 128 == 0
+
+
 @common.lowered_once("call")
 def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ranges):
   """-> (dK, dV), or with config.fused_dq (dK, dV, dQ fp32 unscaled)."""
@@ -187,6 +237,7 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
   dtype = x.q.dtype
   mma = common.mma_transforms(dtype)
   fused = call.config.fused_dq
+  split = _splits_dq(call)
 
   smem = (plgpu.SMEM((2, bk, H), dtype, transforms=mma),
           plgpu.SMEM((2, bk, H), dtype, transforms=mma),
@@ -196,12 +247,14 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
           plgpu.SMEM((2, bk), jnp.int32) if call.packed else None,
           plgpu.SMEM((stages, bq), jnp.int32) if call.packed else None,
           *common.pairwise_smem(x, stages, 2 * bk, bq),
-          plgpu.SMEM((2, bk, bq), dtype, transforms=mma) if fused else None,
-          plgpu.SMEM((2, bq, H), f32, transforms=common.tile_transforms(H, f32))
-          if fused else None)
+          plgpu.SMEM((2, 2, bk, bq) if split else (2, bk, bq), dtype, transforms=mma)
+          if fused else None,
+          plgpu.SMEM((2, bq, H // (1 + split)), f32,
+                     transforms=common.tile_transforms(H // (1 + split), f32)) if fused else None)
   beside = call.packed + (x.bias is not None) + (x.mask is not None)
   barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=2),
-              plgpu.Barrier(num_arrivals=4 + beside, num_barriers=stages))
+              plgpu.Barrier(num_arrivals=4 + beside, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=2, num_barriers=2) if split else None)
   dq_acc = jax.new_ref(jnp.zeros(x.q.shape, f32)) if fused else None
   dk, dv = common.launch(
       functools.partial(_dkv_kernel, call=call),
