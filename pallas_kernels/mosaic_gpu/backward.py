@@ -1,5 +1,6 @@
 """Backward kernels: delta pre-pass (XLA), dK/dV and dQ in Pallas Mosaic GPU. No atomics: the
-result is bitwise deterministic.
+result is bitwise deterministic -- unless TuningConfig.fused_dq (opt-in): then the dK/dV kernel
+also reduce-adds dQ (FlashAttention-3's backward, below) and there is no dQ kernel.
 
 dK/dV  one CTA per (batch, kv head, 2 * block_kv key rows). Each compute warpgroup keeps its K and
        V tiles and its dK, dV accumulators; the producer streams Q, dO, LSE and delta blocks of
@@ -8,6 +9,9 @@ dK/dV  one CTA per (batch, kv head, 2 * block_kv key rows). Each compute warpgro
        SwapAB), so P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers.
 dQ     one CTA per (batch, query head, 2 * block_q query rows), like the forward: Q, dO, LSE and
        delta resident, K and V streamed; dQ += dS K.
+fused  the dK/dV kernel stores each step's dS^T in shared memory and adds dS K (fp32) into a zeroed
+       dQ accumulator with a TMA reduce-add; at head dim 128 the two warpgroups share dS^T and each
+       adds half of dQ's columns over the CTA's keys (FA3's split).
 Bias and mask tiles stream with the blocks (transposed for dK/dV, one XLA transpose per call);
 with a bias the dQ kernel also writes dS (the bias's gradient before any broadcast sum) through a
 per-warpgroup staging tile, zeros for the blocks its rows never visit.
