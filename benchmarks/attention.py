@@ -64,6 +64,8 @@ SHAPES = [
 TARGETS = [(16, 1024, 12, 12, 64, True), (4, 4096, 16, 16, 128, True),
            (8, 2048, 16, 16, 64, False), (2, 8192, 32, 8, 128, True),
            (1, 16384, 16, 16, 128, True)]
+# Head dim 256 (Gemma's): causal, and GQA at a longer context.
+H256 = [(2, 4096, 8, 8, 256, True), (1, 8192, 8, 4, 256, True)]
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 XLA_MAX_SCORES = 2 ** 31   # XLA attention materialises B*N*T*T fp32 scores; skip beyond this
 
@@ -358,9 +360,9 @@ def sweep(shapes, dtype, calls, blocks, kernels=tuple(SWEEP)):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--shapes", default="all", choices=("all", "targets", "targets2"),
+  p.add_argument("--shapes", default="all", choices=("all", "targets", "targets2", "h256"),
                  help="all: the peers.md table; targets: the Hopper kernel's shapes; targets2: "
-                      "its first two")
+                      "its first two; h256: head dim 256")
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--calls", type=int, default=30)
   p.add_argument("--blocks", type=int, default=5)
@@ -377,7 +379,7 @@ def main(argv=None):
   cache = jax_cache.configure_or_exit(p, args)
   dtype = jnp.dtype(args.dtype)
   device = jax.devices()[0].device_kind
-  shapes = {"all": SHAPES, "targets": TARGETS, "targets2": TARGETS[:2]}[args.shapes]
+  shapes = {"all": SHAPES, "targets": TARGETS, "targets2": TARGETS[:2], "h256": H256}[args.shapes]
   only = [s for s in args.only.split(",") if s] or None
   notes = peer_notes(only)
   print(f"device: {device}; jax {jax.__version__}; compilation cache: {cache or 'off'}",

@@ -51,6 +51,14 @@ def _scores_then_p(qk_product, dp_product, shape, p_of_scores):
   return pl.run_scoped(body, plgpu.ACC(shape, f32), plgpu.ACC(shape, f32))
 
 
+def _scores_only(qk_product, shape, p_of_scores):
+  """_scores_then_p without dP: p_of_scores(QK^T)."""
+  def body(acc_qk):
+    qk_product(acc_qk)
+    return p_of_scores(acc_qk[...])
+  return pl.run_scoped(body, plgpu.ACC(shape, f32))
+
+
 def _store(smem, value, gmem):
   smem[...] = value
   plgpu.commit_smem()
@@ -61,11 +69,18 @@ def _store(smem, value, gmem):
 # dK, dV
 # ---------------------------------------------------------------------------------------------
 
-def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_acc, dk_ref,
-                dv_ref, scratch, *, call: Call):
-  """refs.bias and refs.mask, when present, are transposed: [Bx, Nx, Sp, Tp]. dq_acc: None, or
-  (config.fused_dq) the fp32 [B, Tp, N, H] dQ accumulator (zeros on entry) that each step adds
+# What one pass of the dK/dV kernel accumulates (TuningConfig.dkv_passes: both, or one each).
+_PASSES = {"dkv": ("dk", "dv"), "dk": ("dk",), "dv": ("dv",)}
+
+
+def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_acc, *rest,
+                call: Call, part: str):
+  """rest: the output refs of `part`'s gradients (_PASSES: dK and dV, or one of them), then the
+  scratch. refs.bias and refs.mask, when present, are transposed: [Bx, Nx, Sp, Tp]. dq_acc: None,
+  or (config.fused_dq) the fp32 [B, Tp, N, H] dQ accumulator (zeros on entry) that each step adds
   its dS K into with a TMA reduce-add: FlashAttention-3's backward, no dQ kernel."""
+  *outs, scratch = rest
+  names = _PASSES[part]
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kseg_smem, qseg_smem, bias_smem,
    mask_smem, ds_smem, dq_smem), (kv_loaded, loaded, ds_ready), free = scratch
   spec, tiles, G = call.spec, call.config.dkv, call.geo.G
@@ -130,7 +145,6 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
 
     def head(g, carry):
       def step(i, carry, kind):
-        dk, dv = carry
         t = g * per_head + i - lo
         slot = common.slot_of(t, stages)
         buf = common.slot_of(t, 2)
@@ -157,14 +171,21 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           return tile.backward_p(s_t, common.load_vector(lse_smem.at[slot], COLS),
                                  in_dtype=call.dt.input, base2=True, q_axis=1), s_t.dtanh
 
-        ((p_t, p_op), dtanh), dp_t = _scores_then_p(
-            lambda acc: plgpu.wgmma(acc, k_smem.at[wg], q.transpose((1, 0))),
-            lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do.transpose((1, 0))),
-            (bk, bq), p_of_scores)
+        qk_product = lambda acc: plgpu.wgmma(acc, k_smem.at[wg], q.transpose((1, 0)))
+        if "dk" in names:
+          ((p_t, p_op), dtanh), dp_t = _scores_then_p(
+              qk_product, lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do.transpose((1, 0))),
+              (bk, bq), p_of_scores)
+        else:   # the dV pass needs no dP
+          ((p_t, p_op), dtanh) = _scores_only(qk_product, (bk, bq), p_of_scores)
 
         def update(accs):
-          dk_acc, dv_acc = accs
-          plgpu.wgmma(dv_acc, p_op, do)   # runs while dS is computed
+          accs = dict(zip(names, accs))
+          if "dv" in accs:
+            plgpu.wgmma(accs["dv"], p_op, do)   # runs while dS is computed
+          if "dk" not in accs:
+            return
+          dk_acc = accs["dk"]
           _, ds_op = tile.backward_ds(p_t, dp_t, common.load_vector(delta_smem.at[slot], COLS),
                                       in_dtype=call.dt.input, q_axis=1, dtanh=dtanh)
           if dq_acc is None:
@@ -187,19 +208,23 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
 
           pl.run_scoped(dq_product, plgpu.ACC((bq, call.pad.H), f32))
 
-        dk, dv = pl.run_state(update)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+        carry = pl.run_state(update)(tuple(plgpu.ACC.init(a) for a in carry))
         plgpu.barrier_arrive(free.at[slot])
         if dq_acc is not None:   # dQ[rows of block i, head g] += dS K
           reduce_dq(g, i)
-        return dk, dv
+        return carry
 
       flags = common.block_flags(ranges.mask_blocks, b, kvh * G + g, k_start // bk)
       return common.sections(lo, mine, hi, step, carry, flags)
 
     zeros = common.zeros((bk, call.pad.H), plgpu.Layout.WGMMA)
-    dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
-    _store(k_smem.at[wg], (dk * spec.scale).astype(k_smem.dtype), dk_ref.at[rows])
-    _store(v_smem.at[wg], dv.astype(v_smem.dtype), dv_ref.at[rows])
+    grads_of = dict(zip(names, lax.fori_loop(0, G, head, (zeros,) * len(names))))
+    out_of = dict(zip(names, outs))
+    if "dk" in grads_of:
+      _store(k_smem.at[wg], (grads_of["dk"] * spec.scale).astype(k_smem.dtype),
+             out_of["dk"].at[rows])
+    if "dv" in grads_of:
+      _store(v_smem.at[wg], grads_of["dv"].astype(v_smem.dtype), out_of["dv"].at[rows])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -239,7 +264,7 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, K, H = call.geo.B, call.geo.K, call.pad.H
   dtype = x.q.dtype
-  mma = common.mma_transforms(dtype)
+  mma = common.mma_transforms(dtype, bq)
   fused = call.config.fused_dq
   split = _splits_dq(call)
 
@@ -260,13 +285,17 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
               plgpu.Barrier(num_arrivals=4 + beside, num_barriers=stages),
               plgpu.Barrier(num_arrivals=2, num_barriers=2) if split else None)
   dq_acc = jax.new_ref(jnp.zeros(x.q.shape, f32)) if fused else None
-  dk, dv = common.launch(
-      functools.partial(_dkv_kernel, call=call),
-      (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
-      out_type=(jax.ShapeDtypeStruct(x.k.shape, dtype), jax.ShapeDtypeStruct(x.v.shape, dtype)),
-      grid=(B, K, call.pad.S // (2 * bk)), grid_names=("batch", "heads", "kv_seq"),
-      in_place=fused,
-  )(x, grads, ranges, dq_acc)
+  grads_of = {}
+  for part in ("dk", "dv") if call.config.dkv_passes == 2 else ("dkv",):
+    names = _PASSES[part]
+    out_type = tuple(jax.ShapeDtypeStruct(x.k.shape, dtype) for _ in names)
+    grads_of.update(zip(names, common.launch(
+        functools.partial(_dkv_kernel, call=call, part=part),
+        (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
+        out_type=out_type, grid=(B, K, call.pad.S // (2 * bk)),
+        grid_names=("batch", "heads", "kv_seq"), in_place=fused,
+    )(x, grads, ranges, dq_acc)))
+  dk, dv = grads_of["dk"], grads_of["dv"]
   return (dk, dv) if not fused else (dk, dv, dq_acc[...])
 
 
@@ -390,7 +419,7 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Rang
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H = call.geo.B, call.geo.N, call.pad.H
   dtype = x.q.dtype
-  mma = common.mma_transforms(dtype)
+  mma = common.mma_transforms(dtype, bk)
 
   smem = (plgpu.SMEM((2, bq, H), dtype, transforms=mma),
           plgpu.SMEM((2, bq, H), dtype, transforms=mma),

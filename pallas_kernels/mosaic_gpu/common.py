@@ -37,9 +37,13 @@ COLS = plgpu.Layout.WGMMA.reduce(0)   # a per-column vector
 SWIZZLE = 128
 
 
-def mma_transforms(dtype):
-  return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(SWIZZLE))
+def mma_transforms(dtype, k_rows: int):
+  """Tiling and swizzle of a kernel's wgmma operands in shared memory. One swizzle for all of
+  them (A and B of a product share it), and a product whose reduction runs over k_rows streamed
+  rows needs k_rows * itemsize >= the swizzle: 128 bytes, 64 for 32-row blocks (head dim 256)."""
+  swizzle = min(SWIZZLE, k_rows * jnp.dtype(dtype).itemsize)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
 
 
 def tile_transforms(cols: int, dtype):

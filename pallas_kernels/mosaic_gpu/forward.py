@@ -174,7 +174,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
   dtype = x.q.dtype
-  mma = common.mma_transforms(dtype)
+  mma = common.mma_transforms(dtype, bk)
 
   smem = (plgpu.SMEM((2, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),

@@ -16,9 +16,10 @@ import numpy as np
 
 COMPUTE_WGS = 2        # compute warpgroups per CTA
 WGMMA_M = 64           # rows of one warpgroup's wgmma
+STREAMED_MIN = 32      # the fewest rows of a streamed block (a wgmma N and K of 32)
 SMEM_BYTES = 227 * 1024
 SMEM_RESERVE = 4 * 1024   # barriers and alignment, beyond the tiles counted in check_smem
-HEAD_DIMS = (64, 128)  # head dims the kernels cover (the tiling of K/V rows is 128 bytes wide)
+HEAD_DIMS = (64, 128, 256)  # head dims the kernels cover (rows tiled 128 bytes wide)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +32,17 @@ class Tiles:
   def __post_init__(self):
     for name in ("block_q", "block_kv"):
       v = getattr(self, name)
-      if not isinstance(v, (int, np.integer)) or v < WGMMA_M or v % WGMMA_M or v > 256:
-        raise ValueError(f"{name} must be 64, 128, 192 or 256 (a multiple of the wgmma M of 64, "
-                         f"at most 256), got {v!r}")
+      if not isinstance(v, (int, np.integer)) or v < STREAMED_MIN or v % STREAMED_MIN or v > 256:
+        raise ValueError(f"{name} must be a multiple of {STREAMED_MIN} up to 256 (64, 128, 192 or "
+                         f"256 where a warpgroup owns the rows: the wgmma M), got {v!r}")
     if not isinstance(self.stages, (int, np.integer)) or not 2 <= self.stages <= 8:
       raise ValueError(f"stages must be between 2 and 8, got {self.stages!r}")
+
+  def check_owned(self, name: str, kernel: str) -> None:
+    """ValueError unless the rows a warpgroup owns (`name`) are a multiple of the wgmma M."""
+    if getattr(self, name) % WGMMA_M:
+      raise ValueError(f"{kernel}.{name} must be a multiple of {WGMMA_M} (each compute warpgroup "
+                       f"owns that many rows: the wgmma M), got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +59,18 @@ class TuningConfig:
   # FlashAttention-3's backward: the dK/dV kernel also adds each step's dS K into an fp32 dQ
   # (TMA reduce-add); no dQ kernel, 5 tile matmuls instead of 7, not bitwise deterministic.
   fused_dq: bool = False
+  # dK and dV in two passes of the dK/dV kernel (one fp32 accumulator each): head dim 256, where
+  # both take 256 registers per thread (a warpgroup has 232).
+  dkv_passes: int = 1
+
+  def __post_init__(self):
+    self.fwd.check_owned("block_q", "fwd")
+    self.dkv.check_owned("block_kv", "dkv")
+    self.dq.check_owned("block_q", "dq")
+    if self.dkv_passes not in (1, 2):
+      raise ValueError(f"dkv_passes must be 1 or 2, got {self.dkv_passes!r}")
+    if self.fused_dq and self.dkv_passes != 1:
+      raise ValueError("fused_dq adds dQ in the one dK/dV pass: it needs dkv_passes=1")
 
   def replace(self, **changes) -> "TuningConfig":
     return dataclasses.replace(self, **changes)
@@ -107,6 +126,9 @@ TABLE = {
     # Chosen by benchmarks/mosaic_sweep.py on an H100 (docs/hopper_kernel.md).
     64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2)),
     128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2)),
+    # What fits 227 KB at 512-byte rows: 64-row K/V blocks in the forward; 32-row streamed blocks
+    # in the backward, whose dK and dV take two passes (benchmarks/h256_forward.py, dispatch.md).
+    256: TuningConfig(fwd=_T(64, 64, 2), dkv=_T(32, 64, 2), dq=_T(64, 32, 2), dkv_passes=2),
 }
 
 
@@ -124,6 +146,8 @@ _FUSED_DKV = {64: _T(64, 64, 3), 128: _T(64, 64, 2)}
 def fused_dq_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
   """`table_config` with the fused-dQ backward (not bitwise deterministic: dQ is summed by TMA
   reduce-adds in whatever order the CTAs run)."""
+  if head_dim not in _FUSED_DKV:
+    raise ValueError(f"the fused-dQ backward covers head dims {tuple(_FUSED_DKV)}, got {head_dim}")
   return table_config(head_dim, itemsize, **extras).replace(fused_dq=True,
                                                             dkv=_FUSED_DKV[head_dim])
 
