@@ -26,8 +26,8 @@ from jax import lax
 from stable_attn.layout import cdiv
 
 __all__ = ["cdiv", "kv_block_range", "q_block_range", "full_kv_range", "full_q_range",
-           "kv_sections", "q_sections", "segment_sections", "mask_sections", "mask_blocks", "intersect", "within_segments",
-           "split_loop"]
+           "kv_sections", "q_sections", "segment_sections", "mask_sections", "mask_blocks",
+           "intersect", "within_segments", "split_loop"]
 
 
 def kv_block_range(q_start, block_q: int, block_k: int, num_kv_blocks, *, causal: bool, window,

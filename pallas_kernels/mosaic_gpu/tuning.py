@@ -127,7 +127,7 @@ TABLE = {
     64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2)),
     128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2)),
     # What fits 227 KB at 512-byte rows: 64-row K/V blocks in the forward; 32-row streamed blocks
-    # in the backward, whose dK and dV take two passes (benchmarks/h256_forward.py, dispatch.md).
+    # in the backward, whose dK and dV take two passes (docs/hopper_kernel.md).
     256: TuningConfig(fwd=_T(64, 64, 2), dkv=_T(32, 64, 2), dq=_T(64, 32, 2), dkv_passes=2),
 }
 
