@@ -122,20 +122,25 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
       plgpu.barrier_arrive(ds_ready.at[buf])
       plgpu.barrier_wait(ds_ready.at[buf])
 
+    def stage_dq(issue, cols: int):
+      """issue(acc) issues a dS K product into a fresh [block_q, cols] fp32 accumulator; its
+      result goes to this warpgroup's dq_smem tile (the read waits for every wgmma in flight,
+      dK's and dV's too; the store waits for the last reduce to have read the tile)."""
+      def product(acc):
+        issue(acc)
+        dq = acc[...]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        dq_smem.at[wg][...] = dq
+      pl.run_scoped(product, plgpu.ACC((bq, cols), f32))
+
     def dq_columns(buf):
-      """dS K for this warpgroup's half of dQ's columns over both warpgroups' keys -> dq_smem
-      (waits for every wgmma in flight, dK's and dV's too)."""
+      """dS K for this warpgroup's half of dQ's columns over both warpgroups' keys."""
       for w in range(2):
-        @pl.when(wg == w)
-        def _():
-          def product(acc):
-            for j in range(2):
-              plgpu.wgmma(acc, ds_smem.at[buf, j].transpose((1, 0)),
-                          k_smem.at[j, :, pl.ds(w * half, half)])
-            dq = acc[...]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduce has read it
-            dq_smem.at[wg][...] = dq
-          pl.run_scoped(product, plgpu.ACC((bq, half), f32))
+        def issue(acc, w=w):
+          for j in range(2):
+            plgpu.wgmma(acc, ds_smem.at[buf, j].transpose((1, 0)),
+                        k_smem.at[j, :, pl.ds(w * half, half)])
+        pl.when(wg == w)(lambda issue=issue: stage_dq(issue, half))
 
     def reduce_dq(g, i):
       plgpu.commit_smem()
@@ -200,13 +205,8 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           plgpu.commit_smem()
           plgpu.wgmma(dk_acc, ds_op, q)
 
-          def dq_product(acc):   # issued behind dK's: one wait for dV, dK and dQ
-            plgpu.wgmma(acc, ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg])
-            dq = acc[...]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last reduce has read it
-            dq_smem.at[wg][...] = dq
-
-          pl.run_scoped(dq_product, plgpu.ACC((bq, call.pad.H), f32))
+          stage_dq(lambda acc: plgpu.wgmma(acc, ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg]),
+                   call.pad.H)   # issued behind dK's: one wait for dV, dK and dQ
 
         carry = pl.run_state(update)(tuple(plgpu.ACC.init(a) for a in carry))
         plgpu.barrier_arrive(free.at[slot])
