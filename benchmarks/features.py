@@ -17,7 +17,8 @@ kernels' block ranges and flags skip the rest) and all True. The peers run what 
 plain attention, bias, masks and packed rows as a dense mask; each of ours gets "peer ms / ours"
 per call.
 Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks). Writes
-benchmarks/results/features_<device>.md and prints it.
+benchmarks/results/features_<device>.md (features_<device>_<features>.md for a subset, --features)
+and prints it.
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ from benchmarks import peers  # noqa: E402
 from stable_attn import backends  # noqa: E402
 from stable_attn.api import Options, canonicalize  # noqa: E402
 from train import jax_cache  # noqa: E402
+
+
+FEATURES = ("packed", "soft_cap", "sinks", "bias", "mask")
 
 
 def _dense_mask(ids):
@@ -127,11 +131,16 @@ def main(argv=None):
   p.add_argument("--implementations", default="pallas_mosaic_gpu,pallas_gpu,cudnn,tokamax",
                  help="ours, and the peers 'cudnn' (jax.nn; packed rows as a dense mask) and "
                       "'tokamax' (where importable)")
+  p.add_argument("--features", default=",".join(FEATURES),
+                 help=f"which of {', '.join(FEATURES)} to measure (comma-separated)")
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--blocks", type=int, default=5)
   p.add_argument("--out-dir", default=bench.RESULTS)
   jax_cache.add_flags(p)
   args = p.parse_args(argv)
+  features = args.features.split(",")
+  if set(features) - set(FEATURES):
+    p.error(f"--features: unknown {sorted(set(features) - set(FEATURES))}; choose from {FEATURES}")
   jax_cache.configure_or_exit(p, args)
   N, H = (2, 32) if args.smoke else (16, 128)
   packings = ([(4, 32), (1, 128)] if args.smoke else [(8, 1024), (64, 128), (1, 8192)])
@@ -167,14 +176,14 @@ def main(argv=None):
       ms[impl, name] = t
       return t
 
-    for docs, doc_len in packings:
+    for docs, doc_len in packings if "packed" in features else ():
       ids = jnp.asarray(np.repeat(np.arange(docs), doc_len)[None], jnp.int32)
       packed = timed(f"packed: 1 x {docs * doc_len}, {docs} documents of {doc_len}",
                      (1, docs * doc_len, N, H), is_causal=True, q_segment_ids=ids)
       alone = timed(f"unpacked: {docs} x {doc_len}, no segment ids", (docs, doc_len, N, H),
                     is_causal=True)
       rows.append((impl, f"packed / unpacked, {docs} x {doc_len}", packed / alone, "ratio"))
-    for shape in cap_shapes:
+    for shape in cap_shapes if "soft_cap" in features else ():
       for forward_only in (False, True):
         capped = timed(f"{_label(shape)}, soft cap 50", shape, forward_only, is_causal=True,
                        logits_soft_cap=50.0)
@@ -182,14 +191,17 @@ def main(argv=None):
         rows.append((impl, f"soft cap / no cap, {_label(shape)}{', forward' * forward_only}",
                      capped / plain, "ratio"))
     shape = cap_shapes[0]
-    sunk = timed(f"{_label(shape)}, sinks", shape, is_causal=True,
-                 sinks=jnp.zeros(shape[2], jnp.float32))
-    rows.append((impl, f"sinks / none, {_label(shape)}", sunk / ms.get((impl, f"{_label(shape)}, "
-                                                                        "no cap"), np.nan),
-                 "ratio"))
-    for shape in cap_shapes:
+    if "sinks" in features:
+      plain = ms.get((impl, f"{_label(shape)}, no cap")) or timed(f"{_label(shape)}, no cap",
+                                                                  shape, is_causal=True)
+      sunk = timed(f"{_label(shape)}, sinks", shape, is_causal=True,
+                   sinks=jnp.zeros(shape[2], jnp.float32))
+      rows.append((impl, f"sinks / none, {_label(shape)}", sunk / plain, "ratio"))
+    for shape in cap_shapes if "bias" in features else ():
       timed(f"{_label(shape)}, ALiBi bias [1, N, T, T]", shape, is_causal=True,
             bias=_alibi(shape))
+    if "mask" not in features:
+      continue
     shape = cap_shapes[0]
     label = _label(shape).replace(" causal", "")
     dense = timed(f"{label}, mask all True", shape, mask=jnp.ones((1, 1) + shape[1:2] * 2, bool))
@@ -215,7 +227,8 @@ def main(argv=None):
   slug = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower()
   if not args.smoke:
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, f"features_{slug}.md"), "w") as f:
+    subset = "" if set(features) == set(FEATURES) else "_" + "_".join(features)
+    with open(os.path.join(args.out_dir, f"features_{slug}{subset}.md"), "w") as f:
       f.write(text)
   print(text)
 

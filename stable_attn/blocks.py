@@ -11,7 +11,8 @@ of query blocks), and inside it the blocks whose queries and keys all belong to 
 `kv_sections` / `q_sections` intersect those with the causal / window / length ranges, so a
 kernel loops over a packed row's own document only, and runs its inside unmasked. A boolean
 mask operand becomes ranges the same way (`mask_sections`: blocks with any True, and the all-True
-run inside them), so a block-sparse mask costs about its visible blocks.
+run inside them), and `mask_order` lists, for a kernel that streams blocks, only those the mask
+leaves anything visible in, so a block-sparse mask costs about its visible blocks.
 Arguments may be Python ints or traced int32 scalars (Pallas program ids, loop indices).
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from stable_attn.layout import cdiv
 
 __all__ = ["cdiv", "kv_block_range", "q_block_range", "full_kv_range", "full_q_range",
            "kv_sections", "q_sections", "segment_sections", "mask_sections", "mask_blocks",
-           "intersect", "within_segments", "split_loop"]
+           "mask_order", "intersect", "within_segments", "split_loop"]
 
 
 def kv_block_range(q_start, block_q: int, block_k: int, num_kv_blocks, *, causal: bool, window,
@@ -201,6 +202,28 @@ def mask_blocks(mask: jax.Array, block_q: int, block_k: int, *, per: str) -> jax
   over key blocks for per="query", the other way round for per="key"."""
   share, _ = _mask_tables(mask, block_q, block_k, 1)
   return (jnp.swapaxes(share, -1, -2) if per == "key" else share).astype(jnp.int32)
+
+
+def mask_order(mask: jax.Array, block_q: int, block_k: int, *, per: str, pair: int = 1,
+               groups: int = 1) -> tuple[jax.Array, jax.Array]:
+  """The blocks a kernel streams under a mask, compacted: computed once per call (plain XLA).
+
+  A kernel program owns `pair` consecutive blocks (of queries per="query", of keys per="key") and
+  streams the other axis's blocks; it needs block j only where one of its blocks' mask tiles
+  holds a True (over runs of `groups` heads, as in mask_sections). Returns (rank, order), int32
+  [Bm, Nm // groups, n // pair, m + 1] and [..., m]: rank[..., j] is the number of needed blocks
+  before block j and order[..., p] the p-th needed one (entries past the count are unused), so a
+  program that would stream blocks [lo, hi) streams order[rank[lo]:rank[hi]] instead.
+  """
+  share, _ = _mask_tables(mask, block_q, block_k, groups)
+  if per == "key":
+    share = jnp.swapaxes(share, -1, -2)
+  *lead, n, m = share.shape
+  share = jnp.any(share.reshape(*lead, n // pair, pair, m), axis=-2)
+  counts = jnp.cumsum(share, axis=-1, dtype=jnp.int32)
+  rank = jnp.concatenate([jnp.zeros_like(counts[..., :1]), counts], axis=-1)
+  order = jnp.argsort(~share, axis=-1, stable=True).astype(jnp.int32)   # needed blocks first
+  return rank, order
 
 
 def _mask_tables(mask, block_q: int, block_k: int, groups: int):

@@ -71,6 +71,8 @@ def make_inputs(case: dict, dtype, seed: int):
   if "mask" in case:
     mask = rng.random(case["mask"]) > 0.3
     mask[..., 0] = True  # at least one visible key per row unless a row is masked on purpose
+    if case.get("whole_blocks"):   # blocks all True or all False (kernels run them unmasked)
+      mask[...] = True
     if "sparse_blocks" in case:   # whole blocks of False: the kernels' block ranges skip them
       block, keep = case["sparse_blocks"]
       nq, nk = -(-mask.shape[-2] // block), -(-mask.shape[-1] // block)

@@ -9,6 +9,7 @@ lowering, short of ptxas) and their block bookkeeping is checked in plain Python
 """
 from __future__ import annotations
 
+import itertools
 import re
 
 import chex
@@ -23,6 +24,7 @@ from stable_attn.api import Options, canonicalize
 from stable_attn.layout import Padded
 from stable_attn.diagnostics import REGIMES, tie_inputs
 from stable_attn.reference import exact_attention, exact_attention_vjp
+from stable_attn.spec import Operands
 from tests import cases
 
 IMPL = "pallas_mosaic_gpu"
@@ -147,16 +149,66 @@ def test_union_ranges_and_sections():
             assert block.all(), (cta, w, j)
 
 
-def test_sections_run_in_order():
+def _record_sections(order, mine, flags=None):
+  """[(position, block, kind)] as common.sections runs them."""
   visited = []
 
-  def step(j, carry, kind):
-    jax.debug.callback(lambda j, kind=kind: visited.append((int(j), kind)), j)
+  def step(p, j, carry, kind):
+    jax.debug.callback(lambda p, j, kind=kind: visited.append((int(p), int(j), kind)), p, j)
     return carry
 
-  jax.block_until_ready(common.sections(2, (3, 4, 6, 7), 9, step, jnp.zeros(())))
-  assert visited == [(2, "skip"), (3, "masked"), (4, "full"), (5, "full"), (6, "masked"),
-                     (7, "skip"), (8, "skip")]
+  jax.block_until_ready(common.sections(order, mine, step, jnp.zeros(()), flags))
+  return visited
+
+
+def test_sections_run_in_order():
+  order = common.Schedule(2, 9, lambda j: j, lambda p: p)
+  assert [(j, kind) for p, j, kind in _record_sections(order, (3, 4, 6, 7))] == [
+      (2, "skip"), (3, "masked"), (4, "full"), (5, "full"), (6, "masked"), (7, "skip"),
+      (8, "skip")]
+
+
+@pytest.mark.parametrize("per", ["query", "key"])
+def test_mask_schedule_streams_only_needed_blocks(per):
+  """Under a block-sparse mask a CTA streams, in order, exactly the blocks of its union range whose
+  tile (both warpgroups' rows, the heads of a group) holds a True; each warpgroup runs the edge
+  blocks of its range whose own tile is all False as "empty" steps, the others as before."""
+  rng = np.random.default_rng(1)
+  bq, bk, groups = 64, 128, 2
+  n_own, n_other = (8, 6) if per == "query" else (6, 8)   # blocks of the owned / streamed axis
+  T, S = (n_own * bq, n_other * bk) if per == "query" else (n_other * bk, n_own * bq)
+  block = (bq, bk) if per == "query" else (bk, bq)
+  keep = rng.random((1, 4, T // block[0], S // block[1])) < 0.4
+  mask = jnp.asarray(np.repeat(np.repeat(keep, block[0], 2), block[1], 3))
+  x = Operands(*(None,) * len(Operands._fields))._replace(mask=mask)
+  ranges = common.block_ranges(x, *block, per, groups=groups)
+  tiles = np.asarray(mask).reshape(1, 4, T // block[0], block[0], S // block[1], block[1])
+  tile_any = tiles.any(axis=(3, 5))
+  if per == "key":
+    tile_any = tile_any.swapaxes(-1, -2)
+  lo, hi = 1, n_other - 1   # a union range that cuts some blocks off
+  seen = set()
+  for head in range(4 // groups):
+    for cta in range(n_own // 2):
+      order = common.schedule(ranges, 0, head, lo, hi, cta * 2 * block[0], 2 * block[0])
+      needed = tile_any[0, head * groups:(head + 1) * groups, 2 * cta:2 * cta + 2].any(axis=(0, 1))
+      streamed = [int(order.block(p)) for p in range(int(order.first), int(order.stop))]
+      assert streamed == [j for j in range(lo, hi) if needed[j]]
+      for w, n in itertools.product((0, 1), range(head * groups, (head + 1) * groups)):
+        own = 2 * cta + w
+        mine = (lo + w, lo + w, lo + w + 1, hi)   # block lo + w full, the rest of it edge blocks
+        got = _record_sections(order, mine, common.block_flags(ranges.mask_blocks, 0, n, own))
+        assert [j for _, j, _ in got] == streamed
+        for _, j, kind in got:
+          if j < mine[0]:
+            want = "skip"
+          elif j == lo + w:
+            want = "full"
+          else:
+            want = "masked" if tile_any[0, n, own, j] else "empty"
+          assert kind == want, (head, cta, w, n, j)
+          seen.add(kind)
+  assert seen == {"skip", "full", "masked", "empty"}   # every kind was tested
 
 
 # --- lowering for CUDA on the CPU --------------------------------------------------------------
@@ -253,6 +305,15 @@ GPU_CASES = {
                                    sparse_blocks=(64, 0.4), masked_rows=(3, 200, 511)),
     "mask_packed": dict(B=2, T=384, S=384, N=2, K=2, H=64, is_causal=True, segments=True,
                         mask=(2, 2, 384, 384), sparse_blocks=(128, 0.6)),
+    # Block-sparse masks of whole blocks: the producer streams only the CTA's non-empty blocks,
+    # all-True blocks that causal / lengths / window leave whole run unmasked, and with a bias
+    # the blocks nobody computed get dS = 0.
+    "block_mask_causal_lens": dict(B=2, T=384, S=448, N=4, K=2, H=128, is_causal=True,
+                                   q_lens=(384, 300), kv_lens=(448, 250), mask=(2, 1, 384, 448),
+                                   sparse_blocks=(64, 0.5), whole_blocks=True),
+    "bias_block_mask_window": dict(B=1, T=320, S=512, N=2, K=1, H=64, window=(200, 100),
+                                   bias=(1, 2, 320, 512), mask=(1, 2, 320, 512),
+                                   sparse_blocks=(128, 0.5), whole_blocks=True),
     # Head dim 256 (32-row streamed blocks in the backward, dK and dV in a pass each).
     "h256_gqa_lens": dict(B=2, T=300, S=333, N=4, K=2, H=256, is_causal=True,
                           q_lens=(300, 217), kv_lens=(333, 190)),

@@ -88,6 +88,14 @@ def test_mask_sections_match_brute_force(per, groups):
   if groups == 1:   # the per-block flags: 0 exactly for the all-False blocks
     flags = blocks.mask_blocks(jnp.asarray(mask), bq, bk, per=per)
     np.testing.assert_array_equal(np.asarray(flags), share.astype(np.int32))
+  for pair in (1, nq if per == "query" else nk):   # the compacted order of the needed blocks
+    rank, order = (np.asarray(a) for a in blocks.mask_order(jnp.asarray(mask), bq, bk, per=per,
+                                                           pair=pair, groups=groups))
+    needed = share.reshape(*share.shape[:-2], -1, pair, share.shape[-1]).any(axis=-2)
+    for index in np.ndindex(needed.shape[:-1]):
+      listed = np.flatnonzero(needed[index])
+      np.testing.assert_array_equal(order[index][:listed.size], listed)
+      np.testing.assert_array_equal(rank[index], np.concatenate([[0], np.cumsum(needed[index])]))
   for index in np.ndindex(share.shape[:-1]):
     visited = np.flatnonzero(share[index])
     lo, flo, fhi, hi = got[index]

@@ -95,7 +95,8 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
       k_start, bk, bq, q_len, kv_len, common.block_range(ranges.segments, b, kvh, k_start // bk),
       common.block_range(ranges.mask, b, kvh, k_start // bk))
   lo, hi = common.union_range(q_ranges(cta_k), q_ranges(cta_k + bk))
-  per_head = hi - lo
+  order = common.schedule(ranges, b, kvh, lo, hi, cta_k, 2 * bk)
+  per_head = order.stop - order.first
 
   @pl.when(wg < 2)
   def _compute():
@@ -149,8 +150,8 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
                               reduction_op="add")
 
     def head(g, carry):
-      def step(i, carry, kind):
-        t = g * per_head + i - lo
+      def step(p, i, carry, kind):
+        t = g * per_head + p - order.first
         slot = common.slot_of(t, stages)
         buf = common.slot_of(t, 2)
         plgpu.barrier_wait(loaded.at[slot])
@@ -215,7 +216,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
         return carry
 
       flags = common.block_flags(ranges.mask_blocks, b, kvh * G + g, k_start // bk)
-      return common.sections(lo, mine, hi, step, carry, flags)
+      return common.sections(order, mine, step, carry, flags)
 
     zeros = common.zeros((bk, call.pad.H), plgpu.Layout.WGMMA)
     grads_of = dict(zip(names, lax.fori_loop(0, G, head, (zeros,) * len(names))))
@@ -231,10 +232,14 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
   def _produce():
     plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-    def load(t, slot):
+    def block(t):
+      """Position t -> (query head, query block): the heads of the group one after another."""
       g = lax.div(t, per_head)
-      n = kvh * G + g
-      q_start = (lo + t - g * per_head) * bq
+      return kvh * G + g, order.block(order.first + t - g * per_head)
+
+    def load(at, slot):
+      n, i = at
+      q_start = i * bq
       rows = (b, pl.ds(q_start, bq), n)
       plgpu.copy_gmem_to_smem(refs.q.at[rows], q_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(grads.do.at[rows], do_smem.at[slot], loaded.at[slot])
@@ -247,7 +252,8 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
                          (qseg_smem, bias_smem, mask_smem), slot, seg_rows=pl.ds(q_start, bq),
                          seg_ref=refs.q_seg)
 
-    common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)])
+    common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)], block,
+                  prefetch=ranges.order is not None)
 
 
 def _splits_dq(call: Call) -> bool:
@@ -319,6 +325,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
       q_start, bq, bk, q_len, kv_len, common.block_range(ranges.segments, b, n, q_start // bq),
       common.block_range(ranges.mask, b, n, q_start // bq))
   lo, hi = common.union_range(kv_ranges(cta_q), kv_ranges(cta_q + bq))
+  order = common.schedule(ranges, b, n, lo, hi, cta_q, 2 * bq)
 
   @pl.when(wg < 2)
   def _compute():
@@ -340,12 +347,10 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
     delta = common.load_vector(delta_smem.at[wg], ROWS)
     q_ids = common.load_vector(qseg_smem.at[wg], ROWS) if call.packed else None
 
-    def step(j, dq, kind):
-      slot = common.slot_of(j - lo, stages)
+    def step(p, j, dq, kind):
+      slot = common.slot_of(p - order.first, stages)
       plgpu.barrier_wait(loaded.at[slot])
       if kind in ("skip", "empty"):
-        if kind == "empty" and ds_ref is not None:   # a block in range whose mask is all False
-          store_ds(common.zeros((bq, bk), plgpu.Layout.WGMMA), j)
         plgpu.barrier_arrive(free.at[slot])
         return dq
       k = k_smem.at[slot]
@@ -383,10 +388,11 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
              ds_ref.at[b, n, pl.ds(q_start, bq), pl.ds(j * bk, bk)])
 
     mine = common.clamp_ranges(kv_ranges(q_start), lo, hi)
-    dq = common.sections(lo, mine, hi, step, common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA),
-                         common.block_flags(ranges.mask_blocks, b, n, q_start // bq))
+    init = common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA)
+    flags = common.block_flags(ranges.mask_blocks, b, n, q_start // bq)
+    dq = common.sections(order, mine, step, init, flags)
     _store(q, (dq * spec.scale).astype(q_smem.dtype), dq_ref.at[rows])
-    if ds_ref is not None:   # the blocks this warpgroup's rows never visit: dS = 0
+    if ds_ref is not None:   # the blocks this warpgroup's rows never computed: dS = 0
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       ds_smem.at[wg][...] = common.zeros((bq, bk), plgpu.Layout.WGMMA).astype(ds_smem.dtype)
       plgpu.commit_smem()
@@ -396,6 +402,8 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
                                                           pl.ds(j * bk, bk)])
       pl.loop(0, mine[0])(zero)
       pl.loop(mine[3], call.pad.S // bk)(zero)
+      if flags is not None:   # inside the range: the blocks whose mask tile is all False
+        pl.loop(mine[0], mine[3])(lambda j: pl.when(flags(j) == 0)(lambda: zero(j)))
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -410,7 +418,8 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
       common.copy_beside(refs, b, n, pl.ds(cta_q, 2 * bq), keys, loaded.at[slot],
                          (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
 
-    common.stream(lo, hi, stages, [(free, load)])
+    common.stream(order.first, order.stop, stages, [(free, load)], order.block,
+                  prefetch=ranges.order is not None)
 
 
 @common.lowered_once("call", "ds_dtype")

@@ -19,7 +19,8 @@ A logit soft cap is applied to the tile by tile.scores (tanh in fp32); attention
 row's denominator in tile.finalize, after the key blocks. Bias and mask operands: the CTA's
 [2 * block_q, block_kv] tiles of them travel with K (TMA, same barrier) and each warpgroup reads
 its half into registers before the slot is freed; the mask's block ranges (blocks.mask_sections)
-bound the loop like the segments', and only edge blocks read the mask tile.
+bound the loop like the segments', the producer streams only the blocks whose tile holds a True
+for the CTA's rows (blocks.mask_order), and only edge blocks read the mask tile.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       q_start, bq, bk, q_len, kv_len, common.block_range(ranges.segments, b, n, q_start // bq),
       common.block_range(ranges.mask, b, n, q_start // bq))
   lo, hi = common.union_range(kv_ranges(cta_q), kv_ranges(cta_q + bq))
+  order = common.schedule(ranges, b, n, lo, hi, cta_q, 2 * bq)
 
   def rendezvous():
     plgpu.barrier_arrive(schedule)
@@ -78,21 +80,22 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       offset = common.load_vector(off_smem.at[wg], ROWS) * tile.LOG2E
     q_ids = common.load_vector(qseg_smem.at[wg], ROWS) if call.packed else None
 
-    def wait_k(j):
-      """Waits for block j's K; each step waits for the next one's while its PV product runs."""
-      @pl.when(j < hi)
+    def wait_k(p):
+      """Waits for the K of the block at position p; each step waits for the next one's while
+      its PV product runs."""
+      @pl.when(p < order.stop)
       def _wait():
-        plgpu.barrier_wait(k_loaded.at[common.slot_of(j - lo, stages)])
+        plgpu.barrier_wait(k_loaded.at[common.slot_of(p - order.first, stages)])
 
-    def step(j, carry, kind):
+    def step(p, j, carry, kind):
       acc, stats = carry
-      slot = common.slot_of(j - lo, stages)
+      slot = common.slot_of(p - order.first, stages)
       if kind in ("skip", "empty"):
         plgpu.barrier_arrive(k_free.at[slot])
         rendezvous()
         plgpu.barrier_wait(v_loaded.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
-        wait_k(j + 1)
+        wait_k(p + 1)
         rendezvous()
         return carry
 
@@ -114,18 +117,18 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids, kv_ids=kv_ids,
                           mask=allowed)
       s = call.scores(qk, ok, bias)
-      p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
-                                     offset=offset, base2=True)
+      probs, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
+                                         beta=spec.beta, offset=offset, base2=True)
       acc = tile.scale_acc(acc, alpha, dt=dt)
       # Finish the softmax before handing the tensor cores over (as JAX's attention_mgpu does).
-      acc, stats, p = lax.optimization_barrier((acc, stats, p))
+      acc, stats, probs = lax.optimization_barrier((acc, stats, probs))
       plgpu.barrier_arrive(schedule)
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_wait(schedule)
 
       def pv_product(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-        wait_k(j + 1)
+        plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+        wait_k(p + 1)
 
       acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(v_free.at[slot])
@@ -133,9 +136,9 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
     mine = common.clamp_ranges(kv_ranges(q_start), lo, hi)
     pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
-    wait_k(lo)
+    wait_k(order.first)
     init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
-    acc, stats = common.sections(lo, mine, hi, step, init,
+    acc, stats = common.sections(order, mine, step, init,
                                  common.block_flags(ranges.mask_blocks, b, n, q_start // bq))
     pl.when(wg == 0)(rendezvous)
     sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
@@ -161,8 +164,9 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
                              (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
       return load
 
-    common.stream(lo, hi, stages, [(k_free, loader(refs.k, k_smem, k_loaded)),
-                                   (v_free, loader(refs.v, v_smem, v_loaded))])
+    common.stream(order.first, order.stop, stages, [(k_free, loader(refs.k, k_smem, k_loaded)),
+                                                     (v_free, loader(refs.v, v_smem, v_loaded))],
+                  order.block, prefetch=ranges.order is not None)
 
 
 @common.lowered_once("call")
