@@ -10,8 +10,9 @@ What it covers (`covers`): bf16/fp16 on an sm_90 GPU, head dims 64, 128 and 256,
 every max_adjust mode, causal, local windows, lengths, GQA/MQA, T != S and lengths that are not
 block multiples (padded), a logits soft cap, attention sinks, segment ids (packed sequences), bias
 (with its gradient) and boolean mask operands, streamed by TMA beside K/V (their all-False blocks
-neither streamed nor computed: block ranges and a compacted block order per CTA). Everything else -- other numerics presets, fp32, other head dims, a
-bias or mask whose tiles do not fit shared memory -- is implementation="pallas_gpu"
+neither streamed nor computed: block ranges and a compacted block order per CTA). Everything
+else -- other numerics presets, fp32, other head dims, a bias or mask whose tiles do not fit
+shared memory -- is implementation="pallas_gpu"
 (implementation=None picks it; naming this backend for such a call raises ValueError with the
 reason).
 """

@@ -157,17 +157,15 @@ def block_ranges(x, block_q: int, block_kv: int, per: str, groups: int = 1) -> R
   """The call's packed-sequence and mask block ranges for one kernel's block sizes (per="query":
   for each query block, per="key": for each key block; groups: query heads merged per mask row,
   the dK/dV kernel's G when the mask has a head dim)."""
-  if x.mask is None:
-    if x.q_seg is None:
-      return Ranges()
-    return Ranges(blocks.segment_sections(x.q_seg, x.kv_seg, block_q, block_kv, per=per))
-  segments = None
+  segments = mask = flags = rank = order = None
   if x.q_seg is not None:
     segments = blocks.segment_sections(x.q_seg, x.kv_seg, block_q, block_kv, per=per)
-  groups = groups if x.mask.shape[1] > 1 else 1
-  return Ranges(segments, blocks.mask_sections(x.mask, block_q, block_kv, per=per, groups=groups),
-                blocks.mask_blocks(x.mask, block_q, block_kv, per=per),
-                *blocks.mask_order(x.mask, block_q, block_kv, per=per, pair=2, groups=groups))
+  if x.mask is not None:
+    groups = groups if x.mask.shape[1] > 1 else 1
+    mask = blocks.mask_sections(x.mask, block_q, block_kv, per=per, groups=groups)
+    flags = blocks.mask_blocks(x.mask, block_q, block_kv, per=per)
+    rank, order = blocks.mask_order(x.mask, block_q, block_kv, per=per, pair=2, groups=groups)
+  return Ranges(segments, mask, flags, rank, order)
 
 
 class Schedule(NamedTuple):
