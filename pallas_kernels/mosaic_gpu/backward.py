@@ -42,21 +42,16 @@ COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 def _scores_then_p(qk_product, dp_product, shape, p_of_scores):
   """Issues the QK^T and dO V^T products into fresh fp32 accumulators of `shape`, computes P from
-  the first while the second still runs, then waits for it -> (p_of_scores(qk), dP)."""
-  def body(acc_qk, acc_dp):
+  the first while the second still runs, then waits for it -> (p_of_scores(qk), dP); dp_product
+  None (a pass that needs no dP) -> (p_of_scores(qk), None)."""
+  def body(acc_qk, acc_dp=None):
     qk_product(acc_qk)
-    dp_product(acc_dp)
-    p = p_of_scores(plgpu.wgmma_accumulator_load(acc_qk, wait_n=1))
-    return p, plgpu.wgmma_accumulator_load(acc_dp, wait_n=0)
-  return pl.run_scoped(body, plgpu.ACC(shape, f32), plgpu.ACC(shape, f32))
-
-
-def _scores_only(qk_product, shape, p_of_scores):
-  """_scores_then_p without dP: p_of_scores(QK^T)."""
-  def body(acc_qk):
-    qk_product(acc_qk)
-    return p_of_scores(acc_qk[...])
-  return pl.run_scoped(body, plgpu.ACC(shape, f32))
+    if acc_dp is not None:
+      dp_product(acc_dp)
+    p = p_of_scores(plgpu.wgmma_accumulator_load(acc_qk, wait_n=int(acc_dp is not None)))
+    return p, None if acc_dp is None else plgpu.wgmma_accumulator_load(acc_dp, wait_n=0)
+  accs = (plgpu.ACC(shape, f32),) * (1 if dp_product is None else 2)
+  return pl.run_scoped(body, *accs)
 
 
 def _store(smem, value, gmem):
@@ -177,13 +172,11 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           return tile.backward_p(s_t, common.load_vector(lse_smem.at[slot], COLS),
                                  in_dtype=call.dt.input, base2=True, q_axis=1), s_t.dtanh
 
-        qk_product = lambda acc: plgpu.wgmma(acc, k_smem.at[wg], q.transpose((1, 0)))
-        if "dk" in names:
-          ((p_t, p_op), dtanh), dp_t = _scores_then_p(
-              qk_product, lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do.transpose((1, 0))),
-              (bk, bq), p_of_scores)
-        else:   # the dV pass needs no dP
-          ((p_t, p_op), dtanh) = _scores_only(qk_product, (bk, bq), p_of_scores)
+        dp_product = lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do.transpose((1, 0)))
+        ((p_t, p_op), dtanh), dp_t = _scores_then_p(
+            lambda acc: plgpu.wgmma(acc, k_smem.at[wg], q.transpose((1, 0))),
+            dp_product if "dk" in names else None,   # the dV pass needs no dP
+            (bk, bq), p_of_scores)
 
         def update(accs):
           accs = dict(zip(names, accs))
