@@ -231,6 +231,9 @@ def test_lowers_for_cuda(kwargs):
   config = tuning.table_config(ops.q.shape[-1])
   text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2 + config.dkv_passes
+  passes = ("dkv",) if config.dkv_passes == 1 else ("dk", "dv")
+  for name in ("forward", "dq", *passes):   # named, for profiles (common.profiling, nsys)
+    assert f"stable_attn_{name}" in text
 
 
 def test_layers_share_one_kernel_each():

@@ -149,7 +149,8 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
         t = g * per_head + p - order.first
         slot = common.slot_of(t, stages)
         buf = common.slot_of(t, 2)
-        plgpu.barrier_wait(loaded.at[slot])
+        with jax.named_scope("wait"):   # (named regions: what common.profiling records)
+          plgpu.barrier_wait(loaded.at[slot])
         if kind in ("skip", "empty"):
           if split:   # the other warpgroup may see this block: dQ's columns still take both
             share_ds(common.zeros((bk, bq), plgpu.Layout.WGMMA).astype(ds_smem.dtype), buf)
@@ -173,10 +174,11 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
                                  in_dtype=call.dt.input, base2=True, q_axis=1), s_t.dtanh
 
         dp_product = lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do.transpose((1, 0)))
-        ((p_t, p_op), dtanh), dp_t = _scores_then_p(
-            lambda acc: plgpu.wgmma(acc, k_smem.at[wg], q.transpose((1, 0))),
-            dp_product if "dk" in names else None,   # the dV pass needs no dP
-            (bk, bq), p_of_scores)
+        with jax.named_scope("s_dp_p"):
+          ((p_t, p_op), dtanh), dp_t = _scores_then_p(
+              lambda acc: plgpu.wgmma(acc, k_smem.at[wg], q.transpose((1, 0))),
+              dp_product if "dk" in names else None,   # the dV pass needs no dP
+              (bk, bq), p_of_scores)
 
         def update(accs):
           accs = dict(zip(names, accs))
@@ -202,10 +204,12 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           stage_dq(lambda acc: plgpu.wgmma(acc, ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg]),
                    call.pad.H)   # issued behind dK's: one wait for dV, dK and dQ
 
-        carry = pl.run_state(update)(tuple(plgpu.ACC.init(a) for a in carry))
-        plgpu.barrier_arrive(free.at[slot])
+        with jax.named_scope("ds_dv_dk"):
+          carry = pl.run_state(update)(tuple(plgpu.ACC.init(a) for a in carry))
+          plgpu.barrier_arrive(free.at[slot])
         if dq_acc is not None:   # dQ[rows of block i, head g] += dS K
-          reduce_dq(g, i)
+          with jax.named_scope("reduce_dq"):
+            reduce_dq(g, i)
         return carry
 
       flags = common.block_flags(ranges.mask_blocks, b, kvh * G + g, k_start // bk)
@@ -219,7 +223,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
              out_of["dk"].at[rows])
     if "dv" in grads_of:
       _store(v_smem.at[wg], grads_of["dv"].astype(v_smem.dtype), out_of["dv"].at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    common.drain_stores()
 
   @pl.when(wg == 2)
   def _produce():
@@ -291,7 +295,7 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
     grads_of.update(zip(names, common.launch(
         functools.partial(_dkv_kernel, call=call, part=part),
         (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
-        out_type=out_type, grid=(B, K, call.pad.S // (2 * bk)),
+        name=f"stable_attn_{part}", out_type=out_type, grid=(B, K, call.pad.S // (2 * bk)),
         grid_names=("batch", "heads", "kv_seq"), in_place=fused,
     )(x, grads, ranges, dq_acc)))
   dk, dv = grads_of["dk"], grads_of["dv"]
@@ -342,7 +346,8 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
 
     def step(p, j, dq, kind):
       slot = common.slot_of(p - order.first, stages)
-      plgpu.barrier_wait(loaded.at[slot])
+      with jax.named_scope("wait"):   # (named regions: what common.profiling records)
+        plgpu.barrier_wait(loaded.at[slot])
       if kind in ("skip", "empty"):
         plgpu.barrier_arrive(free.at[slot])
         return dq
@@ -359,19 +364,22 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
         s = call.scores(qk, ok, bias)
         return tile.backward_p(s, lse, in_dtype=call.dt.input, base2=True)[0], s.dtanh
 
-      (p, dtanh), dp = _scores_then_p(
-          lambda acc: plgpu.wgmma(acc, q, k.transpose((1, 0))),
-          lambda acc: plgpu.wgmma(acc, do, v_smem.at[slot].transpose((1, 0))),
-          (bq, bk), p_of_scores)
-      ds, ds_op = tile.backward_ds(p, dp, delta, in_dtype=call.dt.input, dtanh=dtanh)
+      with jax.named_scope("s_dp_p"):
+        (p, dtanh), dp = _scores_then_p(
+            lambda acc: plgpu.wgmma(acc, q, k.transpose((1, 0))),
+            lambda acc: plgpu.wgmma(acc, do, v_smem.at[slot].transpose((1, 0))),
+            (bq, bk), p_of_scores)
+      with jax.named_scope("ds"):
+        ds, ds_op = tile.backward_ds(p, dp, delta, in_dtype=call.dt.input, dtanh=dtanh)
       if ds_ref is not None:
         store_ds(ds, j)
 
       def update(acc):
         plgpu.wgmma(acc, ds_op, k)
 
-      dq = pl.run_state(update)(plgpu.ACC.init(dq))
-      plgpu.barrier_arrive(free.at[slot])
+      with jax.named_scope("dq"):
+        dq = pl.run_state(update)(plgpu.ACC.init(dq))
+        plgpu.barrier_arrive(free.at[slot])
       return dq
 
     def store_ds(ds, j):
@@ -397,7 +405,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
       pl.loop(mine[3], call.pad.S // bk)(zero)
       if flags is not None:   # inside the range: the blocks whose mask tile is all False
         pl.loop(mine[0], mine[3])(lambda j: pl.when(flags(j) == 0)(lambda: zero(j)))
-    plgpu.wait_smem_to_gmem(0)
+    common.drain_stores()
 
   @pl.when(wg == 2)
   def _produce():
@@ -442,7 +450,7 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Rang
   return common.launch(
       functools.partial(_dq_kernel, call=call),
       (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
-      out_type=out_type,
+      name="stable_attn_dq", out_type=out_type,
       grid=(B, N, call.pad.T // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
   )(x, grads, ranges)
 

@@ -13,6 +13,7 @@ positions.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Callable, NamedTuple, Optional
@@ -255,6 +256,12 @@ def sections(order: Schedule, my_ranges, step, carry, flags=None):
   third branch, measured on an H100 at B4 T4096 N16 H128, made a 25%-block-sparse mask 14%
   faster and a random 80% mask 29% slower, so masked blocks keep one kind.)"""
   bounds = (order.first, *(order.rank(x) for x in my_ranges), order.stop)
+  unnamed = step
+
+  def step(p, j, carry, kind):
+    with jax.named_scope(kind):   # a region of common.profiling's traces
+      return unnamed(p, j, carry, kind)
+
   if flags is None:
     body = lambda p, carry, kind: step(p, order.block(p), carry, kind)
   else:
@@ -287,9 +294,31 @@ def lowered_once(*static_argnames):
   return lambda fn: jax.jit(fn, static_argnames=static_argnames)
 
 
-def launch(kernel, scratch, *, out_type, grid, grid_names, in_place: bool = False):
-  """A warp-specialised Mosaic GPU kernel: two compute warpgroups and a producer ("wg" 0, 1, 2)
-  per CTA over `grid`. Returns run(*inputs): each input is a pytree of arrays (the padded
+_PROFILE: dict = {}   # Mosaic GPU profiler parameters while `profiling` is active
+
+
+@contextlib.contextmanager
+def profiling(directory: str, ranges: int = 256):
+  """Every Hopper kernel compiled inside records its named regions (the `jax.named_scope`s of the
+  kernel bodies: prologue, each step's parts, epilogue), per warpgroup and CTA, in clock cycles,
+  with Mosaic GPU's on-device profiler: one Chrome trace per kernel call in `directory`, named
+  after the kernel (benchmarks/profile_mosaic.py reads them). ranges: the most regions one
+  warpgroup records. JAX's caches are cleared on entry and exit (kernels are cached per call)."""
+  params = dict(profile_space=ranges, profile_dir=directory)
+  if "profile_bounds_check" in inspect.signature(plgpu.CompilerParams).parameters:
+    params["profile_bounds_check"] = True   # a longer loop truncates its trace, never smem
+  jax.clear_caches()
+  _PROFILE.update(params)
+  try:
+    yield
+  finally:
+    _PROFILE.clear()
+    jax.clear_caches()
+
+
+def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: bool = False):
+  """A warp-specialised Mosaic GPU kernel named `name` (in profiles): two compute warpgroups and
+  a producer ("wg" 0, 1, 2) per CTA over `grid`. Returns run(*inputs): each input is a pytree of arrays (the padded
   `Operands`, `BackwardInputs`; None leaves for absent ones), and kernel(*inputs as the same
   pytrees of refs, *output refs, scratch) gets them by name, then `scratch` (a tuple of SMEM /
   barrier types) allocated collectively for the three warpgroups. in_place: some inputs are
@@ -303,12 +332,15 @@ def launch(kernel, scratch, *, out_type, grid, grid_names, in_place: bool = Fals
       pl.run_scoped(lambda *allocated: kernel(*named, *refs[len(flat):], allocated), *scratch,
                     collective_axes="wg")
 
-    params = plgpu.CompilerParams(approx_math=True)
+    params = plgpu.CompilerParams(approx_math=True, **_PROFILE)
     if in_place:
-      mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
-      return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=params)(*flat)
+      mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg",
+                        kernel_name=name)
+      return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=params, name=name)(
+          *flat)
     return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
-                        num_threads=3, thread_name="wg", compiler_params=params)(*flat)
+                        num_threads=3, thread_name="wg", compiler_params=params,
+                        kernel_name=name)(*flat)
 
   return run
 
@@ -339,6 +371,14 @@ def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = 
     lax.fori_loop(first + stages, stop, refill, block(first + stages))
   else:
     pl.loop(first + stages, stop)(lambda p: refill(p, None))
+
+
+def drain_stores():
+  """A compute warpgroup's last act: wait until its TMA stores have *read* shared memory. Their
+  writes to global memory complete on their own before the kernel does (as CUTLASS's and
+  FlashAttention-3's epilogues end); waiting for them kept each CTA on its SM for a store's round
+  trip, ahead of the next CTA's start."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def slot_of(step, stages: int):

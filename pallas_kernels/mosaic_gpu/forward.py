@@ -67,14 +67,16 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
   def _compute():
     plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
     q_start = cta_q + wg * bq
-    plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(q_start, bq), n], q_smem.at[wg], q_loaded.at[wg])
-    if call.safe:
-      plgpu.copy_gmem_to_smem(refs.offset.at[n, pl.ds(q_start, bq)], off_smem.at[wg],
+    with jax.named_scope("load_q"):   # (the named regions are what common.profiling records)
+      plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(q_start, bq), n], q_smem.at[wg],
                               q_loaded.at[wg])
-    if call.packed:
-      plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
-                              q_loaded.at[wg])
-    plgpu.barrier_wait(q_loaded.at[wg])
+      if call.safe:
+        plgpu.copy_gmem_to_smem(refs.offset.at[n, pl.ds(q_start, bq)], off_smem.at[wg],
+                                q_loaded.at[wg])
+      if call.packed:
+        plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
+                                q_loaded.at[wg])
+      plgpu.barrier_wait(q_loaded.at[wg])
     offset = None   # natural units in memory (stable_attn's operand), log2 units here
     if call.safe:
       offset = common.load_vector(off_smem.at[wg], ROWS) * tile.LOG2E
@@ -104,7 +106,25 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         rendezvous()   # the other warpgroup's softmax runs while this product does
         return acc_ref[...]
 
-      qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
+      with jax.named_scope("qk"):
+        qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
+      with jax.named_scope("softmax"):
+        acc, stats, probs = softmax(slot, j, qk, acc, stats, kind)
+      with jax.named_scope("wait_v"):
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_wait(schedule)
+
+      def pv_product(acc_ref):
+        plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+        wait_k(p + 1)
+
+      with jax.named_scope("pv"):
+        acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+      return acc, stats
+
+    def softmax(slot, j, qk, acc, stats, kind):
       # What travels with K is read before its slot is freed: segment ids, bias and mask tiles.
       bias, allowed = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bq, bq),
                                          kind == "masked")
@@ -121,34 +141,25 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
                                          beta=spec.beta, offset=offset, base2=True)
       acc = tile.scale_acc(acc, alpha, dt=dt)
       # Finish the softmax before handing the tensor cores over (as JAX's attention_mgpu does).
-      acc, stats, probs = lax.optimization_barrier((acc, stats, probs))
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(v_loaded.at[slot])
-      plgpu.barrier_wait(schedule)
-
-      def pv_product(acc_ref):
-        plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
-        wait_k(p + 1)
-
-      acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, stats
+      return lax.optimization_barrier((acc, stats, probs))
 
     mine = common.clamp_ranges(kv_ranges(q_start), lo, hi)
-    pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
-    wait_k(order.first)
+    with jax.named_scope("first_k"):
+      pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
+      wait_k(order.first)
     init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
     acc, stats = common.sections(order, mine, step, init,
                                  common.block_flags(ranges.mask_blocks, b, n, q_start // bq))
-    pl.when(wg == 0)(rendezvous)
-    sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
-    o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True, sink=sink)
-    q_smem.at[wg][...] = o
-    lse_smem.at[wg][...] = lse
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, pl.ds(q_start, bq), n])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(q_start, bq)])
-    plgpu.wait_smem_to_gmem(0)
+    with jax.named_scope("epilogue"):
+      pl.when(wg == 0)(rendezvous)
+      sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
+      o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True, sink=sink)
+      q_smem.at[wg][...] = o
+      lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, pl.ds(q_start, bq), n])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(q_start, bq)])
+      common.drain_stores()
 
   @pl.when(wg == 2)
   def _produce():
@@ -195,6 +206,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
   return common.launch(
       functools.partial(_kernel, call=call), (smem, loaded, free, plgpu.Barrier(num_arrivals=2)),
+      name="stable_attn_forward",
       out_type=(jax.ShapeDtypeStruct(x.q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)),
       grid=(B, N, Tp // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
   )(x, ranges)

@@ -1,0 +1,139 @@
+"""Where the Hopper kernel's time goes: Mosaic GPU's on-device profiler over one call.
+
+  python -m benchmarks.profile_mosaic [--shapes targets] [--max-adjust safe] [--backward]
+
+Runs each shape once unprofiled (compile, warm-up), then once inside `common.profiling`, which
+makes every compute warpgroup record its named regions (`jax.named_scope` in the kernel bodies:
+load_q, first_k, each step's kind with its qk / softmax / wait_v / pv parts, epilogue) in clock
+cycles. Per kernel and shape it prints, for each region, how often a warpgroup enters it and the
+mean cycles per entry and per warpgroup (with the share of the warpgroup's span), and per SM the
+time from one CTA's first event to the next CTA's (ns, globaltimer) against the CTA's span
+(cycles): the gap between them is launch, prologue and exit cost no region sees. The profiler
+adds a shared-memory store per event and a barrier at the end, so compare regions, not totals.
+Markdown on stdout; --out also writes it to a file.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import statistics
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+import stable_attn
+from benchmarks.attention import TARGETS, make_inputs, shape_name
+from pallas_kernels.mosaic_gpu import common
+
+
+def traces(path):
+  """{(sm, trace id): [(name, enter: bool, cycles since the trace's first event)]}, and the
+  trace's first event in ns (globaltimer). The dump's ts is (start ns + cycles) / 1e3."""
+  with open(path) as f:
+    events = json.load(f)["traceEvents"]
+  by_trace = collections.defaultdict(list)
+  for e in events:
+    by_trace[(e["pid"], e["tid"])].append(e)
+  out, starts = {}, {}
+  for key, evs in by_trace.items():
+    t0 = evs[0]["ts"]
+    out[key] = [(e["name"], e["ph"] == "B", (e["ts"] - t0) * 1e3) for e in evs]
+    starts[key] = t0 * 1e3
+  return out, starts
+
+
+def regions(trace):
+  """Region name (nested names joined by '/') -> list of durations in cycles."""
+  stack, found = [], collections.defaultdict(list)
+  for name, enter, t in trace:
+    if enter:
+      stack.append((name, t))
+    else:
+      opened, t_in = stack.pop()
+      path = "/".join([n for n, _ in stack] + [opened])
+      found[path].append(t - t_in)
+  return found
+
+
+def summarize(path) -> list[str]:
+  by_trace, starts = traces(path)
+  # The dump's trace id is 1 + warpgroup + 3 * CTA; warpgroup 2, the producer, names no region.
+  by_trace = {k: v for k, v in by_trace.items() if (k[1] - 1) % 3 != 2}
+  spans = {k: v[-1][2] for k, v in by_trace.items() if v}
+  per_region = collections.defaultdict(lambda: [0, 0.0])   # entries, cycles (over traces)
+  for trace in by_trace.values():
+    for name, durations in regions(trace).items():
+      per_region[name][0] += len(durations)
+      per_region[name][1] += sum(durations)
+  n = len(by_trace)
+  mean_span = statistics.mean(spans.values())
+  lines = [f"{n} compute-warpgroup traces; mean span {mean_span:,.0f} cycles", "",
+           "| region | entries per warpgroup | cycles per entry | cycles per warpgroup | share |",
+           "|---|---|---|---|---|"]
+  for name, (count, cycles) in sorted(per_region.items(), key=lambda kv: -kv[1][1]):
+    lines.append(f"| {name} | {count / n:.2f} | {cycles / max(count, 1):,.0f} | "
+                 f"{cycles / n:,.0f} | {cycles / n / mean_span:.1%} |")
+  # Per SM, one CTA after another: warpgroup 0's traces.
+  by_sm = collections.defaultdict(list)
+  for (sm, tid), t in starts.items():
+    if (tid - 1) % 3 == 0:
+      by_sm[sm].append((t, spans[(sm, tid)]))
+  intervals, cta_spans = [], []
+  for rows in by_sm.values():
+    rows.sort()
+    intervals += [b[0] - a[0] for a, b in zip(rows, rows[1:])]
+    cta_spans += [a[1] for a in rows[:-1]]
+  if intervals:
+    lines += ["", f"per SM, CTA start to next CTA start: median {statistics.median(intervals):,.0f}"
+              f" ns over {len(intervals)} pairs; a CTA's first warpgroup span: median "
+              f"{statistics.median(cta_spans):,.0f} cycles"]
+  return lines
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--shapes", default="targets", choices=["targets", "short", "gpt2"],
+                  help="issue 23's five shapes, the first three (T <= 4096), or GPT-2's")
+  ap.add_argument("--max-adjust", default="safe", choices=["off", "safe", "paper"])
+  ap.add_argument("--backward", action="store_true", help="profile the backward kernels too")
+  ap.add_argument("--ranges", type=int, default=384, help="regions recorded per warpgroup")
+  ap.add_argument("--out", help="also write the markdown here")
+  args = ap.parse_args(argv)
+  shapes = {"targets": TARGETS, "short": TARGETS[:3], "gpt2": TARGETS[:1]}[args.shapes]
+  report = [f"# Hopper kernel profile ({jax.devices()[0].device_kind}, bf16, "
+            f"max_adjust={args.max_adjust})", ""]
+  for shape in shapes:
+    B, T, N, K, H, causal = shape
+    q, k, v, do = make_inputs(B, T, N, K, H, jnp.bfloat16)
+    attend = lambda q, k, v: stable_attn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="pallas_mosaic_gpu",
+        max_adjust=args.max_adjust)
+    if args.backward:
+      fn = jax.jit(lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do))
+      operands = (q, k, v, do)
+    else:
+      fn, operands = jax.jit(attend), (q, k, v)
+    jax.block_until_ready(fn(*operands))
+    with tempfile.TemporaryDirectory() as directory:
+      try:
+        with common.profiling(directory, args.ranges):
+          jax.block_until_ready(jax.jit(fn)(*operands))
+      except Exception as e:   # e.g. the trace buffers leave too little shared memory
+        report += [f"## {shape_name(shape)}: not profiled: {type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:200]}", ""]
+      for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        kernel = os.path.basename(path).split("-")[0]
+        report += [f"## {shape_name(shape)}: {kernel}", ""] + summarize(path) + [""]
+  text = "\n".join(report)
+  print(text)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  main()
