@@ -3,6 +3,7 @@
 Their timings mean nothing here; what is checked is that they still run against the current API,
 so the next GPU session does not spend device time on a broken script.
 """
+import json
 import re
 
 import jax
@@ -128,7 +129,7 @@ def test_profile_summary_of_a_known_trace(tmp_path):
                              tid=1 + wg + 3 * cta))
   events.sort(key=lambda e: (e["tid"], e["ts"], e["ph"] == "B"))   # E before B at equal times
   path = tmp_path / "trace.json"
-  path.write_text(__import__("json").dumps({"traceEvents": events}))
+  path.write_text(json.dumps({"traceEvents": events}))
   text = "\n".join(profile_mosaic.summarize(str(path)))
   span = full + tail
   assert f"4 compute-warpgroup traces; mean span {span:,.0f} cycles" in text

@@ -346,7 +346,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
 
     def step(p, j, dq, kind):
       slot = common.slot_of(p - order.first, stages)
-      with jax.named_scope("wait"):   # (named regions: what common.profiling records)
+      with jax.named_scope("wait"):
         plgpu.barrier_wait(loaded.at[slot])
       if kind in ("skip", "empty"):
         plgpu.barrier_arrive(free.at[slot])

@@ -256,24 +256,23 @@ def sections(order: Schedule, my_ranges, step, carry, flags=None):
   third branch, measured on an H100 at B4 T4096 N16 H128, made a 25%-block-sparse mask 14%
   faster and a random 80% mask 29% slower, so masked blocks keep one kind.)"""
   bounds = (order.first, *(order.rank(x) for x in my_ranges), order.stop)
-  unnamed = step
 
-  def step(p, j, carry, kind):
+  def named(p, j, carry, kind):
     with jax.named_scope(kind):   # a region of common.profiling's traces
-      return unnamed(p, j, carry, kind)
+      return step(p, j, carry, kind)
 
   if flags is None:
-    body = lambda p, carry, kind: step(p, order.block(p), carry, kind)
+    body = lambda p, carry, kind: named(p, order.block(p), carry, kind)
   else:
     def body(p, state, kind):
       carry, j, flag = state
       upcoming = order.block(p + 1)
       upcoming_flag = flags(upcoming)
       if kind == "masked":
-        carry = lax.cond(flag != 0, lambda c: step(p, j, c, "masked"),
-                         lambda c: step(p, j, c, "empty"), carry)
+        carry = lax.cond(flag != 0, lambda c: named(p, j, c, "masked"),
+                         lambda c: named(p, j, c, "empty"), carry)
       else:
-        carry = step(p, j, carry, kind)
+        carry = named(p, j, carry, kind)
       return carry, upcoming, upcoming_flag
 
     first = order.block(order.first)
@@ -300,10 +299,11 @@ _PROFILE: dict = {}   # Mosaic GPU profiler parameters while `profiling` is acti
 @contextlib.contextmanager
 def profiling(directory: str, ranges: int = 256):
   """Every Hopper kernel compiled inside records its named regions (the `jax.named_scope`s of the
-  kernel bodies: prologue, each step's parts, epilogue), per warpgroup and CTA, in clock cycles,
-  with Mosaic GPU's on-device profiler: one Chrome trace per kernel call in `directory`, named
-  after the kernel (benchmarks/profile_mosaic.py reads them). ranges: the most regions one
-  warpgroup records. JAX's caches are cleared on entry and exit (kernels are cached per call)."""
+  kernel bodies: load_q, first_k, each step's kind and parts, epilogue), per warpgroup and CTA,
+  in clock cycles, with Mosaic GPU's on-device profiler: one Chrome trace per kernel call in
+  `directory`, named after the kernel (benchmarks/profile_mosaic.py reads them). ranges: the most
+  regions one warpgroup records. JAX's caches are cleared on entry and exit (kernels are cached
+  per call)."""
   params = dict(profile_space=ranges, profile_dir=directory)
   if "profile_bounds_check" in inspect.signature(plgpu.CompilerParams).parameters:
     params["profile_bounds_check"] = True   # a longer loop truncates its trace, never smem
@@ -318,12 +318,13 @@ def profiling(directory: str, ranges: int = 256):
 
 def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: bool = False):
   """A warp-specialised Mosaic GPU kernel named `name` (in profiles): two compute warpgroups and
-  a producer ("wg" 0, 1, 2) per CTA over `grid`. Returns run(*inputs): each input is a pytree of arrays (the padded
-  `Operands`, `BackwardInputs`; None leaves for absent ones), and kernel(*inputs as the same
-  pytrees of refs, *output refs, scratch) gets them by name, then `scratch` (a tuple of SMEM /
-  barrier types) allocated collectively for the three warpgroups. in_place: some inputs are
-  jax.new_ref arrays the kernel writes (pl.kernel takes them; plgpu.kernel's vmap wrapper does
-  not -- the API folds vmap into the batch before any kernel runs)."""
+  a producer ("wg" 0, 1, 2) per CTA over `grid`. Returns run(*inputs): each input is a pytree of
+  arrays (the padded `Operands`, `BackwardInputs`; None leaves for absent ones), and
+  kernel(*inputs as the same pytrees of refs, *output refs, scratch) gets them by name, then
+  `scratch` (a tuple of SMEM / barrier types) allocated collectively for the three warpgroups.
+  in_place: some inputs are jax.new_ref arrays the kernel writes (pl.kernel takes them;
+  plgpu.kernel's vmap wrapper does not -- the API folds vmap into the batch before any kernel
+  runs)."""
   def run(*inputs):
     flat, tree = jax.tree.flatten(inputs)
 
