@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python benchmarks/mosaic_sweep.py [--shapes targets] [--kernels fwd,dkv,dq]
 
-Each variant replaces one kernel's Tiles in the table's TuningConfig; "fwd" variants are timed
-forward only, the others forward+backward, against cuDNN timed in the same run. Protocol of
+Each variant replaces one kernel's Tiles in the table's TuningConfig (the forward's also its
+compute warpgroups, 2 or 3: `TuningConfig.fwd_wgs`); "fwd" variants are timed forward only, the
+others forward+backward, against cuDNN timed in the same run. Protocol of
 benchmarks/attention.py (loops of back-to-back calls, median of blocks).
 """
 from __future__ import annotations
@@ -22,11 +23,13 @@ from benchmarks import attention as bench  # noqa: E402
 from pallas_kernels.mosaic_gpu import tuning  # noqa: E402
 
 T = tuning.Tiles
-VARIANTS = {
-    "fwd": [T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(64, 128, 2), T(64, 128, 3),
-            T(64, 192, 2), T(64, 256, 2)],
-    "dkv": [T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(128, 64, 2)],
-    "dq": [T(64, 64, 2), T(64, 64, 3), T(64, 128, 2), T(64, 128, 3)],
+_FWD = [T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(64, 128, 2), T(64, 128, 3), T(64, 192, 2),
+        T(64, 256, 2)]
+VARIANTS = {   # TuningConfig fields each variant replaces
+    # three warpgroups get 160 registers per thread: key blocks up to 128 rows
+    "fwd": [dict(fwd=t, fwd_wgs=w) for w in (2, 3) for t in _FWD if w == 2 or t.block_kv <= 128],
+    "dkv": [dict(dkv=t) for t in (T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(128, 64, 2))],
+    "dq": [dict(dq=t) for t in (T(64, 64, 2), T(64, 64, 3), T(64, 128, 2), T(64, 128, 3))],
 }
 
 
@@ -59,9 +62,11 @@ def main(argv=None):
       print(f"sweep {bench.shape_name(shape)} cudnn {'fwd' if forward_only else 'f+b'}: "
             f"{ms:.3f} ms {tf:.0f} TF", flush=True)
     for kernel in args.kernels.split(","):
-      for tiles in VARIANTS[kernel]:
-        config = base.replace(**{kernel: tiles})
-        tag = " (table)" if getattr(base, kernel) == tiles else ""
+      for variant in VARIANTS[kernel]:
+        config = base.replace(**variant)
+        tiles = variant[kernel]
+        tag = " (table)" if all(getattr(base, k) == v for k, v in variant.items()) else ""
+        wgs = f" wg{variant['fwd_wgs']}" if "fwd_wgs" in variant else ""
         try:
           config.check_smem(H, 2)
           fn = functools.partial(
@@ -73,7 +78,7 @@ def main(argv=None):
         except Exception as e:
           line = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}"
         print(f"sweep {bench.shape_name(shape)} {kernel} bq{tiles.block_q} bkv{tiles.block_kv} "
-              f"s{tiles.stages}: {line}", flush=True)
+              f"s{tiles.stages}{wgs}: {line}", flush=True)
 
 
 if __name__ == "__main__":

@@ -111,16 +111,27 @@ def test_tuning_config_validates():
     tuning.table_config(128).replace(fwd=T(64, 256, 3)).check_smem(128, 2)
   with pytest.raises(ValueError, match="head dims"):
     tuning.table_config(96)
+  with pytest.raises(ValueError, match="fwd_wgs must be 2 or 3"):
+    tuning.table_config(64).replace(fwd_wgs=4)
+  # three forward warpgroups at head dim 64, two (per pair: the tiles) with a bias or mask
+  assert tuning.table_config(64).fwd_wgs == 3 and tuning.table_config(128).fwd_wgs == 2
+  assert tuning.table_config(64, beside=1).fwd_wgs == 2
+  q = jnp.ones((1, 64, 2, 64), bf16)
+  with pytest.raises(ValueError, match="fwd_wgs=3 takes no bias or mask"):
+    stable_attn.dot_product_attention(q, q, q, mask=jnp.ones((64, 64), bool), implementation=IMPL,
+                                      config=tuning.table_config(64))
   for h in tuning.HEAD_DIMS:
     tuning.table_config(h).check_smem(h, 2)
 
 
 # --- pipeline bookkeeping (CPU) ------------------------------------------------------------------
 
-def test_union_ranges_and_sections():
+@pytest.mark.parametrize("wgs", [2, 3])
+def test_union_ranges_and_sections(wgs):
   """For random shapes and masks: each warpgroup computes exactly its own visible blocks (masked
-  where needed), skips the rest of the union, and the union holds both warpgroups' blocks."""
-  rng = np.random.default_rng(0)
+  where needed), skips the rest of the union, and the union holds every warpgroup's blocks. With
+  3 warpgroups T is padded to 2 * block_q only, and the last CTA's rows before 0 are idle."""
+  rng = np.random.default_rng(wgs)
   for _ in range(200):
     bq, bk = 64, int(rng.choice([64, 128]))
     T, S = (int(x) * 64 for x in rng.integers(1, 12, 2))
@@ -130,15 +141,19 @@ def test_union_ranges_and_sections():
     window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 300, 2))
     spec, _ = _spec_ops(is_causal=causal, local_window_size=window)
     call = common.Call(spec, None, Padded(Tp, Sp, 64), None, None)
-    for cta in range(0, Tp, 2 * bq):
-      ranges = [call.kv_ranges(cta + w * bq, bq, bk, q_len, kv_len) for w in (0, 1)]
+    for cta in (common.cta_rows(call, wgs, bq, i)[1] for i in range(blocks.cdiv(Tp, wgs * bq))):
+      ranges = [common.kv_ranges_of(call, common.Ranges(), 0, 0, cta + w * bq, bq, bk, q_len,
+                                    kv_len, wgs=wgs) for w in range(wgs)]
       lo, hi = (int(x) for x in common.union_range(*ranges))
-      for w in (0, 1):
+      for w in range(wgs):
         a, b, c, d = (int(x) for x in common.clamp_ranges(ranges[w], lo, hi))
         assert lo <= a <= b <= c <= d <= hi
         kinds = {j: "skip" for j in range(lo, hi)}
         kinds.update({j: "masked" for j in list(range(a, b)) + list(range(c, d))})
         kinds.update({j: "full" for j in range(b, c)})
+        if cta + w * bq < 0:   # an idle warpgroup
+          assert set(kinds.values()) <= {"skip"}, (cta, w)
+          continue
         vis = np.asarray(tile.visible(cta + w * bq + np.arange(bq), np.arange(Sp), q_len, kv_len,
                                       causal=causal, window=window))
         for j in range(Sp // bk):
@@ -333,6 +348,30 @@ GPU_CHECKS = ([(name, bf16, mode) for name in GPU_CASES for mode in ("off", "pap
                          ids=[f"{n}-{jnp.dtype(d).name}-{m}" for n, d, m in GPU_CHECKS])
 def test_gpu_matches_exact(name, dtype, max_adjust):
   cases.check_case(IMPL, dict(name=name, **GPU_CASES[name]), dtype, max_adjust, "fast", seed=5)
+
+
+WGS_CASES = [name for name, case in GPU_CASES.items()
+             if "bias" not in case and "mask" not in case and case["H"] < 256]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("max_adjust", ["off", "paper", "safe"])
+@pytest.mark.parametrize("name", WGS_CASES)
+def test_gpu_three_forward_warpgroups_match_two(name, max_adjust):
+  """The forward with three compute warpgroups (the table's at head dim 64; the last CTA's first
+  warpgroups idle where 192 rows do not divide T) computes every row as two do: the same
+  blocks in the same order, so O and the LSE are bitwise equal."""
+  (q, k, v, _, _), kwargs, _ = cases.make_inputs(dict(GPU_CASES[name]), bf16, 3)
+
+  def forward(wgs):
+    config = tuning.table_config(q.shape[-1]).replace(fwd_wgs=wgs)
+    return jax.device_get(stable_attn.dot_product_attention(
+        q, k, v, implementation=IMPL, max_adjust=max_adjust, config=config,
+        return_residuals=True, **kwargs))
+
+  for a, b in zip(jax.tree.leaves(forward(2)), jax.tree.leaves(forward(3))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 FUSED_CASES = ["gpt2", "gqa_h128_lens", "cross_window", "T_gt_S", "empty_rows",

@@ -1,9 +1,9 @@
 """implementation="pallas_mosaic_gpu": flash attention for Hopper (sm_90) in Pallas Mosaic GPU.
 
 TMA loads through multi-stage shared-memory pipelines, wgmma, warp specialisation (a producer
-warpgroup and two compute warpgroups that ping-pong in the forward), exp2 with log2(e) folded
-into the softmax scale, the max adjustment of stable_attn.tile; a deterministic backward (dK/dV and
-dQ kernels, no atomics), or opt-in (TuningConfig.fused_dq) FlashAttention-3's single backward
+warpgroup and two compute warpgroups that ping-pong in the forward, three that run free at head
+dim 64), exp2 with log2(e) folded into the softmax scale, the max adjustment of stable_attn.tile;
+a deterministic backward (dK/dV and dQ kernels, no atomics), or opt-in (TuningConfig.fused_dq) FlashAttention-3's single backward
 kernel that reduce-adds dQ. See forward.py, backward.py and docs/dispatch.md.
 
 What it covers (`covers`): bf16/fp16 on an sm_90 GPU, head dims 64, 128 and 256, numerics "fast",
@@ -143,9 +143,6 @@ def attention(spec: AttentionSpec, ops: Operands,
   reason = covers(spec, ops)
   if reason is not None:
     raise ValueError(f"implementation='pallas_mosaic_gpu' does not cover this call: {reason}")
-  if not is_available():
-    raise ValueError("implementation='pallas_mosaic_gpu' needs a Hopper (sm_90) GPU; the default "
-                     f"backend is {jax.default_backend()!r}")
   H, itemsize = ops.q.shape[-1], jnp.dtype(ops.q.dtype).itemsize
   if config is None:
     config = tuning.table_config(H, itemsize, **_extras(ops))
@@ -153,4 +150,10 @@ def attention(spec: AttentionSpec, ops: Operands,
     raise ValueError(f"config for implementation='pallas_mosaic_gpu' must be a "
                      f"pallas_kernels.mosaic_gpu.tuning.TuningConfig, got {config!r}")
   config.check_smem(H, itemsize, **_extras(ops))
+  if config.fwd_wgs != tuning.COMPUTE_WGS and _extras(ops):
+    raise ValueError(f"config.fwd_wgs={config.fwd_wgs} takes no bias or mask operands (their "
+                     f"tiles stream per pair of warpgroups): use fwd_wgs={tuning.COMPUTE_WGS}")
+  if not is_available():
+    raise ValueError("implementation='pallas_mosaic_gpu' needs a Hopper (sm_90) GPU; the default "
+                     f"backend is {jax.default_backend()!r}")
   return _flash(spec, config, ops)

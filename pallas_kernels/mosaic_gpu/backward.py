@@ -314,13 +314,11 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
    mask_smem, ds_smem), (q_loaded, loaded), free = scratch
   spec, tiles = call.spec, call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
-  num_tiles = call.pad.T // (2 * bq)
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  cta_q = (num_tiles - 1 - lax.axis_index("q_seq")) * (2 * bq)
+  _, cta_q = common.cta_rows(call, 2, bq, lax.axis_index("q_seq"))   # heaviest causal first
   q_len, kv_len = call.lengths(refs, b)
-  kv_ranges = lambda q_start: call.kv_ranges(
-      q_start, bq, bk, q_len, kv_len, common.block_range(ranges.segments, b, n, q_start // bq),
-      common.block_range(ranges.mask, b, n, q_start // bq))
+  kv_ranges = lambda q_start: common.kv_ranges_of(call, ranges, b, n, q_start, bq, bk, q_len,
+                                                  kv_len)
   lo, hi = common.union_range(kv_ranges(cta_q), kv_ranges(cta_q + bq))
   order = common.schedule(ranges, b, n, lo, hi, cta_q, 2 * bq)
 

@@ -209,6 +209,33 @@ def block_range(ranges_ref, b, n, block):
   return tuple(ranges_ref[(*index, block, c)] for c in range(4))
 
 
+def kv_ranges_of(call: Call, ranges: Ranges, b, n, q_start, bq: int, bk: int, q_len, kv_len, *,
+                 wgs: int = 2):
+  """(lo, flo, fhi, hi) of the key blocks that one warpgroup's query rows [q_start, +bq) visit:
+  the causal, window and length ranges with the packed-sequence and mask ranges (`ranges`, at
+  batch row b and head n) intersected in. With 3 warpgroups per CTA, T is padded to 2 * bq rows
+  only and the CTAs are aligned to its end (`cta_rows`): a warpgroup whose rows start before 0 is
+  idle, an empty range."""
+  idle_rows = call.pad.T % (wgs * bq) != 0
+  block = jnp.maximum(q_start // bq, 0) if idle_rows else q_start // bq
+  sections = call.kv_ranges(q_start, bq, bk, q_len, kv_len,
+                            block_range(ranges.segments, b, n, block),
+                            block_range(ranges.mask, b, n, block))
+  if idle_rows:
+    sections = tuple(jnp.where(q_start >= 0, x, 0) for x in sections)
+  return sections
+
+
+def cta_rows(call: Call, wgs: int, bq: int, index):
+  """(number of CTAs, the first row of CTA `index`) of a kernel whose CTAs own wgs * bq query
+  rows, the heaviest causal rows first: the CTAs are aligned to the padded T's end, so when
+  wgs * bq does not divide it (3 warpgroups), the last CTA's first warpgroups are idle (rows
+  before 0) -- the lightest rows under a causal mask, not the heaviest."""
+  rows = wgs * bq
+  num = blocks.cdiv(call.pad.T, rows)
+  return num, call.pad.T - (index + 1) * rows
+
+
 def pairwise_index(ref, b, n):
   """(batch, head) index into a [Bx, Nx, ...] operand whose leading dims are full or 1."""
   return (b if ref.shape[0] > 1 else 0, n if ref.shape[1] > 1 else 0)
@@ -220,17 +247,19 @@ def pairwise_tile(ref, b, n, rows, cols):
   return ref.at[(*pairwise_index(ref, b, n), rows, cols)]
 
 
-def union_range(ranges_0, ranges_1):
-  """The blocks the producer streams for two warpgroups' (lo, flo, fhi, hi) ranges.
+def union_range(*ranges):
+  """The blocks the producer streams for the compute warpgroups' (lo, flo, fhi, hi) ranges, given
+  in the order of the rows they own.
 
-  Ranges are monotone in the rows a warpgroup owns, and warpgroup 1 owns the later rows, so the
-  union is [lo_0, max(hi_0, hi_1)) -- except where a range is empty (then it is the other one).
+  Ranges are monotone in the rows a warpgroup owns, so the union is [the first lo, the largest
+  hi) -- except where a range is empty (it then adds nothing).
   """
-  lo0, hi0 = ranges_0[0], ranges_0[3]
-  lo1, hi1 = ranges_1[0], ranges_1[3]
-  empty0, empty1 = hi0 <= lo0, hi1 <= lo1
-  lo = jnp.where(empty0, lo1, jnp.where(empty1, lo0, jnp.minimum(lo0, lo1)))
-  hi = jnp.where(empty0, hi1, jnp.where(empty1, hi0, jnp.maximum(hi0, hi1)))
+  lo, hi = ranges[0][0], ranges[0][3]
+  for later in ranges[1:]:
+    lo1, hi1 = later[0], later[3]
+    empty0, empty1 = hi <= lo, hi1 <= lo1
+    lo = jnp.where(empty0, lo1, jnp.where(empty1, lo, jnp.minimum(lo, lo1)))
+    hi = jnp.where(empty0, hi1, jnp.where(empty1, hi, jnp.maximum(hi, hi1)))
   return lo, jnp.maximum(hi, lo)
 
 
@@ -316,12 +345,14 @@ def profiling(directory: str, ranges: int = 256):
     jax.clear_caches()
 
 
-def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: bool = False):
-  """A warp-specialised Mosaic GPU kernel named `name` (in profiles): two compute warpgroups and
-  a producer ("wg" 0, 1, 2) per CTA over `grid`. Returns run(*inputs): each input is a pytree of
-  arrays (the padded `Operands`, `BackwardInputs`; None leaves for absent ones), and
-  kernel(*inputs as the same pytrees of refs, *output refs, scratch) gets them by name, then
-  `scratch` (a tuple of SMEM / barrier types) allocated collectively for the three warpgroups.
+def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: bool = False,
+           compute_wgs: int = 2):
+  """A warp-specialised Mosaic GPU kernel named `name` (in profiles): `compute_wgs` compute
+  warpgroups and a producer ("wg" 0 .. compute_wgs, the producer last) per CTA over `grid`.
+  Returns run(*inputs): each input is a pytree of arrays (the padded `Operands`,
+  `BackwardInputs`; None leaves for absent ones), and kernel(*inputs as the same pytrees of refs,
+  *output refs, scratch) gets them by name, then `scratch` (a tuple of SMEM / barrier types)
+  allocated collectively for the warpgroups.
   in_place: some inputs are jax.new_ref arrays the kernel writes (pl.kernel takes them;
   plgpu.kernel's vmap wrapper does not -- the API folds vmap into the batch before any kernel
   runs)."""
@@ -335,12 +366,12 @@ def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: 
 
     params = plgpu.CompilerParams(approx_math=True, **_PROFILE)
     if in_place:
-      mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg",
-                        kernel_name=name)
+      mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=compute_wgs + 1,
+                        thread_name="wg", kernel_name=name)
       return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=params, name=name)(
           *flat)
     return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
-                        num_threads=3, thread_name="wg", compiler_params=params,
+                        num_threads=compute_wgs + 1, thread_name="wg", compiler_params=params,
                         kernel_name=name)(*flat)
 
   return run

@@ -1,11 +1,16 @@
 """Forward kernel: FlashAttention-3's structure in Pallas Mosaic GPU, with stable_attn's tile math.
 
-One CTA per (batch, query head, 2 * block_q query rows), three warpgroups:
-  compute 0, 1  each owns block_q query rows (Q resident in shared memory) and runs the online
-                softmax over the union of the two warpgroups' key blocks; QK^T and PV are wgmma
+One CTA per (batch, query head, W * block_q query rows), W compute warpgroups and a producer
+(W = TuningConfig.fwd_wgs: 2, or 3 at head dim 64):
+  compute       each owns block_q query rows (Q resident in shared memory) and runs the online
+                softmax over the union of the warpgroups' key blocks; QK^T and PV are wgmma
                 (PV with P from registers), scores in log2 units so P = exp2(s - m) is one FMA
-                per element. A schedule barrier makes the two warpgroups ping-pong: one's softmax
-                runs while the other's matmuls occupy the tensor cores.
+                per element. Two warpgroups ping-pong on a schedule barrier: one's softmax runs
+                while the other's matmuls occupy the tensor cores. Three run free (FA3's
+                head-dim-64 shape, where one softmax takes twice the two products: three
+                softmaxes in flight keep the SM's schedulers busier; a turn-taking ring like
+                FA3's scheduler barrier measured slower). CTAs are aligned to T's end, so when
+                3 * block_q does not divide T the last CTA's first warpgroups idle.
   producer      streams K and V blocks through `stages` slots with TMA (common.py: pipelines).
 Causal and window masks: blocks outside a warpgroup's range are skipped, blocks every row sees
 whole run without the mask, edge blocks with it (stable_attn.blocks). Packed sequences: the
@@ -16,7 +21,7 @@ padding at the end.
 max_adjust "safe" reads its per-row offsets (the call's operand, stable_attn.tile.safe_offset per
 head and position) and folds them into the row max; "paper" runs the paper's rule per block.
 A logit soft cap is applied to the tile by tile.scores (tanh in fp32); attention sinks join each
-row's denominator in tile.finalize, after the key blocks. Bias and mask operands: the CTA's
+row's denominator in tile.finalize, after the key blocks. Bias and mask operands (2 warpgroups): the CTA's
 [2 * block_q, block_kv] tiles of them travel with K (TMA, same barrier) and each warpgroup reads
 its half into registers before the slot is freed; the mask's block ranges (blocks.mask_sections)
 bound the loop like the segments', the producer streams only the blocks whose tile holds a True
@@ -38,7 +43,8 @@ from stable_attn.spec import Operands
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
 
-COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
+# Registers per thread (compute, producer) by compute warpgroups: 64K per SM in all.
+REGISTERS = {2: (232, 40), 3: (160, 32)}
 
 
 def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, call: Call):
@@ -46,37 +52,41 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       loaded, free, schedule) = scratch[0], scratch[1:]
   q_loaded, k_loaded, v_loaded = loaded
   k_free, v_free = free
-  spec, dt, tiles = call.spec, call.dt, call.config.fwd
+  spec, dt, tiles, wgs = call.spec, call.dt, call.config.fwd, call.config.fwd_wgs
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
-  num_tiles = call.pad.T // (2 * bq)
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  cta_q = (num_tiles - 1 - lax.axis_index("q_seq")) * (2 * bq)   # heaviest causal tiles first
+  _, cta_q = common.cta_rows(call, wgs, bq, lax.axis_index("q_seq"))   # heaviest causal first
+  idle_rows = call.pad.T % (wgs * bq) != 0   # (3 warpgroups: the last CTA's first are idle)
   q_len, kv_len = call.lengths(refs, b)
-  # The key blocks of one warpgroup's rows (its packed-sequence and mask ranges intersected in).
-  kv_ranges = lambda q_start: call.kv_ranges(
-      q_start, bq, bk, q_len, kv_len, common.block_range(ranges.segments, b, n, q_start // bq),
-      common.block_range(ranges.mask, b, n, q_start // bq))
-  lo, hi = common.union_range(kv_ranges(cta_q), kv_ranges(cta_q + bq))
-  order = common.schedule(ranges, b, n, lo, hi, cta_q, 2 * bq)
 
-  def rendezvous():
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
+  kv_ranges = lambda q_start: common.kv_ranges_of(call, ranges, b, n, q_start, bq, bk, q_len,
+                                                  kv_len, wgs=wgs)
+  lo, hi = common.union_range(*(kv_ranges(cta_q + i * bq) for i in range(wgs)))
+  order = common.schedule(ranges, b, n, lo, hi, cta_q, wgs * bq)
 
-  @pl.when(wg < 2)
+  def rendezvous():   # the ping-pong of two warpgroups; three run free
+    if wgs == 2:
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
+  @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    plgpu.set_max_registers(REGISTERS[wgs][0], action="increase")
     q_start = cta_q + wg * bq
-    with jax.named_scope("load_q"):   # (the named regions are what common.profiling records)
-      plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(q_start, bq), n], q_smem.at[wg],
-                              q_loaded.at[wg])
-      if call.safe:
-        plgpu.copy_gmem_to_smem(refs.offset.at[n, pl.ds(q_start, bq)], off_smem.at[wg],
+    if_rows = pl.when(q_start >= 0) if idle_rows else lambda f: f()   # not idle
+
+    @if_rows
+    def _load_q():
+      with jax.named_scope("load_q"):   # (the named regions are what common.profiling records)
+        plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(q_start, bq), n], q_smem.at[wg],
                                 q_loaded.at[wg])
-      if call.packed:
-        plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
-                                q_loaded.at[wg])
-      plgpu.barrier_wait(q_loaded.at[wg])
+        if call.safe:
+          plgpu.copy_gmem_to_smem(refs.offset.at[n, pl.ds(q_start, bq)], off_smem.at[wg],
+                                  q_loaded.at[wg])
+        if call.packed:
+          plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
+                                  q_loaded.at[wg])
+        plgpu.barrier_wait(q_loaded.at[wg])
     offset = None   # natural units in memory (stable_attn's operand), log2 units here
     if call.safe:
       offset = common.load_vector(off_smem.at[wg], ROWS) * tile.LOG2E
@@ -111,9 +121,11 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       with jax.named_scope("softmax"):
         acc, stats, probs = softmax(slot, j, qk, acc, stats, kind)
       with jax.named_scope("wait_v"):
-        plgpu.barrier_arrive(schedule)
+        if wgs == 2:
+          plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_wait(schedule)
+        if wgs == 2:
+          plgpu.barrier_wait(schedule)
 
       def pv_product(acc_ref):
         plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
@@ -154,16 +166,19 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       pl.when(wg == 0)(rendezvous)
       sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
       o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True, sink=sink)
-      q_smem.at[wg][...] = o
-      lse_smem.at[wg][...] = lse
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, pl.ds(q_start, bq), n])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(q_start, bq)])
-      common.drain_stores()
 
-  @pl.when(wg == 2)
+      @if_rows
+      def _store():
+        q_smem.at[wg][...] = o
+        lse_smem.at[wg][...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, pl.ds(q_start, bq), n])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(q_start, bq)])
+        common.drain_stores()
+
+  @pl.when(wg == wgs)
   def _produce():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(REGISTERS[wgs][1], action="decrease")
     kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
 
     def loader(ref, smem, barrier):
@@ -185,28 +200,30 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   """Padded operands (x.offset: [N, Tp] fp32 natural units, or None; x.bias, x.mask: [Bx, Nx, Tp,
   Sp], the mask as int8) and their block ranges (common.block_ranges per block_q rows) -> (O [B,
   Tp, N, H] in the input dtype, LSE fp32 [B, N, Tp])."""
-  tiles = call.config.fwd
+  tiles, wgs = call.config.fwd, call.config.fwd_wgs
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
   dtype = x.q.dtype
   mma = common.mma_transforms(dtype, bk)
 
-  smem = (plgpu.SMEM((2, bq, H), dtype, transforms=mma),
+  smem = (plgpu.SMEM((wgs, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
-          plgpu.SMEM((2, bq), f32) if call.safe else None,
-          plgpu.SMEM((2, bq), f32),
-          plgpu.SMEM((2, bq), jnp.int32) if call.packed else None,
+          plgpu.SMEM((wgs, bq), f32) if call.safe else None,
+          plgpu.SMEM((wgs, bq), f32),
+          plgpu.SMEM((wgs, bq), jnp.int32) if call.packed else None,
           plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None,
-          *common.pairwise_smem(x, stages, 2 * bq, bk))
+          *common.pairwise_smem(x, stages, wgs * bq, bk))
   with_k = 1 + call.packed + (x.bias is not None) + (x.mask is not None)
-  loaded = (plgpu.Barrier(num_arrivals=1 + call.safe + call.packed, num_barriers=2),
+  loaded = (plgpu.Barrier(num_arrivals=1 + call.safe + call.packed, num_barriers=wgs),
             plgpu.Barrier(num_arrivals=with_k, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages))
-  free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2
+  free = (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2
+  schedule = plgpu.Barrier(num_arrivals=2) if wgs == 2 else None   # the ping-pong's
   return common.launch(
-      functools.partial(_kernel, call=call), (smem, loaded, free, plgpu.Barrier(num_arrivals=2)),
-      name="stable_attn_forward",
+      functools.partial(_kernel, call=call), (smem, loaded, free, schedule),
+      name="stable_attn_forward", compute_wgs=wgs,
       out_type=(jax.ShapeDtypeStruct(x.q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)),
-      grid=(B, N, Tp // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
+      grid=(B, N, common.cta_rows(call, wgs, bq, 0)[0]),
+      grid_names=("batch", "heads", "q_seq"),
   )(x, ranges)

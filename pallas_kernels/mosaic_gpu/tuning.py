@@ -1,8 +1,8 @@
 """Tiles and pipeline depths of the Hopper kernels: small frozen configs that validate themselves.
 
-Every kernel runs one CTA of three warpgroups: two compute warpgroups (each owning `block_q`
-query rows, or `block_kv` key rows in the dK/dV kernel) and one producer warpgroup that streams
-the other operand through `stages` shared-memory slots with TMA.
+Every kernel runs CTAs of two compute warpgroups (each owning `block_q` query rows, or `block_kv`
+key rows in the dK/dV kernel; three in the forward at head dim 64: `fwd_wgs`) and one producer
+warpgroup that streams the other operand through `stages` shared-memory slots with TMA.
 
     config = tuning.TuningConfig(fwd=tuning.Tiles(64, 128, 2), dkv=..., dq=...)
     stable_attn.dot_product_attention(..., implementation="pallas_mosaic_gpu", config=config)
@@ -62,6 +62,11 @@ class TuningConfig:
   # dK and dV in two passes of the dK/dV kernel (one fp32 accumulator each): head dim 256, where
   # both take 256 registers per thread (a warpgroup has 232).
   dkv_passes: int = 1
+  # Compute warpgroups of the forward: 2 that ping-pong, or 3 that run free (FlashAttention-3's
+  # head-dim-64 shape, 3 * block_q query rows per CTA, 160 registers per thread; T is not padded
+  # to 3 * block_q: the last CTA's first warpgroups idle). 3 takes no bias or mask operands (their
+  # tiles and block order are per pair of warpgroups).
+  fwd_wgs: int = COMPUTE_WGS
 
   def __post_init__(self):
     self.fwd.check_owned("block_q", "fwd")
@@ -69,6 +74,8 @@ class TuningConfig:
     self.dq.check_owned("block_q", "dq")
     if self.dkv_passes not in (1, 2):
       raise ValueError(f"dkv_passes must be 1 or 2, got {self.dkv_passes!r}")
+    if self.fwd_wgs not in (2, 3):
+      raise ValueError(f"fwd_wgs must be 2 or 3, got {self.fwd_wgs!r}")
     if self.fused_dq and self.dkv_passes != 1:
       raise ValueError("fused_dq adds dQ in the one dK/dV pass: it needs dkv_passes=1")
 
@@ -96,8 +103,9 @@ class TuningConfig:
     # and mask tiles cover the CTA's resident rows and one streamed block per stage.
     fwd, dkv, dq = self.fwd, self.dkv, self.dq
     need = {
-        "fwd": (COMPUTE_WGS * fwd.block_q * (row + 12) + fwd.stages * fwd.block_kv * (2 * row + 4)
-                + fwd.stages * COMPUTE_WGS * fwd.block_q * fwd.block_kv * beside),
+        "fwd": (self.fwd_wgs * fwd.block_q * (row + 12)
+                + fwd.stages * fwd.block_kv * (2 * row + 4)
+                + fwd.stages * self.fwd_wgs * fwd.block_q * fwd.block_kv * beside),
         "dkv": (COMPUTE_WGS * dkv.block_kv * (2 * row + 4)
                 + dkv.stages * dkv.block_q * (2 * row + 12)
                 + dkv.stages * COMPUTE_WGS * dkv.block_kv * dkv.block_q * beside
@@ -123,8 +131,9 @@ class TuningConfig:
 
 _T = Tiles
 TABLE = {
-    # Chosen by benchmarks/mosaic_sweep.py on an H100 (docs/hopper_kernel.md).
-    64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2)),
+    # Chosen by benchmarks/mosaic_sweep.py on an H100 (docs/hopper_kernel.md); three forward
+    # warpgroups at 64 by a same-process A/B (1.01-1.13x the forward of two, bitwise equal).
+    64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3),
     128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2)),
     # What fits 227 KB at 512-byte rows: 64-row K/V blocks in the forward; 32-row streamed blocks
     # in the backward, whose dK and dV take two passes (docs/hopper_kernel.md).
@@ -160,6 +169,7 @@ def table_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
   config = TABLE[head_dim]
   if not extras:
     return config
+  config = config.replace(fwd_wgs=COMPUTE_WGS)   # bias and mask tiles stream per pair
   candidates = (config, config.replace(dkv=_BESIDE), config.replace(fwd=_BESIDE),
                 config.replace(fwd=_BESIDE, dkv=_BESIDE))
   for candidate in candidates:
