@@ -107,10 +107,15 @@ class Call:
                        soft_cap=self.spec.logits_soft_cap)
 
   def iota_positions(self, shape, q_start, k_start, *, q_axis: int):
-    """int32 query and key positions of a tile, in the WGMMA layout."""
-    q = plgpu.broadcasted_iota(i32, shape, q_axis, layout=plgpu.Layout.WGMMA) + q_start
-    k = plgpu.broadcasted_iota(i32, shape, 1 - q_axis, layout=plgpu.Layout.WGMMA) + k_start
-    return q, k
+    """int32 query and key positions of a tile, in the WGMMA layout: a per-row and a per-column
+    vector broadcast, so a thread holds 2 row and 32 column positions. (A 2-D iota of the tile
+    let LLVM compute the rows per element and hoist them out of the key loop: ptxas spilled 180
+    bytes in the H64 causal forward with "safe" and 300 in the H128 dK/dV kernel, against 0 and
+    132 this way; same positions, outputs bitwise equal.)"""
+    def along(axis, start):
+      vector = plgpu.broadcasted_iota(i32, (shape[axis],), 0, layout=ROWS if axis == 0 else COLS)
+      return lax.broadcast_in_dim(vector + start, shape, (axis,))
+    return along(q_axis, q_start), along(1 - q_axis, k_start)
 
   def visible(self, shape, q_start, k_start, q_len, kv_len, *, q_axis: int = 0, q_ids=None,
               kv_ids=None, mask=None):
