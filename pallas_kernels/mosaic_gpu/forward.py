@@ -23,9 +23,10 @@ head and position) and folds them into the row max; "paper" runs the paper's rul
 A logit soft cap is applied to the tile by tile.scores (tanh in fp32); attention sinks join each
 row's denominator in tile.finalize, after the key blocks. Bias and mask operands (two warpgroups
 only): the CTA's [2 * block_q, block_kv] tiles of them travel with K (TMA, same barrier) and each
-warpgroup reads its half into registers before the slot is freed; the mask's block ranges (blocks.mask_sections)
-bound the loop like the segments', the producer streams only the blocks whose tile holds a True
-for the CTA's rows (blocks.mask_order), and only edge blocks read the mask tile.
+warpgroup reads its half into registers before the slot is freed; the mask's block ranges
+(blocks.mask_sections) bound the loop like the segments', the producer streams only the blocks
+whose tile holds a True for the CTA's rows (blocks.mask_order), and only edge blocks read the
+mask tile.
 """
 from __future__ import annotations
 
