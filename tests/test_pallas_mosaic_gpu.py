@@ -114,7 +114,8 @@ def test_tuning_config_validates():
   with pytest.raises(ValueError, match="fwd_wgs must be 2 or 3"):
     tuning.table_config(64).replace(fwd_wgs=4)
   # three forward warpgroups at head dim 64, two (per pair: the tiles) with a bias or mask
-  assert tuning.table_config(64).fwd_wgs == 3 and tuning.table_config(128).fwd_wgs == 2
+  assert tuning.table_config(64).fwd_wgs == tuning.table_config(128).fwd_wgs == 3
+  assert tuning.table_config(256).fwd_wgs == 2
   assert tuning.table_config(64, beside=1).fwd_wgs == 2
   q = jnp.ones((1, 64, 2, 64), bf16)
   with pytest.raises(ValueError, match="fwd_wgs=3 takes no bias or mask"):

@@ -1,16 +1,17 @@
 """Forward kernel: FlashAttention-3's structure in Pallas Mosaic GPU, with stable_attn's tile math.
 
 One CTA per (batch, query head, W * block_q query rows), W compute warpgroups and a producer
-(W = TuningConfig.fwd_wgs: 2, or 3 at head dim 64):
+(W = TuningConfig.fwd_wgs: 3 at head dims 64 and 128, else 2; 2 with bias or mask operands):
   compute       each owns block_q query rows (Q resident in shared memory) and runs the online
                 softmax over the union of the warpgroups' key blocks; QK^T and PV are wgmma
                 (PV with P from registers), scores in log2 units so P = exp2(s - m) is one FMA
                 per element. Two warpgroups ping-pong on a schedule barrier: one's softmax runs
                 while the other's matmuls occupy the tensor cores. Three run free (FA3's
                 head-dim-64 shape, where one softmax takes twice the two products: three
-                softmaxes in flight keep the SM's schedulers busier; a turn-taking ring like
-                FA3's scheduler barrier measured slower). CTAs are aligned to T's end, so when
-                3 * block_q does not divide T the last CTA's first warpgroups idle.
+                softmaxes in flight keep the SM's schedulers busier; faster at 128 too; a
+                turn-taking ring like FA3's scheduler barrier measured slower). CTAs are
+                aligned to T's end, so when 3 * block_q does not divide T the last CTA's first
+                warpgroups idle.
   producer      streams K and V blocks through `stages` slots with TMA (common.py: pipelines).
 Causal and window masks: blocks outside a warpgroup's range are skipped, blocks every row sees
 whole run without the mask, edge blocks with it (stable_attn.blocks). Packed sequences: the

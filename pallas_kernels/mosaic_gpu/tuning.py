@@ -1,8 +1,8 @@
 """Tiles and pipeline depths of the Hopper kernels: small frozen configs that validate themselves.
 
 Every kernel runs CTAs of two compute warpgroups (each owning `block_q` query rows, or `block_kv`
-key rows in the dK/dV kernel; three in the forward at head dim 64: `fwd_wgs`) and one producer
-warpgroup that streams the other operand through `stages` shared-memory slots with TMA.
+key rows in the dK/dV kernel; three in the forward at head dims 64 and 128: `fwd_wgs`) and one
+producer warpgroup that streams the other operand through `stages` shared-memory slots with TMA.
 
     config = tuning.TuningConfig(fwd=tuning.Tiles(64, 128, 2), dkv=..., dq=...)
     stable_attn.dot_product_attention(..., implementation="pallas_mosaic_gpu", config=config)
@@ -132,9 +132,10 @@ class TuningConfig:
 _T = Tiles
 TABLE = {
     # Chosen by benchmarks/mosaic_sweep.py on an H100 (docs/hopper_kernel.md); three forward
-    # warpgroups at 64 by a same-process A/B (1.01-1.13x the forward of two, bitwise equal).
+    # warpgroups by same-process A/Bs (bitwise equal to two): 1.01-1.13x the forward of two at
+    # 64, 1.05-1.11x at 128 (once the mask's positions stopped spilling at 160 registers).
     64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3),
-    128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2)),
+    128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2), fwd_wgs=3),
     # What fits 227 KB at 512-byte rows: 64-row K/V blocks in the forward; 32-row streamed blocks
     # in the backward, whose dK and dV take two passes (docs/hopper_kernel.md).
     256: TuningConfig(fwd=_T(64, 64, 2), dkv=_T(32, 64, 2), dq=_T(64, 32, 2), dkv_passes=2),
