@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python benchmarks/mosaic_sweep.py [--shapes targets] [--kernels fwd,dkv,dq]
 
-Each variant replaces one kernel's Tiles in the table's TuningConfig (the forward's also its
-compute warpgroups, 2 or 3: `TuningConfig.fwd_wgs`); "fwd" variants are timed forward only, the
-others forward+backward, against cuDNN timed in the same run. Protocol of
-benchmarks/attention.py (loops of back-to-back calls, median of blocks).
+Each variant replaces one kernel's Tiles in the table's TuningConfig (the forward's and the dQ
+kernel's also their compute warpgroups, 2 or 3: `TuningConfig.fwd_wgs`, `dq_wgs`); "fwd" variants
+are timed forward only, the others forward+backward, against cuDNN timed in the same run.
+Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ VARIANTS = {   # TuningConfig fields each variant replaces
     # three warpgroups get 160 registers per thread: key blocks up to 128 rows
     "fwd": [dict(fwd=t, fwd_wgs=w) for w in (2, 3) for t in _FWD if w == 2 or t.block_kv <= 128],
     "dkv": [dict(dkv=t) for t in (T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(128, 64, 2))],
-    "dq": [dict(dq=t) for t in (T(64, 64, 2), T(64, 64, 3), T(64, 128, 2), T(64, 128, 3))],
+    "dq": [dict(dq=t, dq_wgs=w) for w in (2, 3)
+           for t in (T(64, 64, 2), T(64, 64, 3), T(64, 128, 2), T(64, 128, 3))],
 }
 
 
@@ -66,7 +67,7 @@ def main(argv=None):
         config = base.replace(**variant)
         tiles = variant[kernel]
         tag = " (table)" if all(getattr(base, k) == v for k, v in variant.items()) else ""
-        wgs = f" wg{variant['fwd_wgs']}" if "fwd_wgs" in variant else ""
+        wgs = "".join(f" wg{w}" for name, w in variant.items() if name.endswith("_wgs"))
         try:
           config.check_smem(H, 2)
           fn = functools.partial(

@@ -113,14 +113,21 @@ def test_tuning_config_validates():
     tuning.table_config(96)
   with pytest.raises(ValueError, match="fwd_wgs must be 2 or 3"):
     tuning.table_config(64).replace(fwd_wgs=4)
-  # three forward warpgroups at head dim 64, two (per pair: the tiles) with a bias or mask
-  assert tuning.table_config(64).fwd_wgs == tuning.table_config(128).fwd_wgs == 3
-  assert tuning.table_config(256).fwd_wgs == 2
-  assert tuning.table_config(64, beside=1).fwd_wgs == 2
+  with pytest.raises(ValueError, match="dq_wgs must be 2 or 3"):
+    tuning.table_config(64).replace(dq_wgs=1)
+  with pytest.raises(ValueError, match="dq tiling"):   # three dQ warpgroups do not fit at 256
+    tuning.table_config(256).replace(dq_wgs=3).check_smem(256, 2)
+  # three forward and dQ warpgroups at head dims 64 and 128, two (per pair: the tiles) with a
+  # bias or mask
+  for h, wgs in ((64, 3), (128, 3), (256, 2)):
+    assert tuning.table_config(h).fwd_wgs == tuning.table_config(h).dq_wgs == wgs
+    assert tuning.table_config(h, beside=1).fwd_wgs == tuning.table_config(h, beside=1).dq_wgs == 2
   q = jnp.ones((1, 64, 2, 64), bf16)
-  with pytest.raises(ValueError, match="fwd_wgs=3 takes no bias or mask"):
-    stable_attn.dot_product_attention(q, q, q, mask=jnp.ones((64, 64), bool), implementation=IMPL,
-                                      config=tuning.table_config(64))
+  for name in ("fwd_wgs", "dq_wgs"):
+    config = tuning.table_config(64, beside=1).replace(**{name: 3})
+    with pytest.raises(ValueError, match=f"{name}=3 takes no bias or mask"):
+      stable_attn.dot_product_attention(q, q, q, mask=jnp.ones((64, 64), bool),
+                                        implementation=IMPL, config=config)
   for h in tuning.HEAD_DIMS:
     tuning.table_config(h).check_smem(h, 2)
 
@@ -359,19 +366,22 @@ WGS_CASES = [name for name, case in GPU_CASES.items()
 @on_hopper
 @pytest.mark.parametrize("max_adjust", ["off", "paper", "safe"])
 @pytest.mark.parametrize("name", WGS_CASES)
-def test_gpu_three_forward_warpgroups_match_two(name, max_adjust):
-  """The forward with three compute warpgroups (the table's at head dim 64; the last CTA's first
-  warpgroups idle where 192 rows do not divide T) computes every row as two do: the same
-  blocks in the same order, so O and the LSE are bitwise equal."""
-  (q, k, v, _, _), kwargs, _ = cases.make_inputs(dict(GPU_CASES[name]), bf16, 3)
+def test_gpu_three_warpgroups_match_two(name, max_adjust):
+  """The forward and the dQ kernel with three compute warpgroups (the table's at head dims 64 and
+  128; the last CTA's first warpgroups idle where 192 rows do not divide T) compute every row as
+  two do: the same blocks in the same order, so O, the LSE and the gradients are bitwise equal."""
+  (q, k, v, _, _), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 3)
 
-  def forward(wgs):
-    config = tuning.table_config(q.shape[-1]).replace(fwd_wgs=wgs)
-    return jax.device_get(stable_attn.dot_product_attention(
+  def run(wgs):
+    config = tuning.table_config(q.shape[-1]).replace(fwd_wgs=wgs, dq_wgs=wgs)
+    attend = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, implementation=IMPL, max_adjust=max_adjust, config=config,
-        return_residuals=True, **kwargs))
+        return_residuals=True, **kwargs)
+    (out, residuals), vjp = jax.vjp(attend, q, k, v)
+    grads = vjp((do, jax.tree.map(jnp.zeros_like, residuals)))
+    return jax.device_get((out, residuals, grads))
 
-  for a, b in zip(jax.tree.leaves(forward(2)), jax.tree.leaves(forward(3))):
+  for a, b in zip(jax.tree.leaves(run(2)), jax.tree.leaves(run(3))):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 

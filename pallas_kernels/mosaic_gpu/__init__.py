@@ -151,9 +151,11 @@ def attention(spec: AttentionSpec, ops: Operands,
     raise ValueError(f"config for implementation='pallas_mosaic_gpu' must be a "
                      f"pallas_kernels.mosaic_gpu.tuning.TuningConfig, got {config!r}")
   config.check_smem(H, itemsize, **_extras(ops))
-  if config.fwd_wgs != tuning.COMPUTE_WGS and _extras(ops):
-    raise ValueError(f"config.fwd_wgs={config.fwd_wgs} takes no bias or mask operands (their "
-                     f"tiles stream per pair of warpgroups): use fwd_wgs={tuning.COMPUTE_WGS}")
+  for name in ("fwd_wgs", "dq_wgs"):
+    if getattr(config, name) != tuning.COMPUTE_WGS and _extras(ops):
+      raise ValueError(f"config.{name}={getattr(config, name)} takes no bias or mask operands "
+                       f"(their tiles stream per pair of warpgroups): use {name}="
+                       f"{tuning.COMPUTE_WGS}")
   if not is_available():
     raise ValueError("implementation='pallas_mosaic_gpu' needs a Hopper (sm_90) GPU; the default "
                      f"backend is {jax.default_backend()!r}")

@@ -7,8 +7,9 @@ dK/dV  one CTA per (batch, kv head, 2 * block_kv key rows). Each compute warpgro
        every query head of the kv head's group (GQA is summed here, in registers) over the query
        blocks that see the CTA's keys. The tile is computed transposed (S^T = K Q^T, FA3's
        SwapAB), so P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers.
-dQ     one CTA per (batch, query head, 2 * block_q query rows), like the forward: Q, dO, LSE and
-       delta resident, K and V streamed; dQ += dS K.
+dQ     one CTA per (batch, query head, W * block_q query rows; W = TuningConfig.dq_wgs compute
+       warpgroups, 3 at head dims 64 and 128 as in the forward, 2 with a bias's dS or a mask),
+       like the forward: Q, dO, LSE and delta resident, K and V streamed; dQ += dS K.
 fused  the dK/dV kernel stores each step's dS^T in shared memory and adds dS K (fp32) into a zeroed
        dQ accumulator with a TMA reduce-add; at head dim 128 the two warpgroups share dS^T and each
        adds half of dQ's columns over the CTA's keys (FA3's split).
@@ -37,7 +38,7 @@ from stable_attn.spec import BackwardInputs, Operands
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
 
-COMPUTE_REGISTERS, PRODUCER_REGISTERS = 232, 40
+COMPUTE_REGISTERS, PRODUCER_REGISTERS = common.REGISTERS[2]   # the dK/dV kernel's
 
 
 def _scores_then_p(qk_product, dp_product, shape, p_of_scores):
@@ -307,7 +308,7 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
 # ---------------------------------------------------------------------------------------------
 
 def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_ref, *rest,
-               call: Call):
+               call: Call, wgs: int):
   """With a bias, rest = (dS [B, N, Tp, Sp], scratch): every block's dS, zeros where unvisited."""
   ds_ref, scratch = rest if len(rest) == 2 else (None, rest[0])
   (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, qseg_smem, kseg_smem, bias_smem,
@@ -315,29 +316,34 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
   spec, tiles = call.spec, call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  _, cta_q = common.cta_rows(call, 2, bq, lax.axis_index("q_seq"))   # heaviest causal first
+  _, cta_q = common.cta_rows(call, wgs, bq, lax.axis_index("q_seq"))   # heaviest causal first
+  idle_rows = call.pad.T % (wgs * bq) != 0
   q_len, kv_len = call.lengths(refs, b)
   kv_ranges = lambda q_start: common.kv_ranges_of(call, ranges, b, n, q_start, bq, bk, q_len,
-                                                  kv_len)
-  lo, hi = common.union_range(kv_ranges(cta_q), kv_ranges(cta_q + bq))
-  order = common.schedule(ranges, b, n, lo, hi, cta_q, 2 * bq)
+                                                  kv_len, wgs=wgs)
+  lo, hi = common.union_range(*(kv_ranges(cta_q + i * bq) for i in range(wgs)))
+  order = common.schedule(ranges, b, n, lo, hi, cta_q, wgs * bq)
 
-  @pl.when(wg < 2)
+  @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
     q_start = cta_q + wg * bq
+    if_rows = pl.when(q_start >= 0) if idle_rows else lambda f: f()   # not idle
     rows = (b, pl.ds(q_start, bq), n)
     q, do = q_smem.at[wg], do_smem.at[wg]
-    plgpu.copy_gmem_to_smem(refs.q.at[rows], q, q_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(grads.do.at[rows], do, q_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(grads.lse.at[b, n, pl.ds(q_start, bq)], lse_smem.at[wg],
-                            q_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[wg],
-                            q_loaded.at[wg])
-    if call.packed:
-      plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
+
+    @if_rows
+    def _load():
+      plgpu.copy_gmem_to_smem(refs.q.at[rows], q, q_loaded.at[wg])
+      plgpu.copy_gmem_to_smem(grads.do.at[rows], do, q_loaded.at[wg])
+      plgpu.copy_gmem_to_smem(grads.lse.at[b, n, pl.ds(q_start, bq)], lse_smem.at[wg],
                               q_loaded.at[wg])
-    plgpu.barrier_wait(q_loaded.at[wg])
+      plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[wg],
+                              q_loaded.at[wg])
+      if call.packed:
+        plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
+                                q_loaded.at[wg])
+      plgpu.barrier_wait(q_loaded.at[wg])
     lse = common.load_vector(lse_smem.at[wg], ROWS)
     delta = common.load_vector(delta_smem.at[wg], ROWS)
     q_ids = common.load_vector(qseg_smem.at[wg], ROWS) if call.packed else None
@@ -390,7 +396,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
     init = common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA)
     flags = common.block_flags(ranges.mask_blocks, b, n, q_start // bq)
     dq = common.sections(order, mine, step, init, flags)
-    _store(q, (dq * spec.scale).astype(q_smem.dtype), dq_ref.at[rows])
+    if_rows(lambda: _store(q, (dq * spec.scale).astype(q_smem.dtype), dq_ref.at[rows]))
     if ds_ref is not None:   # the blocks this warpgroup's rows never computed: dS = 0
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       ds_smem.at[wg][...] = common.zeros((bq, bk), plgpu.Layout.WGMMA).astype(ds_smem.dtype)
@@ -405,16 +411,16 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
         pl.loop(mine[0], mine[3])(lambda j: pl.when(flags(j) == 0)(lambda: zero(j)))
     common.drain_stores()
 
-  @pl.when(wg == 2)
+  @pl.when(wg == wgs)
   def _produce():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(common.REGISTERS[wgs][1], action="decrease")
     kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
 
     def load(j, slot):
       keys = pl.ds(j * bk, bk)
       plgpu.copy_gmem_to_smem(refs.k.at[b, keys, kv_head], k_smem.at[slot], loaded.at[slot])
       plgpu.copy_gmem_to_smem(refs.v.at[b, keys, kv_head], v_smem.at[slot], loaded.at[slot])
-      common.copy_beside(refs, b, n, pl.ds(cta_q, 2 * bq), keys, loaded.at[slot],
+      common.copy_beside(refs, b, n, pl.ds(cta_q, wgs * bq), keys, loaded.at[slot],
                          (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
 
     common.stream(order.first, order.stop, stages, [(free, load)], order.block,
@@ -428,28 +434,29 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Rang
   B, N, H = call.geo.B, call.geo.N, call.pad.H
   dtype = x.q.dtype
   mma = common.mma_transforms(dtype, bk)
+  wgs = call.config.dq_wgs   # 2 with a bias or mask (the API checks)
 
-  smem = (plgpu.SMEM((2, bq, H), dtype, transforms=mma),
-          plgpu.SMEM((2, bq, H), dtype, transforms=mma),
-          plgpu.SMEM((2, bq), f32), plgpu.SMEM((2, bq), f32),
+  smem = (plgpu.SMEM((wgs, bq, H), dtype, transforms=mma),
+          plgpu.SMEM((wgs, bq, H), dtype, transforms=mma),
+          plgpu.SMEM((wgs, bq), f32), plgpu.SMEM((wgs, bq), f32),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
-          plgpu.SMEM((2, bq), jnp.int32) if call.packed else None,
+          plgpu.SMEM((wgs, bq), jnp.int32) if call.packed else None,
           plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None,
           *common.pairwise_smem(x, stages, 2 * bq, bk),
           None if ds_dtype is None else plgpu.SMEM(
               (2, bq, bk), ds_dtype, transforms=common.tile_transforms(bk, ds_dtype)))
   beside = call.packed + (x.bias is not None) + (x.mask is not None)
-  barriers = (plgpu.Barrier(num_arrivals=4 + call.packed, num_barriers=2),
+  barriers = (plgpu.Barrier(num_arrivals=4 + call.packed, num_barriers=wgs),
               plgpu.Barrier(num_arrivals=2 + beside, num_barriers=stages))
   out_type = jax.ShapeDtypeStruct(x.q.shape, dtype)
   if ds_dtype is not None:
     out_type = (out_type, jax.ShapeDtypeStruct((B, N, call.pad.T, call.pad.S), ds_dtype))
   return common.launch(
-      functools.partial(_dq_kernel, call=call),
-      (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
-      name="stable_attn_dq", out_type=out_type,
-      grid=(B, N, call.pad.T // (2 * bq)), grid_names=("batch", "heads", "q_seq"),
+      functools.partial(_dq_kernel, call=call, wgs=wgs),
+      (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
+      name="stable_attn_dq", out_type=out_type, compute_wgs=wgs,
+      grid=(B, N, common.cta_rows(call, wgs, bq, 0)[0]), grid_names=("batch", "heads", "q_seq"),
   )(x, grads, ranges)
 
 

@@ -34,6 +34,8 @@ from pallas_kernels.mosaic_gpu import tuning
 f32 = jnp.float32
 i32 = jnp.int32
 
+# Registers per thread (compute, producer) by compute warpgroups per CTA: 64K per SM in all.
+REGISTERS = {2: (232, 40), 3: (160, 32)}
 ROWS = plgpu.Layout.WGMMA.reduce(1)   # a per-row vector of a [rows, cols] WGMMA tile
 COLS = plgpu.Layout.WGMMA.reduce(0)   # a per-column vector
 # Shared-memory tiles that wgmma and TMA read: 8-row tiles 128 bytes wide, 128-byte swizzle.

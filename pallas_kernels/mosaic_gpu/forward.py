@@ -45,8 +45,6 @@ from stable_attn.spec import Operands
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
 
-# Registers per thread (compute, producer) by compute warpgroups: 64K per SM in all.
-REGISTERS = {2: (232, 40), 3: (160, 32)}
 
 
 def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, call: Call):
@@ -73,7 +71,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
   @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(REGISTERS[wgs][0], action="increase")
+    plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
     q_start = cta_q + wg * bq
     if_rows = pl.when(q_start >= 0) if idle_rows else lambda f: f()   # not idle
 
@@ -180,7 +178,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
   @pl.when(wg == wgs)
   def _produce():
-    plgpu.set_max_registers(REGISTERS[wgs][1], action="decrease")
+    plgpu.set_max_registers(common.REGISTERS[wgs][1], action="decrease")
     kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
 
     def loader(ref, smem, barrier):

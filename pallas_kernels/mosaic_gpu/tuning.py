@@ -1,8 +1,9 @@
 """Tiles and pipeline depths of the Hopper kernels: small frozen configs that validate themselves.
 
 Every kernel runs CTAs of two compute warpgroups (each owning `block_q` query rows, or `block_kv`
-key rows in the dK/dV kernel; three in the forward at head dims 64 and 128: `fwd_wgs`) and one
-producer warpgroup that streams the other operand through `stages` shared-memory slots with TMA.
+key rows in the dK/dV kernel; three in the forward and the dQ kernel at head dims 64 and 128:
+`fwd_wgs`, `dq_wgs`) and one producer warpgroup that streams the other operand through `stages`
+shared-memory slots with TMA.
 
     config = tuning.TuningConfig(fwd=tuning.Tiles(64, 128, 2), dkv=..., dq=...)
     stable_attn.dot_product_attention(..., implementation="pallas_mosaic_gpu", config=config)
@@ -67,6 +68,9 @@ class TuningConfig:
   # to 3 * block_q: the last CTA's first warpgroups idle). 3 takes no bias or mask operands (their
   # tiles and block order are per pair of warpgroups).
   fwd_wgs: int = COMPUTE_WGS
+  # The same for the dQ kernel (its CTAs own dq_wgs * dq.block_q query rows): 2 or 3; 3 takes no
+  # bias or mask operands.
+  dq_wgs: int = COMPUTE_WGS
 
   def __post_init__(self):
     self.fwd.check_owned("block_q", "fwd")
@@ -74,8 +78,9 @@ class TuningConfig:
     self.dq.check_owned("block_q", "dq")
     if self.dkv_passes not in (1, 2):
       raise ValueError(f"dkv_passes must be 1 or 2, got {self.dkv_passes!r}")
-    if self.fwd_wgs not in (2, 3):
-      raise ValueError(f"fwd_wgs must be 2 or 3, got {self.fwd_wgs!r}")
+    for name in ("fwd_wgs", "dq_wgs"):
+      if getattr(self, name) not in (2, 3):
+        raise ValueError(f"{name} must be 2 or 3, got {getattr(self, name)!r}")
     if self.fused_dq and self.dkv_passes != 1:
       raise ValueError("fused_dq adds dQ in the one dK/dV pass: it needs dkv_passes=1")
 
@@ -112,9 +117,10 @@ class TuningConfig:
                 # fused dQ: each warpgroup's dS^T tile and fp32 dQ staging tile
                 + self.fused_dq * COMPUTE_WGS * dkv.block_q * (dkv.block_kv * itemsize
                                                                + head_dim * 4)),
-        "dq": (COMPUTE_WGS * dq.block_q * (2 * row + 12) + dq.stages * dq.block_kv * (2 * row + 4)
-               + dq.stages * COMPUTE_WGS * dq.block_q * dq.block_kv * beside
-               + COMPUTE_WGS * dq.block_q * dq.block_kv * ds_itemsize),
+        "dq": (self.dq_wgs * dq.block_q * (2 * row + 12)
+               + dq.stages * dq.block_kv * (2 * row + 4)
+               + dq.stages * self.dq_wgs * dq.block_q * dq.block_kv * beside
+               + self.dq_wgs * dq.block_q * dq.block_kv * ds_itemsize),
     }
     for kernel, nbytes in need.items():
       if nbytes + SMEM_RESERVE > SMEM_BYTES:
@@ -133,9 +139,12 @@ _T = Tiles
 TABLE = {
     # Chosen by benchmarks/mosaic_sweep.py on an H100 (docs/hopper_kernel.md); three forward
     # warpgroups by same-process A/Bs (bitwise equal to two): 1.01-1.13x the forward of two at
-    # 64, 1.05-1.11x at 128 (once the mask's positions stopped spilling at 160 registers).
-    64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3),
-    128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2), fwd_wgs=3),
+    # 64, 1.05-1.11x at 128 (once the mask's positions stopped spilling at 160 registers); three
+    # in the dQ kernel: fwd+bwd 1.01-1.03x.
+    64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3,
+                     dq_wgs=3),
+    128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2), fwd_wgs=3,
+                      dq_wgs=3),
     # What fits 227 KB at 512-byte rows: 64-row K/V blocks in the forward; 32-row streamed blocks
     # in the backward, whose dK and dV take two passes (docs/hopper_kernel.md).
     256: TuningConfig(fwd=_T(64, 64, 2), dkv=_T(32, 64, 2), dq=_T(64, 32, 2), dkv_passes=2),
@@ -170,7 +179,7 @@ def table_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
   config = TABLE[head_dim]
   if not extras:
     return config
-  config = config.replace(fwd_wgs=COMPUTE_WGS)   # bias and mask tiles stream per pair
+  config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS)   # their tiles: per pair
   candidates = (config, config.replace(dkv=_BESIDE), config.replace(fwd=_BESIDE),
                 config.replace(fwd=_BESIDE, dkv=_BESIDE))
   for candidate in candidates:
