@@ -316,19 +316,15 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
   spec, tiles = call.spec, call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  _, cta_q = common.cta_rows(call, wgs, bq, lax.axis_index("q_seq"))   # heaviest causal first
-  idle_rows = call.pad.T % (wgs * bq) != 0
   q_len, kv_len = call.lengths(refs, b)
-  kv_ranges = lambda q_start: common.kv_ranges_of(call, ranges, b, n, q_start, bq, bk, q_len,
-                                                  kv_len, wgs=wgs)
-  lo, hi = common.union_range(*(kv_ranges(cta_q + i * bq) for i in range(wgs)))
-  order = common.schedule(ranges, b, n, lo, hi, cta_q, wgs * bq)
+  cta = common.query_cta(call, ranges, b, n, q_len, kv_len, wgs=wgs, bq=bq, bk=bk)
+  cta_q, order = cta.start, cta.order
 
   @pl.when(wg < wgs)
   def _compute():
     plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
     q_start = cta_q + wg * bq
-    if_rows = pl.when(q_start >= 0) if idle_rows else lambda f: f()   # not idle
+    if_rows = cta.if_rows(q_start)
     rows = (b, pl.ds(q_start, bq), n)
     q, do = q_smem.at[wg], do_smem.at[wg]
 
@@ -392,7 +388,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
       _store(ds_smem.at[wg], ds.astype(ds_smem.dtype),
              ds_ref.at[b, n, pl.ds(q_start, bq), pl.ds(j * bk, bk)])
 
-    mine = common.clamp_ranges(kv_ranges(q_start), lo, hi)
+    mine = cta.mine(q_start)
     init = common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA)
     flags = common.block_flags(ranges.mask_blocks, b, n, q_start // bq)
     dq = common.sections(order, mine, step, init, flags)

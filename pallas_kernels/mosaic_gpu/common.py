@@ -216,6 +216,12 @@ def block_range(ranges_ref, b, n, block):
   return tuple(ranges_ref[(*index, block, c)] for c in range(4))
 
 
+def has_idle_rows(call: Call, wgs: int, bq: int) -> bool:
+  """Whether a CTA of wgs * bq query rows can start before row 0 (`cta_rows`): T is padded to
+  2 * bq rows, so with 3 warpgroups the last CTA's first warpgroups may be idle."""
+  return call.pad.T % (wgs * bq) != 0
+
+
 def kv_ranges_of(call: Call, ranges: Ranges, b, n, q_start, bq: int, bk: int, q_len, kv_len, *,
                  wgs: int = 2):
   """(lo, flo, fhi, hi) of the key blocks that one warpgroup's query rows [q_start, +bq) visit:
@@ -223,7 +229,7 @@ def kv_ranges_of(call: Call, ranges: Ranges, b, n, q_start, bq: int, bk: int, q_
   batch row b and head n) intersected in. With 3 warpgroups per CTA, T is padded to 2 * bq rows
   only and the CTAs are aligned to its end (`cta_rows`): a warpgroup whose rows start before 0 is
   idle, an empty range."""
-  idle_rows = call.pad.T % (wgs * bq) != 0
+  idle_rows = has_idle_rows(call, wgs, bq)
   block = jnp.maximum(q_start // bq, 0) if idle_rows else q_start // bq
   sections = call.kv_ranges(q_start, bq, bk, q_len, kv_len,
                             block_range(ranges.segments, b, n, block),
@@ -241,6 +247,28 @@ def cta_rows(call: Call, wgs: int, bq: int, index):
   rows = wgs * bq
   num = blocks.cdiv(call.pad.T, rows)
   return num, call.pad.T - (index + 1) * rows
+
+
+class QueryCta(NamedTuple):
+  """A CTA of `wgs` compute warpgroups owning block_q query rows each (the forward, dQ)."""
+  start: jax.Array    # its first query row (below 0 where warpgroups idle: `cta_rows`)
+  order: Schedule     # the key blocks its producer streams
+  mine: Callable      # q_start -> a warpgroup's (lo, flo, fhi, hi), clamped into `order`'s union
+  if_rows: Callable   # q_start -> a decorator running its function unless the warpgroup idles
+
+
+def query_cta(call: Call, ranges: Ranges, b, n, q_len, kv_len, *, wgs: int, bq: int,
+              bk: int) -> QueryCta:
+  """The rows, key-block ranges and streaming order of the query CTA at grid index "q_seq"."""
+  _, start = cta_rows(call, wgs, bq, lax.axis_index("q_seq"))   # heaviest causal rows first
+  kv_ranges = lambda q_start: kv_ranges_of(call, ranges, b, n, q_start, bq, bk, q_len, kv_len,
+                                           wgs=wgs)
+  lo, hi = union_range(*(kv_ranges(start + i * bq) for i in range(wgs)))
+  idle = has_idle_rows(call, wgs, bq)
+  return QueryCta(
+      start, schedule(ranges, b, n, lo, hi, start, wgs * bq),
+      lambda q_start: clamp_ranges(kv_ranges(q_start), lo, hi),
+      lambda q_start: pl.when(q_start >= 0) if idle else (lambda f: f()))
 
 
 def pairwise_index(ref, b, n):

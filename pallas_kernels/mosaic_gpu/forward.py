@@ -55,14 +55,9 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
   spec, dt, tiles, wgs = call.spec, call.dt, call.config.fwd, call.config.fwd_wgs
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  _, cta_q = common.cta_rows(call, wgs, bq, lax.axis_index("q_seq"))   # heaviest causal first
-  idle_rows = call.pad.T % (wgs * bq) != 0   # (3 warpgroups: the last CTA's first are idle)
   q_len, kv_len = call.lengths(refs, b)
-
-  kv_ranges = lambda q_start: common.kv_ranges_of(call, ranges, b, n, q_start, bq, bk, q_len,
-                                                  kv_len, wgs=wgs)
-  lo, hi = common.union_range(*(kv_ranges(cta_q + i * bq) for i in range(wgs)))
-  order = common.schedule(ranges, b, n, lo, hi, cta_q, wgs * bq)
+  cta = common.query_cta(call, ranges, b, n, q_len, kv_len, wgs=wgs, bq=bq, bk=bk)
+  cta_q, order = cta.start, cta.order
 
   def rendezvous():   # the ping-pong of two warpgroups; three run free
     if wgs == 2:
@@ -73,7 +68,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
   def _compute():
     plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
     q_start = cta_q + wg * bq
-    if_rows = pl.when(q_start >= 0) if idle_rows else lambda f: f()   # not idle
+    if_rows = cta.if_rows(q_start)
 
     @if_rows
     def _load_q():
@@ -155,7 +150,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       # Finish the softmax before handing the tensor cores over (as JAX's attention_mgpu does).
       return lax.optimization_barrier((acc, stats, probs))
 
-    mine = common.clamp_ranges(kv_ranges(q_start), lo, hi)
+    mine = cta.mine(q_start)
     with jax.named_scope("first_k"):
       pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
       wait_k(order.first)
@@ -186,7 +181,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         keys = pl.ds(j * bk, bk)
         plgpu.copy_gmem_to_smem(ref.at[b, keys, kv_head], smem.at[slot], barrier.at[slot])
         if ref is refs.k:   # the keys' segment ids and the CTA's bias and mask tiles travel with K
-          common.copy_beside(refs, b, n, pl.ds(cta_q, 2 * bq), keys, barrier.at[slot],
+          common.copy_beside(refs, b, n, pl.ds(cta_q, wgs * bq), keys, barrier.at[slot],
                              (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
       return load
 
