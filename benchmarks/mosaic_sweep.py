@@ -26,8 +26,10 @@ T = tuning.Tiles
 _FWD = [T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(64, 128, 2), T(64, 128, 3), T(64, 192, 2),
         T(64, 256, 2)]
 VARIANTS = {   # TuningConfig fields each variant replaces
-    # three warpgroups get 160 registers per thread: key blocks up to 128 rows
-    "fwd": [dict(fwd=t, fwd_wgs=w) for w in (2, 3) for t in _FWD if w == 2 or t.block_kv <= 128],
+    # three warpgroups get 160 registers per thread: key blocks up to 128 rows; persistent CTAs
+    # take three (their second Q buffer fits shared memory at head dim 64)
+    "fwd": [dict(fwd=t, fwd_wgs=w, fwd_persistent=p) for w in (2, 3) for p in (False, True)
+            for t in _FWD if (w == 2 and not p) or (w == 3 and t.block_kv <= 128)],
     "dkv": [dict(dkv=t) for t in (T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(128, 64, 2))],
     "dq": [dict(dq=t, dq_wgs=w) for w in (2, 3)
            for t in (T(64, 64, 2), T(64, 64, 3), T(64, 128, 2), T(64, 128, 3))],
@@ -68,6 +70,7 @@ def main(argv=None):
         tiles = variant[kernel]
         tag = " (table)" if all(getattr(base, k) == v for k, v in variant.items()) else ""
         wgs = "".join(f" wg{w}" for name, w in variant.items() if name.endswith("_wgs"))
+        wgs += " persistent" if variant.get("fwd_persistent") else ""
         try:
           config.check_smem(H, 2)
           fn = functools.partial(

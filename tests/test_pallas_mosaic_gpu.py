@@ -130,6 +130,13 @@ def test_tuning_config_validates():
                                         implementation=IMPL, config=config)
   for h in tuning.HEAD_DIMS:
     tuning.table_config(h).check_smem(h, 2)
+  # the persistent forward: three warpgroups, two Q buffers (room for them at head dim 64 only)
+  assert tuning.table_config(64).fwd_persistent
+  assert not tuning.table_config(64, beside=1).fwd_persistent
+  with pytest.raises(ValueError, match="fwd_persistent needs fwd_wgs=3"):
+    tuning.table_config(64).replace(fwd_wgs=2)
+  with pytest.raises(ValueError, match="fwd tiling"):
+    tuning.table_config(128).replace(fwd_persistent=True).check_smem(128, 2)
 
 
 # --- pipeline bookkeeping (CPU) ------------------------------------------------------------------
@@ -182,6 +189,22 @@ def _record_sections(order, mine, flags=None):
 
   jax.block_until_ready(common.sections(order, mine, step, jnp.zeros(()), flags))
   return visited
+
+
+@pytest.mark.parametrize("total,ctas", [(2752, 132), (1152, 132), (264, 132), (265, 132),
+                                         (131, 131), (7, 3)])
+def test_persistent_tiles_cover_each_tile_once(total, ctas):
+  """The persistent forward's CTAs take every tile once, in zigzag rounds that even out their
+  work when the tiles come heaviest first (cost total - t for tile t)."""
+  taken, work = [], []
+  for cta in range(ctas):
+    count, nth = common.persistent_tiles(jnp.int32(cta), ctas, total)
+    mine = [int(nth(jnp.int32(i))) for i in range(int(count))]
+    assert mine == sorted(mine)   # heaviest first within a CTA too
+    taken += mine
+    work.append(sum(total - t for t in mine))
+  assert sorted(taken) == list(range(total))
+  assert max(work) - min(work) <= total   # within one tile's cost; round-robin: rounds x ctas
 
 
 def test_sections_run_in_order():
@@ -373,7 +396,8 @@ def test_gpu_three_warpgroups_match_two(name, max_adjust):
   (q, k, v, _, _), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 3)
 
   def run(wgs):
-    config = tuning.table_config(q.shape[-1]).replace(fwd_wgs=wgs, dq_wgs=wgs)
+    config = tuning.table_config(q.shape[-1]).replace(fwd_wgs=wgs, dq_wgs=wgs,
+                                                      fwd_persistent=False)
     attend = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, implementation=IMPL, max_adjust=max_adjust, config=config,
         return_residuals=True, **kwargs)
@@ -382,6 +406,37 @@ def test_gpu_three_warpgroups_match_two(name, max_adjust):
     return jax.device_get((out, residuals, grads))
 
   for a, b in zip(jax.tree.leaves(run(2)), jax.tree.leaves(run(3))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# More query tiles than an H100 or H200 has SMs (132): each persistent CTA takes two or three.
+MANY_TILES = {
+    "many_tiles_lens": dict(B=3, T=1000, S=1000, N=16, K=4, H=64, is_causal=True,
+                            q_lens=(1000, 700, 333), kv_lens=(1000, 900, 200)),
+    "many_tiles_packed": dict(B=2, T=2048, S=2048, N=8, K=8, H=64, is_causal=True,
+                              segments=True, docs=5),
+}
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("max_adjust", ["off", "paper", "safe"])
+@pytest.mark.parametrize("name", [n for n in WGS_CASES if GPU_CASES[n]["H"] == 64]
+                         + list(MANY_TILES))
+def test_gpu_persistent_forward_matches_grid(name, max_adjust):
+  """The persistent forward (the table's at head dim 64: one CTA per SM taking the tiles in
+  zigzag rounds, the next tile's Q loading during this one) computes every tile as a CTA of the
+  grid does: O and the LSE bitwise equal."""
+  case = GPU_CASES[name] if name in GPU_CASES else MANY_TILES[name]
+  (q, k, v, _, _), kwargs, _ = cases.make_inputs(dict(case), bf16, 4)
+
+  def run(persistent):
+    config = tuning.table_config(64).replace(fwd_persistent=persistent)
+    return jax.device_get(stable_attn.dot_product_attention(
+        q, k, v, implementation=IMPL, max_adjust=max_adjust, config=config,
+        return_residuals=True, **kwargs))
+
+  for a, b in zip(jax.tree.leaves(run(False)), jax.tree.leaves(run(True))):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 

@@ -258,17 +258,24 @@ class QueryCta(NamedTuple):
 
 
 def query_cta(call: Call, ranges: Ranges, b, n, q_len, kv_len, *, wgs: int, bq: int,
-              bk: int) -> QueryCta:
-  """The rows, key-block ranges and streaming order of the query CTA at grid index "q_seq"."""
-  _, start = cta_rows(call, wgs, bq, lax.axis_index("q_seq"))   # heaviest causal rows first
+              bk: int, index=None) -> QueryCta:
+  """The rows, key-block ranges and streaming order of the query CTA `index` (default: its grid
+  index "q_seq")."""
+  index = lax.axis_index("q_seq") if index is None else index
+  _, start = cta_rows(call, wgs, bq, index)   # heaviest causal rows first
   kv_ranges = lambda q_start: kv_ranges_of(call, ranges, b, n, q_start, bq, bk, q_len, kv_len,
                                            wgs=wgs)
   lo, hi = union_range(*(kv_ranges(start + i * bq) for i in range(wgs)))
-  idle = has_idle_rows(call, wgs, bq)
   return QueryCta(
       start, schedule(ranges, b, n, lo, hi, start, wgs * bq),
       lambda q_start: clamp_ranges(kv_ranges(q_start), lo, hi),
-      lambda q_start: pl.when(q_start >= 0) if idle else (lambda f: f()))
+      lambda q_start: if_rows(call, wgs, bq, q_start))
+
+
+def if_rows(call: Call, wgs: int, bq: int, q_start):
+  """A decorator running its function unless the warpgroup whose rows start at q_start idles
+  (`cta_rows`)."""
+  return pl.when(q_start >= 0) if has_idle_rows(call, wgs, bq) else (lambda f: f())
 
 
 def pairwise_index(ref, b, n):
@@ -412,14 +419,28 @@ def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: 
   return run
 
 
-def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = False):
+def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = False, base=0):
   """The producer warpgroup's loop: positions first .. stop-1 go to slots (p - first) % stages.
 
   loads: (free barrier, load(block(p), slot)) pairs, issued in order; the first `stages` positions
   load at once, a later one waits until both compute warpgroups freed its slot (per pair).
   prefetch: block(p) reads memory (a mask's block order), so each refill reads the next
   position's before it waits for a slot, off the path from a freed slot to its next TMA copy.
+  base: positions streamed before this call (a persistent CTA's earlier tiles, traced): position
+  p goes to slot (base + p - first) % stages and waits for it unless it is among the first
+  `stages` overall.
   """
+  if not isinstance(base, int) or base:
+    assert not prefetch, "a persistent CTA streams no mask block order"
+
+    def load_at(p):
+      at = base + p - first
+      slot = slot_of(at, stages)
+      for free, load in loads:
+        pl.when(at >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+        load(block(p), slot)
+    pl.loop(first, stop)(load_at)
+    return
   for i in range(stages):
     @pl.when(first + i < stop)
     def _first():
@@ -438,6 +459,24 @@ def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = 
     lax.fori_loop(first + stages, stop, refill, block(first + stages))
   else:
     pl.loop(first + stages, stop)(lambda p: refill(p, None))
+
+
+def persistent_tiles(cta, ctas: int, total: int):
+  """(count, nth): persistent CTA `cta` of `ctas` takes `count` of `total` tiles, its i-th being
+  tile nth(i). Round r holds tiles [r * ctas, (r + 1) * ctas); the CTA takes position cta of the
+  even rounds and ctas - 1 - cta of the odd ones, a zigzag that evens out the CTAs' work when the
+  tiles come heaviest first (plain round-robin gives CTA 0 the heaviest tile of every round)."""
+  position = lambda i: jnp.where(lax.rem(i, 2) == 0, cta, ctas - 1 - cta)
+  rounds = total // ctas
+  count = rounds + (position(jnp.int32(rounds)) < total % ctas).astype(jnp.int32)
+  return count, lambda i: i * ctas + position(i)
+
+
+def sm_count() -> int:
+  """Streaming multiprocessors of the default device (a persistent kernel's CTAs); 132 (an H100
+  SXM's and an H200's) where the device does not say, as when lowering on a CPU."""
+  device = jax.devices()[0]
+  return (getattr(device, "core_count", None) or 132) if device.platform == "gpu" else 132
 
 
 def drain_stores():

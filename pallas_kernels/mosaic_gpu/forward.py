@@ -13,6 +13,11 @@ One CTA per (batch, query head, W * block_q query rows), W compute warpgroups an
                 aligned to T's end, so when 3 * block_q does not divide T the last CTA's first
                 warpgroups idle.
   producer      streams K and V blocks through `stages` slots with TMA (common.py: pipelines).
+Persistent (TuningConfig.fwd_persistent, the table's at head dim 64): one CTA per SM takes the
+query tiles in zigzag rounds, heaviest causal rows first (common.persistent_tiles); each compute
+warpgroup loads its next tile's Q into the second of two Q buffers while it works on this one,
+and stages O apart from Q; the producer's slots run on across tiles. A CTA's start (Q's load,
+its first K) and its epilogue no longer stand between two tiles on an SM.
 Causal and window masks: blocks outside a warpgroup's range are skipped, blocks every row sees
 whole run without the mask, edge blocks with it (stable_attn.blocks). Packed sequences: the
 ranges are intersected with the rows' document ranges (blocks.segment_sections, once per call);
@@ -47,17 +52,43 @@ from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
 
 
 
-def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, call: Call):
-  (q_smem, k_smem, v_smem, off_smem, lse_smem, qseg_smem, kseg_smem, bias_smem, mask_smem), (
-      loaded, free, schedule) = scratch[0], scratch[1:]
+def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, call: Call,
+            ctas: int):
+  """ctas: 0 for one CTA per query tile (grid (B, N, CTAs per row)), else the number of
+  persistent CTAs (grid (ctas,)) that take the tiles round-robin, heaviest rows first."""
+  (q_smem, k_smem, v_smem, off_smem, lse_smem, qseg_smem, kseg_smem, bias_smem, mask_smem,
+   o_smem), (loaded, free, schedule) = scratch[0], scratch[1:]
   q_loaded, k_loaded, v_loaded = loaded
   k_free, v_free = free
   spec, dt, tiles, wgs = call.spec, call.dt, call.config.fwd, call.config.fwd_wgs
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
-  b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  q_len, kv_len = call.lengths(refs, b)
-  cta = common.query_cta(call, ranges, b, n, q_len, kv_len, wgs=wgs, bq=bq, bk=bk)
-  cta_q, order = cta.start, cta.order
+  B, N = call.geo.B, call.geo.N
+  wg = lax.axis_index("wg")
+  row_ctas = common.cta_rows(call, wgs, bq, 0)[0]
+  if ctas:
+    # Tile t = (row CTA, batch row, head), the row CTA slowest: every head's heaviest causal rows
+    # first. CTA c takes tile c of the first round of `ctas` tiles, ctas - 1 - c of the second
+    # (a zigzag: plain round-robin gave CTA 0 the heaviest tile of every round, and the forward
+    # at B4 T8192 N16 H64 causal ran 0.97x the grid's), and so on. A persistent CTA prefetches
+    # its next tile's Q into the other of two Q buffers.
+    count, nth_tile = common.persistent_tiles(lax.axis_index("cta"), ctas, B * N * row_ctas)
+
+    def tile_of(i):
+      t = nth_tile(i)
+      r = lax.rem(t, B * N)
+      return lax.div(r, N), lax.rem(r, N), lax.div(t, B * N)
+  else:
+    count = 1
+    tile_of = lambda i: (lax.axis_index("batch"), lax.axis_index("heads"),
+                         lax.axis_index("q_seq"))
+  buffer_of = (lambda i: lax.rem(i, 2)) if ctas else (lambda i: 0)
+
+  def query_tile(i):
+    """Tile i's (b, n, query CTA, its lengths)."""
+    b, n, index = tile_of(i)
+    q_len, kv_len = call.lengths(refs, b)
+    return b, n, common.query_cta(call, ranges, b, n, q_len, kv_len, wgs=wgs, bq=bq, bk=bk,
+                                  index=index), q_len, kv_len
 
   def rendezvous():   # the ping-pong of two warpgroups; three run free
     if wgs == 2:
@@ -67,127 +98,166 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
   @pl.when(wg < wgs)
   def _compute():
     plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
-    q_start = cta_q + wg * bq
-    if_rows = cta.if_rows(q_start)
 
-    @if_rows
-    def _load_q():
+    def load_q(i, buf):
+      """Tile i's Q rows of this warpgroup (and their offsets and segment ids) into Q buffer buf."""
+      b, n, index = tile_of(i)
+      q_start = common.cta_rows(call, wgs, bq, index)[1] + wg * bq
       with jax.named_scope("load_q"):   # (the named regions are what common.profiling records)
-        plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(q_start, bq), n], q_smem.at[wg],
-                                q_loaded.at[wg])
-        if call.safe:
-          plgpu.copy_gmem_to_smem(refs.offset.at[n, pl.ds(q_start, bq)], off_smem.at[wg],
-                                  q_loaded.at[wg])
-        if call.packed:
-          plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
-                                  q_loaded.at[wg])
-        plgpu.barrier_wait(q_loaded.at[wg])
-    offset = None   # natural units in memory (stable_attn's operand), log2 units here
-    if call.safe:
-      offset = common.load_vector(off_smem.at[wg], ROWS) * tile.LOG2E
-    q_ids = common.load_vector(qseg_smem.at[wg], ROWS) if call.packed else None
+        barrier = q_loaded.at[buf * wgs + wg]
 
-    def wait_k(p):
-      """Waits for the K of the block at position p; each step waits for the next one's while
-      its PV product runs."""
-      @pl.when(p < order.stop)
-      def _wait():
-        plgpu.barrier_wait(k_loaded.at[common.slot_of(p - order.first, stages)])
+        @common.if_rows(call, wgs, bq, q_start)
+        def _load():
+          plgpu.copy_gmem_to_smem(refs.q.at[b, pl.ds(q_start, bq), n], q_smem.at[buf, wg],
+                                  barrier)
+          if call.safe:
+            plgpu.copy_gmem_to_smem(refs.offset.at[n, pl.ds(q_start, bq)],
+                                    off_smem.at[buf, wg], barrier)
+          if call.packed:
+            plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)],
+                                    qseg_smem.at[buf, wg], barrier)
 
-    def step(p, j, carry, kind):
-      acc, stats = carry
-      slot = common.slot_of(p - order.first, stages)
-      if kind in ("skip", "empty"):
+    def run_tile(i, base):
+      """Tile i, whose first streamed block is the CTA's base-th -> the next tile's base."""
+      buf = buffer_of(i)
+      if ctas:
+        pl.when(i + 1 < count)(lambda: load_q(i + 1, 1 - buf))
+      b, n, cta, q_len, kv_len = query_tile(i)
+      order = cta.order
+      q_start = cta.start + wg * bq
+      if_rows = cta.if_rows(q_start)
+      q = q_smem.at[buf, wg]
+      if_rows(lambda: plgpu.barrier_wait(q_loaded.at[buf * wgs + wg]))
+      offset = None   # natural units in memory (stable_attn's operand), log2 units here
+      if call.safe:
+        offset = common.load_vector(off_smem.at[buf, wg], ROWS) * tile.LOG2E
+      q_ids = common.load_vector(qseg_smem.at[buf, wg], ROWS) if call.packed else None
+      slot_of = lambda p: common.slot_of(base + p - order.first, stages)
+
+      def wait_k(p):
+        """Waits for the K of the block at position p; each step waits for the next one's while
+        its PV product runs."""
+        @pl.when(p < order.stop)
+        def _wait():
+          plgpu.barrier_wait(k_loaded.at[slot_of(p)])
+
+      def step(p, j, carry, kind):
+        acc, stats = carry
+        slot = slot_of(p)
+        if kind in ("skip", "empty"):
+          plgpu.barrier_arrive(k_free.at[slot])
+          rendezvous()
+          plgpu.barrier_wait(v_loaded.at[slot])
+          plgpu.barrier_arrive(v_free.at[slot])
+          wait_k(p + 1)
+          rendezvous()
+          return carry
+
+        def qk_product(acc_ref):
+          plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
+          rendezvous()   # the other warpgroup's softmax runs while this product does
+          return acc_ref[...]
+
+        with jax.named_scope("qk"):
+          qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
+        with jax.named_scope("softmax"):
+          acc, stats, probs = softmax(slot, j, qk, acc, stats, kind)
+        with jax.named_scope("wait_v"):
+          if wgs == 2:
+            plgpu.barrier_arrive(schedule)
+          plgpu.barrier_wait(v_loaded.at[slot])
+          if wgs == 2:
+            plgpu.barrier_wait(schedule)
+
+        def pv_product(acc_ref):
+          plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+          wait_k(p + 1)
+
+        with jax.named_scope("pv"):
+          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_free.at[slot])
+        return acc, stats
+
+      def softmax(slot, j, qk, acc, stats, kind):
+        # What travels with K is read before its slot is freed: segment ids, bias and mask tiles.
+        bias, allowed = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bq, bq),
+                                           kind == "masked")
+        kv_ids = None
+        if kind == "masked" and call.packed:
+          kv_ids = common.load_vector(kseg_smem.at[slot], COLS)
         plgpu.barrier_arrive(k_free.at[slot])
-        rendezvous()
-        plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
-        wait_k(p + 1)
-        rendezvous()
-        return carry
+        ok = None
+        if kind == "masked":
+          ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids,
+                            kv_ids=kv_ids, mask=allowed)
+        s = call.scores(qk, ok, bias)
+        probs, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
+                                           beta=spec.beta, offset=offset, base2=True)
+        acc = tile.scale_acc(acc, alpha, dt=dt)
+        # Finish the softmax before handing the tensor cores over (as JAX's attention_mgpu does).
+        return lax.optimization_barrier((acc, stats, probs))
 
-      def qk_product(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
-        rendezvous()   # the other warpgroup's softmax runs while this product does
-        return acc_ref[...]
+      mine = cta.mine(q_start)
+      with jax.named_scope("first_k"):
+        pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
+        wait_k(order.first)
+      init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
+      acc, stats = common.sections(order, mine, step, init,
+                                   common.block_flags(ranges.mask_blocks, b, n, q_start // bq))
+      with jax.named_scope("epilogue"):
+        pl.when(wg == 0)(rendezvous)
+        sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
+        o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True, sink=sink)
 
-      with jax.named_scope("qk"):
-        qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
-      with jax.named_scope("softmax"):
-        acc, stats, probs = softmax(slot, j, qk, acc, stats, kind)
-      with jax.named_scope("wait_v"):
-        if wgs == 2:
-          plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(v_loaded.at[slot])
-        if wgs == 2:
-          plgpu.barrier_wait(schedule)
+        @if_rows
+        def _store():
+          # A persistent CTA stages O apart from Q (whose buffer takes a later tile's rows) and
+          # first waits for its previous tile's stores to have read the staging tiles.
+          staged = o_smem.at[wg] if ctas else q
+          if ctas:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          staged[...] = o
+          lse_smem.at[wg][...] = lse
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(staged, o_ref.at[b, pl.ds(q_start, bq), n])
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(q_start, bq)])
+      return base + (order.stop - order.first)
 
-      def pv_product(acc_ref):
-        plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
-        wait_k(p + 1)
-
-      with jax.named_scope("pv"):
-        acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[slot])
-      return acc, stats
-
-    def softmax(slot, j, qk, acc, stats, kind):
-      # What travels with K is read before its slot is freed: segment ids, bias and mask tiles.
-      bias, allowed = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bq, bq),
-                                         kind == "masked")
-      kv_ids = None
-      if kind == "masked" and call.packed:
-        kv_ids = common.load_vector(kseg_smem.at[slot], COLS)
-      plgpu.barrier_arrive(k_free.at[slot])
-      ok = None
-      if kind == "masked":
-        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids, kv_ids=kv_ids,
-                          mask=allowed)
-      s = call.scores(qk, ok, bias)
-      probs, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
-                                         beta=spec.beta, offset=offset, base2=True)
-      acc = tile.scale_acc(acc, alpha, dt=dt)
-      # Finish the softmax before handing the tensor cores over (as JAX's attention_mgpu does).
-      return lax.optimization_barrier((acc, stats, probs))
-
-    mine = cta.mine(q_start)
-    with jax.named_scope("first_k"):
-      pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
-      wait_k(order.first)
-    init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
-    acc, stats = common.sections(order, mine, step, init,
-                                 common.block_flags(ranges.mask_blocks, b, n, q_start // bq))
-    with jax.named_scope("epilogue"):
-      pl.when(wg == 0)(rendezvous)
-      sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
-      o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True, sink=sink)
-
-      @if_rows
-      def _store():
-        q_smem.at[wg][...] = o
-        lse_smem.at[wg][...] = lse
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, pl.ds(q_start, bq), n])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(q_start, bq)])
-        common.drain_stores()
+    load_q(0, 0)
+    if ctas:
+      lax.fori_loop(0, count, run_tile, jnp.int32(0))
+    else:
+      run_tile(0, 0)
+    common.drain_stores()
 
   @pl.when(wg == wgs)
   def _produce():
     plgpu.set_max_registers(common.REGISTERS[wgs][1], action="decrease")
-    kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
 
-    def loader(ref, smem, barrier):
-      def load(j, slot):
-        keys = pl.ds(j * bk, bk)
-        plgpu.copy_gmem_to_smem(ref.at[b, keys, kv_head], smem.at[slot], barrier.at[slot])
-        if ref is refs.k:   # the keys' segment ids and the CTA's bias and mask tiles travel with K
-          common.copy_beside(refs, b, n, pl.ds(cta_q, wgs * bq), keys, barrier.at[slot],
-                             (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
-      return load
+    def stream_tile(i, base):
+      b, n, cta, _, _ = query_tile(i)
+      order = cta.order
+      kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
 
-    common.stream(order.first, order.stop, stages, [(k_free, loader(refs.k, k_smem, k_loaded)),
-                                                     (v_free, loader(refs.v, v_smem, v_loaded))],
-                  order.block, prefetch=ranges.order is not None)
+      def loader(ref, smem, barrier):
+        def load(j, slot):
+          keys = pl.ds(j * bk, bk)
+          plgpu.copy_gmem_to_smem(ref.at[b, keys, kv_head], smem.at[slot], barrier.at[slot])
+          if ref is refs.k:   # the keys' segment ids and the CTA's bias and mask tiles: with K
+            common.copy_beside(refs, b, n, pl.ds(cta.start, wgs * bq), keys, barrier.at[slot],
+                               (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
+        return load
+
+      common.stream(order.first, order.stop, stages,
+                    [(k_free, loader(refs.k, k_smem, k_loaded)),
+                     (v_free, loader(refs.v, v_smem, v_loaded))],
+                    order.block, prefetch=ranges.order is not None, base=base)
+      return base + (order.stop - order.first)
+
+    if ctas:
+      lax.fori_loop(0, count, stream_tile, jnp.int32(0))
+    else:
+      stream_tile(0, 0)
 
 
 @common.lowered_once("call")
@@ -201,24 +271,30 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   dtype = x.q.dtype
   mma = common.mma_transforms(dtype, bk)
 
-  smem = (plgpu.SMEM((wgs, bq, H), dtype, transforms=mma),
+  # Persistent CTAs (TuningConfig.fwd_persistent): as many as the device has SMs, each with two
+  # Q buffers (the next tile's rows load during this one) and O staged apart from them.
+  row_ctas = common.cta_rows(call, wgs, bq, 0)[0]
+  ctas = min(B * N * row_ctas, common.sm_count()) if call.config.fwd_persistent else 0
+  q_bufs = 2 if ctas else 1
+  smem = (plgpu.SMEM((q_bufs, wgs, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
-          plgpu.SMEM((wgs, bq), f32) if call.safe else None,
+          plgpu.SMEM((q_bufs, wgs, bq), f32) if call.safe else None,
           plgpu.SMEM((wgs, bq), f32),
-          plgpu.SMEM((wgs, bq), jnp.int32) if call.packed else None,
+          plgpu.SMEM((q_bufs, wgs, bq), jnp.int32) if call.packed else None,
           plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None,
-          *common.pairwise_smem(x, stages, wgs * bq, bk))
+          *common.pairwise_smem(x, stages, wgs * bq, bk),
+          plgpu.SMEM((wgs, bq, H), dtype, transforms=mma) if ctas else None)
   with_k = 1 + call.packed + (x.bias is not None) + (x.mask is not None)
-  loaded = (plgpu.Barrier(num_arrivals=1 + call.safe + call.packed, num_barriers=wgs),
+  loaded = (plgpu.Barrier(num_arrivals=1 + call.safe + call.packed, num_barriers=q_bufs * wgs),
             plgpu.Barrier(num_arrivals=with_k, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages))
   free = (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2
   schedule = plgpu.Barrier(num_arrivals=2) if wgs == 2 else None   # the ping-pong's
+  grid, names = ((ctas,), ("cta",)) if ctas else ((B, N, row_ctas), ("batch", "heads", "q_seq"))
   return common.launch(
-      functools.partial(_kernel, call=call), (smem, loaded, free, schedule),
+      functools.partial(_kernel, call=call, ctas=ctas), (smem, loaded, free, schedule),
       name="stable_attn_forward", compute_wgs=wgs,
       out_type=(jax.ShapeDtypeStruct(x.q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)),
-      grid=(B, N, common.cta_rows(call, wgs, bq, 0)[0]),
-      grid_names=("batch", "heads", "q_seq"),
+      grid=grid, grid_names=names,
   )(x, ranges)

@@ -71,6 +71,10 @@ class TuningConfig:
   # The same for the dQ kernel (its CTAs own dq_wgs * dq.block_q query rows): 2 or 3; 3 takes no
   # bias or mask operands.
   dq_wgs: int = COMPUTE_WGS
+  # A persistent forward: one CTA per SM taking the query tiles round-robin (heaviest rows
+  # first), the next tile's Q loading during this one (two Q buffers, O staged apart). Needs
+  # fwd_wgs=3.
+  fwd_persistent: bool = False
 
   def __post_init__(self):
     self.fwd.check_owned("block_q", "fwd")
@@ -81,6 +85,8 @@ class TuningConfig:
     for name in ("fwd_wgs", "dq_wgs"):
       if getattr(self, name) not in (2, 3):
         raise ValueError(f"{name} must be 2 or 3, got {getattr(self, name)!r}")
+    if self.fwd_persistent and self.fwd_wgs != 3:
+      raise ValueError(f"fwd_persistent needs fwd_wgs=3, got fwd_wgs={self.fwd_wgs}")
     if self.fused_dq and self.dkv_passes != 1:
       raise ValueError("fused_dq adds dQ in the one dK/dV pass: it needs dkv_passes=1")
 
@@ -110,7 +116,9 @@ class TuningConfig:
     need = {
         "fwd": (self.fwd_wgs * fwd.block_q * (row + 12)
                 + fwd.stages * fwd.block_kv * (2 * row + 4)
-                + fwd.stages * self.fwd_wgs * fwd.block_q * fwd.block_kv * beside),
+                + fwd.stages * self.fwd_wgs * fwd.block_q * fwd.block_kv * beside
+                # persistent: a second Q buffer (with offsets and segment ids) and O's staging
+                + self.fwd_persistent * self.fwd_wgs * fwd.block_q * (2 * row + 8)),
         "dkv": (COMPUTE_WGS * dkv.block_kv * (2 * row + 4)
                 + dkv.stages * dkv.block_q * (2 * row + 12)
                 + dkv.stages * COMPUTE_WGS * dkv.block_kv * dkv.block_q * beside
@@ -140,9 +148,12 @@ TABLE = {
     # Chosen by benchmarks/mosaic_sweep.py on an H100 (docs/hopper_kernel.md); three forward
     # warpgroups by same-process A/Bs (bitwise equal to two): 1.01-1.13x the forward of two at
     # 64, 1.05-1.11x at 128 (once the mask's positions stopped spilling at 160 registers); three
-    # in the dQ kernel: fwd+bwd 1.01-1.03x.
+    # in the dQ kernel: fwd+bwd 1.01-1.03x. A persistent forward at 64 (bitwise equal to the
+    # grid's; H100, one process): 1.19x the grid's at B16 T1024 N12 causal, 1.06x at B8 T2048
+    # N16 full, 1.17x at B4 T4096 N16 causal, 1.30x at B2 T1000 N12 causal, 0.99x at B4 T8192
+    # N16 causal. At 128 its second Q buffer does not fit.
     64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3,
-                     dq_wgs=3),
+                     dq_wgs=3, fwd_persistent=True),
     128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2), fwd_wgs=3,
                       dq_wgs=3),
     # What fits 227 KB at 512-byte rows: 64-row K/V blocks in the forward; 32-row streamed blocks
@@ -179,7 +190,8 @@ def table_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
   config = TABLE[head_dim]
   if not extras:
     return config
-  config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS)   # their tiles: per pair
+  config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
+                          fwd_persistent=False)
   candidates = (config, config.replace(dkv=_BESIDE), config.replace(fwd=_BESIDE),
                 config.replace(fwd=_BESIDE, dkv=_BESIDE))
   for candidate in candidates:
