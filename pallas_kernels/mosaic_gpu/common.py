@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -459,6 +459,50 @@ def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = 
     lax.fori_loop(first + stages, stop, refill, block(first + stages))
   else:
     pl.loop(first + stages, stop)(lambda p: refill(p, None))
+
+
+def query_grid(call: Call, wgs: int, bq: int, persistent: bool):
+  """(grid, grid names, persistent CTAs or 0) of a query kernel (the forward, dQ) whose CTAs own
+  wgs * bq rows: the grid (B, N, row CTAs), or min(tiles, SMs) persistent CTAs."""
+  B, N = call.geo.B, call.geo.N
+  row_ctas = cta_rows(call, wgs, bq, 0)[0]
+  if not persistent:
+    return (B, N, row_ctas), ("batch", "heads", "q_seq"), 0
+  ctas = min(B * N * row_ctas, sm_count())
+  return (ctas,), ("cta",), ctas
+
+
+class QueryTiles(NamedTuple):
+  """The query tiles (batch row, head, row CTA index) a CTA of a query kernel runs."""
+  count: Any          # how many
+  tile: Callable      # i -> (b, n, row CTA index) of its i-th
+  buffer: Callable    # i -> which of the two buffers of its resident tiles tile i uses (0: one)
+  persistent: bool
+
+  def run(self, body):
+    """body(i, base) -> the next base, over the tiles; base: the positions the CTA's producer
+    streamed for the tiles before (0 for the first)."""
+    if self.persistent:
+      lax.fori_loop(0, self.count, body, jnp.int32(0))
+    else:
+      body(0, 0)
+
+
+def query_tiles(call: Call, wgs: int, bq: int, ctas: int) -> QueryTiles:
+  """Inside a query kernel: its grid position's one tile, or (ctas > 0, `query_grid`) a persistent
+  CTA's tiles, tile t = (row CTA, batch row, head) with the row CTA slowest: every head's heaviest
+  causal rows first, in zigzag rounds (`persistent_tiles`)."""
+  if not ctas:
+    return QueryTiles(1, lambda i: (lax.axis_index("batch"), lax.axis_index("heads"),
+                                    lax.axis_index("q_seq")), lambda i: 0, False)
+  B, N = call.geo.B, call.geo.N
+  count, nth = persistent_tiles(lax.axis_index("cta"), ctas, B * N * cta_rows(call, wgs, bq, 0)[0])
+
+  def tile(i):
+    t = nth(i)
+    r = lax.rem(t, B * N)
+    return lax.div(r, N), lax.rem(r, N), lax.div(t, B * N)
+  return QueryTiles(count, tile, lambda i: lax.rem(i, 2), True)
 
 
 def persistent_tiles(cta, ctas: int, total: int):

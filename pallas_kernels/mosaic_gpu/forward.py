@@ -55,33 +55,16 @@ from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
 def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, call: Call,
             ctas: int):
   """ctas: 0 for one CTA per query tile (grid (B, N, CTAs per row)), else the number of
-  persistent CTAs (grid (ctas,)) that take the tiles round-robin, heaviest rows first."""
+  persistent CTAs (grid (ctas,)) that take the tiles in zigzag rounds (`common.query_tiles`)."""
   (q_smem, k_smem, v_smem, off_smem, lse_smem, qseg_smem, kseg_smem, bias_smem, mask_smem,
    o_smem), (loaded, free, schedule) = scratch[0], scratch[1:]
   q_loaded, k_loaded, v_loaded = loaded
   k_free, v_free = free
-  spec, dt, tiles, wgs = call.spec, call.dt, call.config.fwd, call.config.fwd_wgs
-  bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
-  B, N = call.geo.B, call.geo.N
+  spec, dt, fwd, wgs = call.spec, call.dt, call.config.fwd, call.config.fwd_wgs
+  bq, bk, stages = fwd.block_q, fwd.block_kv, fwd.stages
   wg = lax.axis_index("wg")
-  row_ctas = common.cta_rows(call, wgs, bq, 0)[0]
-  if ctas:
-    # Tile t = (row CTA, batch row, head), the row CTA slowest: every head's heaviest causal rows
-    # first. CTA c takes tile c of the first round of `ctas` tiles, ctas - 1 - c of the second
-    # (a zigzag: plain round-robin gave CTA 0 the heaviest tile of every round, and the forward
-    # at B4 T8192 N16 H64 causal ran 0.97x the grid's), and so on. A persistent CTA prefetches
-    # its next tile's Q into the other of two Q buffers.
-    count, nth_tile = common.persistent_tiles(lax.axis_index("cta"), ctas, B * N * row_ctas)
-
-    def tile_of(i):
-      t = nth_tile(i)
-      r = lax.rem(t, B * N)
-      return lax.div(r, N), lax.rem(r, N), lax.div(t, B * N)
-  else:
-    count = 1
-    tile_of = lambda i: (lax.axis_index("batch"), lax.axis_index("heads"),
-                         lax.axis_index("q_seq"))
-  buffer_of = (lambda i: lax.rem(i, 2)) if ctas else (lambda i: 0)
+  tiles = common.query_tiles(call, wgs, bq, ctas)
+  tile_of, buffer_of, count = tiles.tile, tiles.buffer, tiles.count
 
   def query_tile(i):
     """Tile i's (b, n, query CTA, its lengths)."""
@@ -224,10 +207,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       return base + (order.stop - order.first)
 
     load_q(0, 0)
-    if ctas:
-      lax.fori_loop(0, count, run_tile, jnp.int32(0))
-    else:
-      run_tile(0, 0)
+    tiles.run(run_tile)
     common.drain_stores()
 
   @pl.when(wg == wgs)
@@ -254,10 +234,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
                     order.block, prefetch=ranges.order is not None, base=base)
       return base + (order.stop - order.first)
 
-    if ctas:
-      lax.fori_loop(0, count, stream_tile, jnp.int32(0))
-    else:
-      stream_tile(0, 0)
+    tiles.run(stream_tile)
 
 
 @common.lowered_once("call")
@@ -273,8 +250,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
 
   # Persistent CTAs (TuningConfig.fwd_persistent): as many as the device has SMs, each with two
   # Q buffers (the next tile's rows load during this one) and O staged apart from them.
-  row_ctas = common.cta_rows(call, wgs, bq, 0)[0]
-  ctas = min(B * N * row_ctas, common.sm_count()) if call.config.fwd_persistent else 0
+  grid, names, ctas = common.query_grid(call, wgs, bq, call.config.fwd_persistent)
   q_bufs = 2 if ctas else 1
   smem = (plgpu.SMEM((q_bufs, wgs, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
@@ -291,7 +267,6 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
             plgpu.Barrier(num_barriers=stages))
   free = (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2
   schedule = plgpu.Barrier(num_arrivals=2) if wgs == 2 else None   # the ping-pong's
-  grid, names = ((ctas,), ("cta",)) if ctas else ((B, N, row_ctas), ("batch", "heads", "q_seq"))
   return common.launch(
       functools.partial(_kernel, call=call, ctas=ctas), (smem, loaded, free, schedule),
       name="stable_attn_forward", compute_wgs=wgs,
