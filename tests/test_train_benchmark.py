@@ -34,3 +34,27 @@ def test_train_speed_runs_on_cpu(tmp_path, capsys, monkeypatch):
   table = capsys.readouterr().out
   assert "| xla | jax.nn xla |" in table
   assert (tmp_path / "train_speed_tiny_cpu.md").exists(), sorted(tmp_path.iterdir())
+
+
+def test_train_profile_attributes_attention_kernels():
+  """benchmarks/train_profile.py's table: attention kernels (ours and cuDNN's, by name) apart from
+  the rest, per arm, and the largest per-kernel differences between two arms."""
+  from benchmarks import train_profile
+  times = {"ours": {"stable_attn_forward_mosaic_gpu_kernel": 1000.0, "loop_fusion": 3000.0},
+           "cudnn": {"cudnn_generated_fort_native_sdpa_sm90_flash_fprop": 900.0,
+                     "void cudnn::fusion::compute_dot_do_o_specialized": 400.0,
+                     "loop_fusion": 2500.0}}
+  table = train_profile.markdown(times, "# header")
+  assert "| ours | 4.00 | 1.00 | 3.00 | stable_attn_forward_mosaic_gpu_kernel 1000 |" in table
+  assert "| cudnn | 3.80 | 1.30 | 2.50 |" in table
+  assert "- loop_fusion: 3000 - 2500 = +500" in table
+
+
+def test_train_profile_runs_on_cpu(tmp_path, capsys, monkeypatch):
+  from benchmarks import train_profile
+  from tests.test_train_loop import micro
+  monkeypatch.setattr(train_profile, "get_config", lambda name: micro())
+  assert train_profile.main(["--config", "tiny", "--arms", "xla", "--steps", "1",
+                             "--out", str(tmp_path)]) == 0
+  assert "| xla |" in capsys.readouterr().out
+  assert (tmp_path / "train_profile_tiny_cpu.md").exists(), sorted(tmp_path.iterdir())
