@@ -93,7 +93,8 @@ def plot_loss(out_dir: Path, title: str = "") -> Path | None:
   ax.set_ylabel("cross-entropy (nats/token)")
   ax.set_title(title)
   ax.grid(alpha=0.3)
-  ax.legend()
+  if tr or va:   # a run stopped before its first finite loss plots no line to label
+    ax.legend()
   fig.tight_layout()
   path = Path(out_dir) / "loss.png"
   fig.savefig(path)
