@@ -462,8 +462,9 @@ def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = 
 
 
 def query_grid(call: Call, wgs: int, bq: int, persistent: bool):
-  """(grid, grid names, persistent CTAs or 0) of a query kernel (the forward, dQ) whose CTAs own
-  wgs * bq rows: the grid (B, N, row CTAs), or min(tiles, SMs) persistent CTAs."""
+  """(grid, grid names, persistent CTAs or 0) of a query kernel whose CTAs own wgs * bq rows: the
+  grid (B, N, row CTAs), or min(tiles, SMs) persistent CTAs (the H64 forward; a persistent dQ
+  kernel measured slower, docs/hopper_kernel.md)."""
   B, N = call.geo.B, call.geo.N
   row_ctas = cta_rows(call, wgs, bq, 0)[0]
   if not persistent:
