@@ -7,6 +7,8 @@ by relative Frobenius error with dtype-appropriate tolerances.
 """
 from __future__ import annotations
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -149,6 +151,21 @@ def check_case(implementation, case, dtype, max_adjust, numerics, *, interpret=F
     np.testing.assert_array_equal(np.asarray(out[:, rows], np.float32), 0.0)
     np.testing.assert_array_equal(np.asarray(grads[0][:, rows], np.float32), 0.0)
   return errors
+
+
+@contextlib.contextmanager
+def abstract_gpu(device_kind: str = "NVIDIA H100 80GB HBM3", cores: int = 132):
+  """Lowering for CUDA on a host without a GPU: JAX 0.12's Pallas Triton lowering asks which GPU
+  it lowers for (an abstract device of an abstract mesh); older JAX does not ask."""
+  try:
+    from jax._src import mesh as mesh_lib
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), abstract_device=mesh_lib.AbstractDevice(device_kind, cores, "gpu"))
+  except (ImportError, AttributeError, TypeError):   # a JAX without abstract devices
+    yield
+    return
+  with jax.sharding.use_abstract_mesh(mesh):
+    yield
 
 
 def lower_vjp_for_cuda(flash, ops) -> str:
