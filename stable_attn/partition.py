@@ -210,7 +210,8 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
 
   def fwd_partition(spec, config, layout, mesh, args, result_shape):
     in_shardings, out_shardings = fwd_shardings(spec, config, layout, mesh, args)
-    return mesh, functools.partial(fwd_flat, spec, config, layout), out_shardings, in_shardings
+    return mesh, _per_device(mesh, functools.partial(fwd_flat, spec, config, layout)), \
+        out_shardings, in_shardings
 
   def bwd_shardings(spec, config, layout, mesh, args):
     axes = _axes(mesh, layout, args[:len(layout.names)])
@@ -232,7 +233,7 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
             grads[i] = lax.psum(grads[i], axes.of(axis))
       return tuple(grads)
 
-    return mesh, local, out_shardings, in_shardings
+    return mesh, _per_device(mesh, local), out_shardings, in_shardings
 
   _register(fwd_cp, fwd_partition, fwd_shardings, pick=1, backward=False)
   _register(bwd_cp, bwd_partition, bwd_shardings, pick=2, backward=True)
@@ -266,6 +267,23 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
 # ---------------------------------------------------------------------------------------------
 # Explicit sharding: the types carry shardings that a Pallas call cannot take
 # ---------------------------------------------------------------------------------------------
+
+def _per_device(mesh, fn: Callable) -> Callable:
+  """fn, the per-device computation custom_partitioning traces at compile time, traced with the
+  mesh's axes Auto: under a caller's Explicit mesh (jax.set_mesh), JAX 0.12 traces it with the
+  ambient explicit types, whose sharding annotations then stay in the partitioned module (CPU:
+  "No registered implementation for untyped custom call to Sharding"); JAX 0.10 and 0.11 trace it
+  in the partitioner's own axis context."""
+  names = tuple(getattr(mesh, "axis_names", ()))
+  if not names or not hasattr(mesh, "abstract_mesh"):
+    return fn
+  auto = mesh.abstract_mesh.update(axis_types=(AxisType.Auto,) * len(names))
+
+  def run(*arrays):
+    with jax.sharding.use_abstract_mesh(auto):
+      return fn(*arrays)
+  return run
+
 
 def _auto_axes(call: Callable, layout: _Layout, arrays, out_specs: Callable):
   """call(*arrays), with the mesh's Explicit axes made Auto inside it (where custom_partitioning
