@@ -153,15 +153,23 @@ def check_case(implementation, case, dtype, max_adjust, numerics, *, interpret=F
   return errors
 
 
+def abstract_mesh(device_kind: str, cores: int, platform: str):
+  """A one-device abstract mesh naming a device this host does not have (lowering for it here),
+  or None where this JAX cannot describe one."""
+  try:
+    from jax._src import mesh as mesh_lib
+    device = mesh_lib.AbstractDevice(device_kind, cores, platform)
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  except (ImportError, AttributeError, TypeError):   # private API moved
+    return None
+
+
 @contextlib.contextmanager
 def abstract_gpu(device_kind: str = "NVIDIA H100 80GB HBM3", cores: int = 132):
   """Lowering for CUDA on a host without a GPU: JAX 0.12's Pallas Triton lowering asks which GPU
   it lowers for (an abstract device of an abstract mesh); older JAX does not ask."""
-  try:
-    from jax._src import mesh as mesh_lib
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("x",), abstract_device=mesh_lib.AbstractDevice(device_kind, cores, "gpu"))
-  except (ImportError, AttributeError, TypeError):   # a JAX without abstract devices
+  mesh = abstract_mesh(device_kind, cores, "gpu")
+  if mesh is None:
     yield
     return
   with jax.sharding.use_abstract_mesh(mesh):

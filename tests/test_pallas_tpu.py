@@ -22,6 +22,7 @@ from stable_attn import numerics as numerics_lib
 from stable_attn import reference
 from stable_attn.spec import AttentionSpec, Operands
 from stable_attn.flash import make_flash_attention
+from tests import cases
 from tests.cases import CASES, case_by_name, check_case, relative_error, TOLERANCE
 
 import pallas_kernels.tpu as pallas_tpu
@@ -180,12 +181,10 @@ def test_vmap_interpret():
 # ---------------------------------------------------------------------------------------------
 
 def _tpu_abstract_mesh(device_kind):
-  try:
-    from jax._src import mesh as mesh_lib
-    device = mesh_lib.AbstractDevice(device_kind, 1, "tpu")
-    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-  except (ImportError, AttributeError, TypeError) as e:  # private API moved
-    pytest.skip(f"cannot describe a TPU without one in this JAX: {e}")
+  mesh = cases.abstract_mesh(device_kind, 1, "tpu")
+  if mesh is None:
+    pytest.skip("cannot describe a TPU without one in this JAX")
+  return mesh
 
 
 @pytest.mark.parametrize("device_kind,dtype,max_adjust,numerics,sinks", [
