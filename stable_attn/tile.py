@@ -421,20 +421,20 @@ class TileGrads(NamedTuple):
 def backward_p(s: Scores, lse, *, in_dtype, round_fn: RoundFn = round_convert, base2: bool = False,
                q_axis: int = 0):
   """P = exp(S - LSE) of one tile from masked scores (`scores`, the forward's units) and the saved
-  LSE (per query, fp32, natural units) -> (P fp32, P in the input dtype: the dV operand)."""
+  LSE (per query, fp32, natural units) -> (dS's factor: P fp32, times the soft cap's dtanh
+  (`Scores.dtanh`) when there is one; P in the input dtype: the dV operand). The factor is formed
+  here so that a kernel keeps one fp32 tile, not P and dtanh, until dP arrives."""
   exp = jnp.exp2 if base2 else jnp.exp
   p = exp(s.minus(_rows(lse * LOG2E if base2 else lse, s.values, q_axis)))
-  return p, operand(p, in_dtype, round_fn)
+  return (p if s.dtanh is None else p * s.dtanh), operand(p, in_dtype, round_fn)
 
 
-def backward_ds(p, dp, delta_rows, *, in_dtype, round_fn: RoundFn = round_convert, q_axis: int = 0,
-                dtanh=None):
-  """dS = P * (dP - delta) from `backward_p`'s fp32 P, dP = dO V^T (fp32, same orientation) and
-  delta (per query), times the soft cap's dtanh (`Scores.dtanh`) when there is one -> (dS fp32: the
-  gradient of scale * QK^T + bias, dS in the input dtype: the dQ/dK operand)."""
-  ds = p * (dp - _rows(delta_rows, dp, q_axis))
-  if dtanh is not None:
-    ds = ds * dtanh
+def backward_ds(p_factor, dp, delta_rows, *, in_dtype, round_fn: RoundFn = round_convert,
+                q_axis: int = 0):
+  """dS = P * dtanh * (dP - delta) from `backward_p`'s factor (P * dtanh, or P without a soft cap),
+  dP = dO V^T (fp32, same orientation) and delta (per query) -> (dS fp32: the gradient of
+  scale * QK^T + bias, dS in the input dtype: the dQ/dK operand)."""
+  ds = p_factor * (dp - _rows(delta_rows, dp, q_axis))
   return ds, operand(ds, in_dtype, round_fn)
 
 
@@ -445,9 +445,10 @@ def backward_tile(s: Scores, lse, dp, delta_rows, *, in_dtype, round_fn: RoundFn
 
   dQ and dK are then scale * (dS K) and scale * (dS^T Q), accumulated in fp32.
   """
-  p, p_op = backward_p(s, lse, in_dtype=in_dtype, round_fn=round_fn, base2=base2, q_axis=q_axis)
-  ds, ds_op = backward_ds(p, dp, delta_rows, in_dtype=in_dtype, round_fn=round_fn, q_axis=q_axis,
-                          dtanh=s.dtanh)
+  p_factor, p_op = backward_p(s, lse, in_dtype=in_dtype, round_fn=round_fn, base2=base2,
+                              q_axis=q_axis)
+  ds, ds_op = backward_ds(p_factor, dp, delta_rows, in_dtype=in_dtype, round_fn=round_fn,
+                          q_axis=q_axis)
   return TileGrads(p_op, ds, ds_op)
 
 

@@ -282,6 +282,23 @@ def test_lowers_for_cuda(kwargs):
     assert f"stable_attn_{name}" in text
 
 
+@pytest.mark.parametrize("H", [64, 128])
+def test_dq_kernel_computes_delta_before_dkv(H):
+  """The table's config (dq_delta) launches the dQ kernel first: it computes delta = rowsum(dO * O)
+  from O and writes it for the dK/dV kernel, so no XLA pass over dO and O comes before the kernels
+  (there is none between them either); with dq_delta=False the dK/dV kernel comes first."""
+  spec, ops = _spec_ops(shape=(2, 200, 4, H), kv_heads=2, is_causal=True)
+  config = tuning.table_config(H)
+  assert config.dq_delta and config.smem_problem(H, 2) is None
+  for dq_delta in (True, False):
+    text = cases.lower_vjp_for_cuda(
+        lambda o: mosaic._flash(spec, config.replace(dq_delta=dq_delta), o), ops)
+    dq, dkv = text.index("stable_attn_dq"), text.index("stable_attn_dkv")
+    assert (dq < dkv) == dq_delta
+  assert not tuning.table_config(256).dq_delta   # its O tile would not fit beside the dQ tiles
+  assert tuning.table_config(256).replace(dq_delta=True).smem_problem(256, 2) is not None
+
+
 def test_layers_share_one_kernel_each():
   """The same call at two places of one program (a model's layers, each differentiated) lowers
   to one Mosaic GPU module per kernel, not one per place: forward, dK/dV and dQ, three in all.

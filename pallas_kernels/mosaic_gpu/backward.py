@@ -1,5 +1,7 @@
-"""Backward kernels: delta pre-pass (XLA), dK/dV and dQ in Pallas Mosaic GPU. No atomics: the
-result is bitwise deterministic -- unless TuningConfig.fused_dq (opt-in): then the dK/dV kernel
+"""Backward kernels: dK/dV and dQ in Pallas Mosaic GPU, and delta = rowsum(dO * O), computed by
+the dQ kernel (TuningConfig.dq_delta: it then runs first and writes delta for the dK/dV kernel) or
+by an XLA pass before both (head dim 256, a differentiated LSE). No atomics: the result is bitwise
+deterministic -- unless TuningConfig.fused_dq (opt-in): then the dK/dV kernel
 also reduce-adds dQ (FlashAttention-3's backward, below) and there is no dQ kernel.
 
 dK/dV  one CTA per (batch, kv head, 2 * block_kv key rows). Each compute warpgroup keeps its K and
@@ -9,7 +11,8 @@ dK/dV  one CTA per (batch, kv head, 2 * block_kv key rows). Each compute warpgro
        SwapAB), so P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers.
 dQ     one CTA per (batch, query head, W * block_q query rows; W = TuningConfig.dq_wgs compute
        warpgroups, 3 at head dims 64 and 128 as in the forward, 2 with a bias's dS or a mask),
-       like the forward: Q, dO, LSE and delta resident, K and V streamed; dQ += dS K.
+       like the forward: Q, dO, LSE and delta (or O, to compute it) resident, K and V streamed;
+       dQ += dS K.
 fused  the dK/dV kernel stores each step's dS^T in shared memory and adds dS K (fp32) into a zeroed
        dQ accumulator with a TMA reduce-add; at head dim 128 the two warpgroups share dS^T and each
        adds half of dQ's columns over the CTA's keys (FA3's split).
@@ -107,7 +110,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
     plgpu.barrier_wait(kv_loaded.at[wg])
     if split:   # each warpgroup's dQ columns take both warpgroups' keys
       plgpu.barrier_wait(kv_loaded.at[1 - wg])
-    kv_ids = common.load_vector(kseg_smem.at[wg], ROWS) if call.packed else None
+    kv_ids = common.load_tile(kseg_smem.at[wg], ROWS) if call.packed else None
     mine = common.clamp_ranges(q_ranges(k_start), lo, hi)
     half = call.pad.H // 2
 
@@ -165,18 +168,18 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
                                                kind == "masked")
         ok = None
         if kind == "masked":
-          q_ids = common.load_vector(qseg_smem.at[slot], COLS) if call.packed else None
+          q_ids = common.load_tile(qseg_smem.at[slot], COLS) if call.packed else None
           ok = call.visible((bk, bq), i * bq, k_start, q_len, kv_len, q_axis=1, q_ids=q_ids,
                             kv_ids=kv_ids, mask=allowed_t)
 
         def p_of_scores(qk_t):
           s_t = call.scores(qk_t, ok, bias_t)
-          return tile.backward_p(s_t, common.load_vector(lse_smem.at[slot], COLS),
-                                 in_dtype=call.dt.input, base2=True, q_axis=1), s_t.dtanh
+          return tile.backward_p(s_t, common.load_tile(lse_smem.at[slot], COLS),
+                                 in_dtype=call.dt.input, base2=True, q_axis=1)
 
         dp_product = lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do.transpose((1, 0)))
         with jax.named_scope("s_dp_p"):
-          ((p_t, p_op), dtanh), dp_t = _scores_then_p(
+          (p_t, p_op), dp_t = _scores_then_p(
               lambda acc: plgpu.wgmma(acc, k_smem.at[wg], q.transpose((1, 0))),
               dp_product if "dk" in names else None,   # the dV pass needs no dP
               (bk, bq), p_of_scores)
@@ -188,8 +191,8 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           if "dk" not in accs:
             return
           dk_acc = accs["dk"]
-          _, ds_op = tile.backward_ds(p_t, dp_t, common.load_vector(delta_smem.at[slot], COLS),
-                                      in_dtype=call.dt.input, q_axis=1, dtanh=dtanh)
+          _, ds_op = tile.backward_ds(p_t, dp_t, common.load_tile(delta_smem.at[slot], COLS),
+                                      in_dtype=call.dt.input, q_axis=1)
           if dq_acc is None:
             plgpu.wgmma(dk_acc, ds_op, q)
             return
@@ -307,11 +310,15 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
 # dQ
 # ---------------------------------------------------------------------------------------------
 
-def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_ref, *rest,
-               call: Call, wgs: int):
-  """With a bias, rest = (dS [B, N, Tp, Sp], scratch): every block's dS, zeros where unvisited."""
-  ds_ref, scratch = rest if len(rest) == 2 else (None, rest[0])
-  (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, qseg_smem, kseg_smem, bias_smem,
+def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_ref, dq_ref, *rest,
+               call: Call, wgs: int, has_ds: bool):
+  """rest: dS [B, N, Tp, Sp] when has_ds (a bias's gradient: every block's dS, zeros where
+  unvisited), delta [B, N, Tp] fp32 when o_ref is not None (grads.delta is None: this kernel
+  computes it from O and dO), then the scratch."""
+  *outs, scratch = rest
+  ds_ref = outs.pop(0) if has_ds else None
+  delta_ref = outs.pop(0) if o_ref is not None else None
+  (q_smem, do_smem, lse_smem, delta_smem, o_smem, k_smem, v_smem, qseg_smem, kseg_smem, bias_smem,
    mask_smem, ds_smem), (q_loaded, loaded), free = scratch
   spec, tiles = call.spec, call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
@@ -334,15 +341,24 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
       plgpu.copy_gmem_to_smem(grads.do.at[rows], do, q_loaded.at[wg])
       plgpu.copy_gmem_to_smem(grads.lse.at[b, n, pl.ds(q_start, bq)], lse_smem.at[wg],
                               q_loaded.at[wg])
-      plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[wg],
-                              q_loaded.at[wg])
+      if o_ref is None:
+        plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[wg],
+                                q_loaded.at[wg])
+      else:
+        plgpu.copy_gmem_to_smem(o_ref.at[rows], o_smem.at[wg], q_loaded.at[wg])
       if call.packed:
         plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
                                 q_loaded.at[wg])
       plgpu.barrier_wait(q_loaded.at[wg])
-    lse = common.load_vector(lse_smem.at[wg], ROWS)
-    delta = common.load_vector(delta_smem.at[wg], ROWS)
-    q_ids = common.load_vector(qseg_smem.at[wg], ROWS) if call.packed else None
+    lse = common.load_tile(lse_smem.at[wg], ROWS)
+    if o_ref is None:
+      delta = common.load_tile(delta_smem.at[wg], ROWS)
+    else:   # delta = rowsum(dO * O) (tile.delta) in registers; written for the dK/dV kernel
+      delta = tile.delta(common.load_tile(do, plgpu.Layout.WGMMA),
+                         common.load_tile(o_smem.at[wg], plgpu.Layout.WGMMA))
+      if_rows(lambda: _store(delta_smem.at[wg], delta,
+                             delta_ref.at[b, n, pl.ds(q_start, bq)]))
+    q_ids = common.load_tile(qseg_smem.at[wg], ROWS) if call.packed else None
 
     def step(p, j, dq, kind):
       slot = common.slot_of(p - order.first, stages)
@@ -356,21 +372,21 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
                                          kind == "masked")
       ok = None
       if kind == "masked":
-        kv_ids = common.load_vector(kseg_smem.at[slot], COLS) if call.packed else None
+        kv_ids = common.load_tile(kseg_smem.at[slot], COLS) if call.packed else None
         ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids, kv_ids=kv_ids,
                           mask=allowed)
 
       def p_of_scores(qk):
         s = call.scores(qk, ok, bias)
-        return tile.backward_p(s, lse, in_dtype=call.dt.input, base2=True)[0], s.dtanh
+        return tile.backward_p(s, lse, in_dtype=call.dt.input, base2=True)[0]
 
       with jax.named_scope("s_dp_p"):
-        (p, dtanh), dp = _scores_then_p(
+        p, dp = _scores_then_p(
             lambda acc: plgpu.wgmma(acc, q, k.transpose((1, 0))),
             lambda acc: plgpu.wgmma(acc, do, v_smem.at[slot].transpose((1, 0))),
             (bq, bk), p_of_scores)
       with jax.named_scope("ds"):
-        ds, ds_op = tile.backward_ds(p, dp, delta, in_dtype=call.dt.input, dtanh=dtanh)
+        ds, ds_op = tile.backward_ds(p, dp, delta, in_dtype=call.dt.input)
       if ds_ref is not None:
         store_ds(ds, j)
 
@@ -424,7 +440,9 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_
 
 
 @common.lowered_once("call", "ds_dtype")
-def _dq_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ranges, ds_dtype):
+def _dq_call(call: Call, x: Operands, grads: BackwardInputs, o, ranges: common.Ranges, ds_dtype):
+  """-> dQ, then dS when ds_dtype is not None, then delta [B, N, Tp] fp32 when o is not None (it
+  is computed here: grads.delta is None)."""
   tiles = call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H = call.geo.B, call.geo.N, call.pad.H
@@ -435,6 +453,7 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Rang
   smem = (plgpu.SMEM((wgs, bq, H), dtype, transforms=mma),
           plgpu.SMEM((wgs, bq, H), dtype, transforms=mma),
           plgpu.SMEM((wgs, bq), f32), plgpu.SMEM((wgs, bq), f32),
+          None if o is None else plgpu.SMEM((wgs, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((wgs, bq), jnp.int32) if call.packed else None,
@@ -445,35 +464,43 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Rang
   beside = call.packed + (x.bias is not None) + (x.mask is not None)
   barriers = (plgpu.Barrier(num_arrivals=4 + call.packed, num_barriers=wgs),
               plgpu.Barrier(num_arrivals=2 + beside, num_barriers=stages))
-  out_type = jax.ShapeDtypeStruct(x.q.shape, dtype)
+  out_type = [jax.ShapeDtypeStruct(x.q.shape, dtype)]
   if ds_dtype is not None:
-    out_type = (out_type, jax.ShapeDtypeStruct((B, N, call.pad.T, call.pad.S), ds_dtype))
-  return common.launch(
-      functools.partial(_dq_kernel, call=call, wgs=wgs),
+    out_type.append(jax.ShapeDtypeStruct((B, N, call.pad.T, call.pad.S), ds_dtype))
+  if o is not None:
+    out_type.append(jax.ShapeDtypeStruct((B, N, call.pad.T), f32))
+  outs = common.launch(
+      functools.partial(_dq_kernel, call=call, wgs=wgs, has_ds=ds_dtype is not None),
       (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
-      name="stable_attn_dq", out_type=out_type, compute_wgs=wgs,
+      name="stable_attn_dq", out_type=tuple(out_type), compute_wgs=wgs,
       grid=(B, N, common.cta_rows(call, wgs, bq, 0)[0]), grid_names=("batch", "heads", "q_seq"),
-  )(x, grads, ranges)
+  )(x, grads, ranges, o)
+  return tuple(outs)
 
 
 def backward_call(call: Call, x: Operands, o, lse, do, dlse=None, ds_dtype=None):
   """Padded operands (x.bias, x.mask: [Bx, Nx, Tp, Sp], the mask as int8) and O, dO [B, Tp, N, H],
   lse and dlse [B, N, Tp] natural units -> (dq, dk, dv, dS [B, N, Tp, Sp] in ds_dtype, or None
   when ds_dtype is None)."""
-  delta = shifted_delta(jnp.swapaxes(tile.delta(do, o), 1, 2), dlse)    # [B, N, Tp], fp32
-  grads = BackwardInputs(do, lse, delta)
-  dkv, dq = call.config.dkv, call.config.dq
+  config = call.config
+  dkv, dq = config.dkv, config.dq
   # The dK/dV kernel computes S^T: it reads the bias and mask transposed (one XLA transpose).
   transposed = x._replace(**{name: None if a is None else jnp.swapaxes(a, 2, 3)
                              for name, a in (("bias", x.bias), ("mask", x.mask))})
   dkv_ranges = common.block_ranges(x, dkv.block_q, dkv.block_kv, "key", call.geo.G)
-  if call.config.fused_dq and ds_dtype is None:
+  xla_delta = lambda: shifted_delta(jnp.swapaxes(tile.delta(do, o), 1, 2), dlse)   # [B, N, Tp]
+  if config.fused_dq and ds_dtype is None:
+    grads = BackwardInputs(do, lse, xla_delta())
     dk, dv, dq = _dkv_call(call, transposed, grads, dkv_ranges)
     return (dq * call.spec.scale).astype(x.q.dtype), dk, dv, None
-  if call.config.fused_dq:   # a bias's gradient needs dS: the dQ kernel writes it
-    call = dataclasses.replace(call, config=call.config.replace(fused_dq=False))
-  dk, dv = _dkv_call(call, transposed, grads, dkv_ranges)
-  dq = _dq_call(call, x, grads, common.block_ranges(x, dq.block_q, dq.block_kv, "query"),
-                ds_dtype)
-  dq, ds = dq if ds_dtype is not None else (dq, None)
-  return dq, dk, dv, ds
+  if config.fused_dq:   # a bias's gradient needs dS: the dQ kernel writes it
+    call = dataclasses.replace(call, config=config.replace(fused_dq=False))
+  dq_ranges = common.block_ranges(x, dq.block_q, dq.block_kv, "query")
+  if config.dq_delta and dlse is None:   # the dQ kernel first: it computes delta
+    dq, *ds, delta = _dq_call(call, x, BackwardInputs(do, lse, None), o, dq_ranges, ds_dtype)
+    dk, dv = _dkv_call(call, transposed, BackwardInputs(do, lse, delta), dkv_ranges)
+  else:
+    grads = BackwardInputs(do, lse, xla_delta())
+    dk, dv = _dkv_call(call, transposed, grads, dkv_ranges)
+    dq, *ds = _dq_call(call, x, grads, None, dq_ranges, ds_dtype)
+  return dq, dk, dv, ds[0] if ds else None

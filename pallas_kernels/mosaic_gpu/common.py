@@ -66,11 +66,13 @@ _LOAD_NEEDS_INDEX = ("idx" in _LOAD_PARAMS
                      and _LOAD_PARAMS["idx"].default is inspect.Parameter.empty)
 
 
-def load_vector(ref, layout):
-  """A 1-D SMEM ref as an array in `layout`."""
+def load_tile(ref, layout):
+  """A whole SMEM ref (a vector, a tile) as an array in `layout`."""
   if _LOAD_NEEDS_INDEX:
     return plgpu.load(ref, (), layout=layout)
   return plgpu.load(ref, layout=layout)
+
+
 
 
 def zeros(shape, layout):

@@ -113,8 +113,8 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       if_rows(lambda: plgpu.barrier_wait(q_loaded.at[buf * wgs + wg]))
       offset = None   # natural units in memory (stable_attn's operand), log2 units here
       if call.safe:
-        offset = common.load_vector(off_smem.at[buf, wg], ROWS) * tile.LOG2E
-      q_ids = common.load_vector(qseg_smem.at[buf, wg], ROWS) if call.packed else None
+        offset = common.load_tile(off_smem.at[buf, wg], ROWS) * tile.LOG2E
+      q_ids = common.load_tile(qseg_smem.at[buf, wg], ROWS) if call.packed else None
       slot_of = lambda p: common.slot_of(base + p - order.first, stages)
 
       def wait_k(p):
@@ -167,7 +167,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
                                            kind == "masked")
         kv_ids = None
         if kind == "masked" and call.packed:
-          kv_ids = common.load_vector(kseg_smem.at[slot], COLS)
+          kv_ids = common.load_tile(kseg_smem.at[slot], COLS)
         plgpu.barrier_arrive(k_free.at[slot])
         ok = None
         if kind == "masked":

@@ -75,6 +75,10 @@ class TuningConfig:
   # first), the next tile's Q loading during this one (two Q buffers, O staged apart). Needs
   # fwd_wgs=3.
   fwd_persistent: bool = False
+  # The dQ kernel computes delta = rowsum(dO * O) from its resident dO and an O tile it loads
+  # beside it, uses it and writes it for the dK/dV kernel (which then runs second): no XLA pass
+  # over dO and O before the kernels (the fused backward, which has no dQ kernel, keeps it).
+  dq_delta: bool = False
 
   def __post_init__(self):
     self.fwd.check_owned("block_q", "fwd")
@@ -125,7 +129,7 @@ class TuningConfig:
                 # fused dQ: each warpgroup's dS^T tile and fp32 dQ staging tile
                 + self.fused_dq * COMPUTE_WGS * dkv.block_q * (dkv.block_kv * itemsize
                                                                + head_dim * 4)),
-        "dq": (self.dq_wgs * dq.block_q * (2 * row + 12)
+        "dq": (self.dq_wgs * dq.block_q * ((2 + self.dq_delta) * row + 12)
                + dq.stages * dq.block_kv * (2 * row + 4)
                + dq.stages * self.dq_wgs * dq.block_q * dq.block_kv * beside
                + self.dq_wgs * dq.block_q * dq.block_kv * ds_itemsize),
@@ -151,11 +155,13 @@ TABLE = {
     # in the dQ kernel: fwd+bwd 1.01-1.03x. A persistent forward at 64 (bitwise equal to the
     # grid's; H100, one process): 1.19x the grid's at B16 T1024 N12 causal, 1.06x at B8 T2048
     # N16 full, 1.17x at B4 T4096 N16 causal, 1.30x at B2 T1000 N12 causal, 0.99x at B4 T8192
-    # N16 causal. At 128 its second Q buffer does not fit.
+    # N16 causal. At 128 its second Q buffer does not fit. Delta in the dQ kernel (dq_delta; A/B,
+    # fwd+bwd): 1.02x at B16 T1024 N12 H64 causal and B2 T8192 N32 K8 H128, 0.995-1.005x at the
+    # other targets; at 256 its O tile does not fit.
     64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3,
-                     dq_wgs=3, fwd_persistent=True),
+                     dq_wgs=3, fwd_persistent=True, dq_delta=True),
     128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2), fwd_wgs=3,
-                      dq_wgs=3),
+                      dq_wgs=3, dq_delta=True),
     # What fits 227 KB at 512-byte rows: 64-row K/V blocks in the forward; 32-row streamed blocks
     # in the backward, whose dK and dV take two passes (docs/hopper_kernel.md).
     256: TuningConfig(fwd=_T(64, 64, 2), dkv=_T(32, 64, 2), dq=_T(64, 32, 2), dkv_passes=2),
@@ -194,6 +200,7 @@ def table_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
                           fwd_persistent=False)
   candidates = (config, config.replace(dkv=_BESIDE), config.replace(fwd=_BESIDE),
                 config.replace(fwd=_BESIDE, dkv=_BESIDE))
+  candidates += tuple(c.replace(dq_delta=False) for c in candidates)   # delta in XLA
   for candidate in candidates:
     if candidate.smem_problem(head_dim, itemsize, **extras) is None:
       return candidate
