@@ -110,7 +110,8 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
     plgpu.barrier_wait(kv_loaded.at[wg])
     if split:   # each warpgroup's dQ columns take both warpgroups' keys
       plgpu.barrier_wait(kv_loaded.at[1 - wg])
-    kv_ids = common.load_tile(kseg_smem.at[wg], ROWS) if call.packed else None
+    # Segment ids are read on the masked steps that need them, not held across the loop.
+    kv_ids = lambda: common.load_tile(kseg_smem.at[wg], ROWS) if call.packed else None
     mine = common.clamp_ranges(q_ranges(k_start), lo, hi)
     half = call.pad.H // 2
 
@@ -170,7 +171,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
         if kind == "masked":
           q_ids = common.load_tile(qseg_smem.at[slot], COLS) if call.packed else None
           ok = call.visible((bk, bq), i * bq, k_start, q_len, kv_len, q_axis=1, q_ids=q_ids,
-                            kv_ids=kv_ids, mask=allowed_t)
+                            kv_ids=kv_ids(), mask=allowed_t)
 
         def p_of_scores(qk_t):
           s_t = call.scores(qk_t, ok, bias_t)
@@ -358,7 +359,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
                          common.load_tile(o_smem.at[wg], plgpu.Layout.WGMMA))
       if_rows(lambda: _store(delta_smem.at[wg], delta,
                              delta_ref.at[b, n, pl.ds(q_start, bq)]))
-    q_ids = common.load_tile(qseg_smem.at[wg], ROWS) if call.packed else None
+    q_ids = lambda: common.load_tile(qseg_smem.at[wg], ROWS) if call.packed else None   # as dK/dV
 
     def step(p, j, dq, kind):
       slot = common.slot_of(p - order.first, stages)
@@ -373,7 +374,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
       ok = None
       if kind == "masked":
         kv_ids = common.load_tile(kseg_smem.at[slot], COLS) if call.packed else None
-        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids, kv_ids=kv_ids,
+        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids(), kv_ids=kv_ids,
                           mask=allowed)
 
       def p_of_scores(qk):

@@ -114,7 +114,9 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       offset = None   # natural units in memory (stable_attn's operand), log2 units here
       if call.safe:
         offset = common.load_tile(off_smem.at[buf, wg], ROWS) * tile.LOG2E
-      q_ids = common.load_tile(qseg_smem.at[buf, wg], ROWS) if call.packed else None
+      # The rows' segment ids are read on the masked steps that need them, not held in registers
+      # across the loop (held, the three-warpgroup forward spilled 220 bytes: ptxas, H128).
+      q_ids = lambda: common.load_tile(qseg_smem.at[buf, wg], ROWS) if call.packed else None
       slot_of = lambda p: common.slot_of(base + p - order.first, stages)
 
       def wait_k(p):
@@ -171,7 +173,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         plgpu.barrier_arrive(k_free.at[slot])
         ok = None
         if kind == "masked":
-          ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids,
+          ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids(),
                             kv_ids=kv_ids, mask=allowed)
         s = call.scores(qk, ok, bias)
         probs, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
