@@ -296,6 +296,11 @@ def test_dq_kernel_computes_delta_before_dkv(H):
     dq, dkv = text.index("stable_attn_dq"), text.index("stable_attn_dkv")
     assert (dq < dkv) == dq_delta
   assert not tuning.table_config(256).dq_delta   # its O tile would not fit beside the dQ tiles
+  # A bias and a mask at 128 with dbias's staging: no room for O either, delta stays in XLA.
+  extras = dict(beside=3, ds_itemsize=2)
+  assert tuning.TABLE[128].replace(dq_wgs=2).smem_problem(128, 2, **extras) is not None
+  assert not tuning.table_config(128, 2, **extras).dq_delta
+  assert tuning.table_config(128, 2, beside=2).dq_delta
   assert tuning.table_config(256).replace(dq_delta=True).smem_problem(256, 2) is not None
 
 

@@ -484,11 +484,10 @@ def backward_call(call: Call, x: Operands, o, lse, do, dlse=None, ds_dtype=None)
   lse and dlse [B, N, Tp] natural units -> (dq, dk, dv, dS [B, N, Tp, Sp] in ds_dtype, or None
   when ds_dtype is None)."""
   config = call.config
-  dkv, dq = config.dkv, config.dq
   # The dK/dV kernel computes S^T: it reads the bias and mask transposed (one XLA transpose).
   transposed = x._replace(**{name: None if a is None else jnp.swapaxes(a, 2, 3)
                              for name, a in (("bias", x.bias), ("mask", x.mask))})
-  dkv_ranges = common.block_ranges(x, dkv.block_q, dkv.block_kv, "key", call.geo.G)
+  dkv_ranges = common.block_ranges(x, config.dkv.block_q, config.dkv.block_kv, "key", call.geo.G)
   xla_delta = lambda: shifted_delta(jnp.swapaxes(tile.delta(do, o), 1, 2), dlse)   # [B, N, Tp]
   if config.fused_dq and ds_dtype is None:
     grads = BackwardInputs(do, lse, xla_delta())
@@ -496,7 +495,7 @@ def backward_call(call: Call, x: Operands, o, lse, do, dlse=None, ds_dtype=None)
     return (dq * call.spec.scale).astype(x.q.dtype), dk, dv, None
   if config.fused_dq:   # a bias's gradient needs dS: the dQ kernel writes it
     call = dataclasses.replace(call, config=config.replace(fused_dq=False))
-  dq_ranges = common.block_ranges(x, dq.block_q, dq.block_kv, "query")
+  dq_ranges = common.block_ranges(x, config.dq.block_q, config.dq.block_kv, "query")
   if config.dq_delta and dlse is None:   # the dQ kernel first: it computes delta
     dq, *ds, delta = _dq_call(call, x, BackwardInputs(do, lse, None), o, dq_ranges, ds_dtype)
     dk, dv = _dkv_call(call, transposed, BackwardInputs(do, lse, delta), dkv_ranges)

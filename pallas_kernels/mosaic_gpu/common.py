@@ -73,8 +73,6 @@ def load_tile(ref, layout):
   return plgpu.load(ref, layout=layout)
 
 
-
-
 def zeros(shape, layout):
   return plgpu.layout_cast(jnp.zeros(shape, f32), layout)
 
