@@ -115,6 +115,16 @@ def test_tuning_config_validates():
     tuning.table_config(64).replace(fwd_wgs=4)
   with pytest.raises(ValueError, match="dq_wgs must be 2 or 3"):
     tuning.table_config(64).replace(dq_wgs=1)
+  with pytest.raises(ValueError, match="dkv_wgs must be 2 or 3"):
+    tuning.table_config(64).replace(dkv_wgs=4)
+  with pytest.raises(ValueError, match="fused_dq splits dQ between two"):
+    tuning.fused_dq_config(64).replace(dkv_wgs=3)
+  # three dK/dV warpgroups where every query sees every key at head dim 64, not under a bias or
+  # mask, not in the fused backward
+  assert tuning.table_config(64, dense=True).dkv_wgs == 3
+  assert tuning.table_config(64).dkv_wgs == tuning.table_config(128, dense=True).dkv_wgs == 2
+  assert tuning.table_config(64, dense=True, beside=1).dkv_wgs == 2
+  assert tuning.fused_dq_config(64).dkv_wgs == 2
   with pytest.raises(ValueError, match="dq tiling"):   # three dQ warpgroups do not fit at 256
     tuning.table_config(256).replace(dq_wgs=3).check_smem(256, 2)
   # three forward and dQ warpgroups at head dims 64 and 128, two (per pair: the tiles) with a
@@ -123,7 +133,7 @@ def test_tuning_config_validates():
     assert tuning.table_config(h).fwd_wgs == tuning.table_config(h).dq_wgs == wgs
     assert tuning.table_config(h, beside=1).fwd_wgs == tuning.table_config(h, beside=1).dq_wgs == 2
   q = jnp.ones((1, 64, 2, 64), bf16)
-  for name in ("fwd_wgs", "dq_wgs"):
+  for name in ("fwd_wgs", "dq_wgs", "dkv_wgs"):
     config = tuning.table_config(64, beside=1).replace(**{name: 3})
     with pytest.raises(ValueError, match=f"{name}=3 takes no bias or mask"):
       stable_attn.dot_product_attention(q, q, q, mask=jnp.ones((64, 64), bool),
@@ -177,6 +187,40 @@ def test_union_ranges_and_sections(wgs):
             assert kinds.get(j) in ("masked", "full"), (cta, w, j, kinds.get(j))
           if kinds.get(j) == "full":
             assert block.all(), (cta, w, j)
+
+
+@pytest.mark.parametrize("wgs", [2, 3])
+def test_key_ranges_of_dkv_ctas(wgs):
+  """The dK/dV kernel's CTAs of wgs * block_kv keys from key 0 on (S padded to 2 * block_kv):
+  each warpgroup's query-block range holds every query block that sees one of its keys, its
+  "full" blocks see them all, and the warpgroups past the padded S are empty."""
+  rng = np.random.default_rng(10 + wgs)
+  for _ in range(200):
+    bq, bk = 64, 64
+    T, S = (int(x) * 64 for x in rng.integers(1, 12, 2))
+    Tp, Sp = blocks.cdiv(T, bq) * bq, blocks.cdiv(S, 2 * bk) * 2 * bk
+    q_len, kv_len = int(rng.integers(0, T + 1)), int(rng.integers(0, S + 1))
+    causal = bool(rng.integers(2))
+    window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 300, 2))
+    spec, _ = _spec_ops(is_causal=causal, local_window_size=window)
+    call = common.Call(spec, None, Padded(Tp, Sp, 64), None, None)
+    vis = np.asarray(tile.visible(np.arange(Tp), np.arange(Sp), q_len, kv_len, causal=causal,
+                                  window=window))
+    for cta in range(blocks.cdiv(Sp, wgs * bk)):
+      for w in range(wgs):
+        k_start = cta * wgs * bk + w * bk
+        a, b, c, d = (int(x) for x in common.q_ranges_of(call, common.Ranges(), 0, 0, k_start, bk,
+                                                         bq, q_len, kv_len, wgs=wgs))
+        if k_start >= Sp:
+          assert a == b == c == d == 0, (cta, w)
+          continue
+        assert a <= b <= c <= d
+        for i in range(Tp // bq):
+          block = vis[i * bq:(i + 1) * bq, k_start:k_start + bk]
+          if block.any():
+            assert a <= i < d, (cta, w, i)
+          if b <= i < c:
+            assert block.all(), (cta, w, i)
 
 
 def _record_sections(order, mine, flags=None):
@@ -326,6 +370,23 @@ def test_layers_share_one_kernel_each():
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
 
 
+def test_dense_calls_take_three_dkv_warpgroups():
+  """A call where every query sees every key takes three dK/dV warpgroups at head dim 64 (S = 200:
+  the last CTA's last two idle), packed or not; causal, windowed, packed and GQA calls take two."""
+  for kwargs, wgs in ((dict(), 3), (dict(is_causal=True), 2), (dict(local_window_size=(8, 8)), 2),
+                      (dict(shape=(2, 200, 4, 128)), 2), (dict(kv_heads=2), 2)):
+    kwargs = dict(dict(shape=(2, 200, 4, 64), kv_heads=4), **kwargs)
+    spec, ops = _spec_ops(**kwargs)
+    assert mosaic.default_config(spec, ops).dkv_wgs == wgs, kwargs
+  spec, ops = _spec_ops(shape=(2, 200, 4, 64), kv_heads=4)
+  packed = ops._replace(q_seg=jnp.zeros((2, 200), jnp.int32), kv_seg=jnp.zeros((2, 200), jnp.int32))
+  assert mosaic.default_config(spec, packed).dkv_wgs == 2
+  config = tuning.table_config(64).replace(dkv_wgs=3)
+  for o in (ops, packed):
+    text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), o)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
+
+
 @pytest.mark.parametrize("H", [64, 128])
 def test_fused_dq_lowers_for_cuda(H):
   """With TuningConfig.fused_dq the backward is one kernel: forward and dK/dV(+dQ), two in all;
@@ -350,6 +411,8 @@ GPU_CASES = {
     "cross_window": dict(B=1, T=257, S=513, N=4, K=1, H=64, window=(64, 32)),
     "T_gt_S": dict(B=1, T=320, S=130, N=2, K=2, H=128, is_causal=True),
     "empty_rows": dict(B=2, T=160, S=130, N=2, K=1, H=64, q_lens=(160, 90), kv_lens=(0, 130)),
+    # Every query sees every key, no GQA: three dK/dV warpgroups, the last CTA's last two idle.
+    "full_h64_lens": dict(B=2, T=330, S=200, N=2, K=2, H=64, kv_lens=(200, 90)),
     # The soft cap (tanh on the tile, its derivative in both backward kernels) and sinks.
     "softcap_sinks_gqa_h128": dict(B=2, T=300, S=333, N=8, K=2, H=128, is_causal=True,
                                    q_lens=(300, 217), kv_lens=(333, 190), soft_cap=20.0,
@@ -413,13 +476,15 @@ WGS_CASES = [name for name, case in GPU_CASES.items()
 @pytest.mark.parametrize("name", WGS_CASES)
 def test_gpu_three_warpgroups_match_two(name, max_adjust):
   """The forward and the dQ kernel with three compute warpgroups (the table's at head dims 64 and
-  128; the last CTA's first warpgroups idle where 192 rows do not divide T) compute every row as
-  two do: the same blocks in the same order, so O, the LSE and the gradients are bitwise equal."""
+  128; the last CTA's first warpgroups idle where 192 rows do not divide T), and the dK/dV kernel
+  at head dim 64 (the table's where every query sees every key; the last CTA's last warpgroups
+  idle), compute every row as two do: the same blocks in the same order, so O, the LSE and the
+  gradients are bitwise equal."""
   (q, k, v, _, _), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 3)
 
-  def run(wgs):
-    config = tuning.table_config(q.shape[-1]).replace(fwd_wgs=wgs, dq_wgs=wgs,
-                                                      fwd_persistent=False)
+  def run(wgs):   # three dK/dV warpgroups at head dim 64 (at 128 their tiles do not fit)
+    config = tuning.table_config(q.shape[-1]).replace(
+        fwd_wgs=wgs, dq_wgs=wgs, dkv_wgs=wgs if q.shape[-1] == 64 else 2, fwd_persistent=False)
     attend = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, implementation=IMPL, max_adjust=max_adjust, config=config,
         return_residuals=True, **kwargs)

@@ -4,7 +4,8 @@ by an XLA pass before both (head dim 256, a differentiated LSE). No atomics: the
 deterministic -- unless TuningConfig.fused_dq (opt-in): then the dK/dV kernel
 also reduce-adds dQ (FlashAttention-3's backward, below) and there is no dQ kernel.
 
-dK/dV  one CTA per (batch, kv head, 2 * block_kv key rows). Each compute warpgroup keeps its K and
+dK/dV  one CTA per (batch, kv head, W * block_kv key rows; W = TuningConfig.dkv_wgs compute
+       warpgroups: 2, or 3 at head dim 64). Each compute warpgroup keeps its K and
        V tiles and its dK, dV accumulators; the producer streams Q, dO, LSE and delta blocks of
        every query head of the kv head's group (GQA is summed here, in registers) over the query
        blocks that see the CTA's keys. The tile is computed transposed (S^T = K Q^T, FA3's
@@ -34,14 +35,12 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from stable_attn import tile
+from stable_attn import blocks, tile
 from stable_attn.flash import shifted_delta
 from stable_attn.spec import BackwardInputs, Operands
 
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
-
-COMPUTE_REGISTERS, PRODUCER_REGISTERS = common.REGISTERS[2]   # the dK/dV kernel's
 
 
 def _scores_then_p(qk_product, dp_product, shape, p_of_scores):
@@ -82,32 +81,38 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
   names = _PASSES[part]
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kseg_smem, qseg_smem, bias_smem,
    mask_smem, ds_smem, dq_smem), (kv_loaded, loaded, ds_ready), free = scratch
-  spec, tiles, G = call.spec, call.config.dkv, call.geo.G
+  spec, tiles, G, wgs = call.spec, call.config.dkv, call.geo.G, call.config.dkv_wgs
   split = _splits_dq(call)
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  cta_k = lax.axis_index("kv_seq") * (2 * bk)
+  cta_k = lax.axis_index("kv_seq") * (wgs * bk)
   q_len, kv_len = call.lengths(refs, b)
   # The query blocks of one warpgroup's keys (its packed-sequence and mask ranges intersected in;
   # the mask's merged over the kv head's query heads).
-  q_ranges = lambda k_start: call.q_ranges(
-      k_start, bk, bq, q_len, kv_len, common.block_range(ranges.segments, b, kvh, k_start // bk),
-      common.block_range(ranges.mask, b, kvh, k_start // bk))
-  lo, hi = common.union_range(q_ranges(cta_k), q_ranges(cta_k + bk))
-  order = common.schedule(ranges, b, kvh, lo, hi, cta_k, 2 * bk)
+  q_ranges = lambda k_start: common.q_ranges_of(call, ranges, b, kvh, k_start, bk, bq, q_len,
+                                                kv_len, wgs=wgs)
+  lo, hi = common.union_range(*(q_ranges(cta_k + w * bk) for w in range(wgs)))
+  order = common.schedule(ranges, b, kvh, lo, hi, cta_k, wgs * bk)
   per_head = order.stop - order.first
 
-  @pl.when(wg < 2)
+  @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
     k_start = cta_k + wg * bk
     rows = (b, pl.ds(k_start, bk), kvh)
-    plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[wg], kv_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[wg], kv_loaded.at[wg])
-    if call.packed:
-      plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(k_start, bk)], kseg_smem.at[wg],
-                              kv_loaded.at[wg])
-    plgpu.barrier_wait(kv_loaded.at[wg])
+    # With 3 warpgroups the last CTA's last ones may own no keys: they load and store nothing
+    # and step over every block.
+    if_keys = (pl.when(k_start < call.pad.S) if common.has_idle_keys(call, wgs, bk)
+               else lambda f: f())
+
+    @if_keys
+    def _load():
+      plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[wg], kv_loaded.at[wg])
+      plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[wg], kv_loaded.at[wg])
+      if call.packed:
+        plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(k_start, bk)], kseg_smem.at[wg],
+                                kv_loaded.at[wg])
+      plgpu.barrier_wait(kv_loaded.at[wg])
     if split:   # each warpgroup's dQ columns take both warpgroups' keys
       plgpu.barrier_wait(kv_loaded.at[1 - wg])
     # Segment ids are read on the masked steps that need them, not held across the loop.
@@ -223,16 +228,19 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
     zeros = common.zeros((bk, call.pad.H), plgpu.Layout.WGMMA)
     grads_of = dict(zip(names, lax.fori_loop(0, G, head, (zeros,) * len(names))))
     out_of = dict(zip(names, outs))
-    if "dk" in grads_of:
-      _store(k_smem.at[wg], (grads_of["dk"] * spec.scale).astype(k_smem.dtype),
-             out_of["dk"].at[rows])
-    if "dv" in grads_of:
-      _store(v_smem.at[wg], grads_of["dv"].astype(v_smem.dtype), out_of["dv"].at[rows])
+
+    @if_keys
+    def _store_grads():
+      if "dk" in grads_of:
+        _store(k_smem.at[wg], (grads_of["dk"] * spec.scale).astype(k_smem.dtype),
+               out_of["dk"].at[rows])
+      if "dv" in grads_of:
+        _store(v_smem.at[wg], grads_of["dv"].astype(v_smem.dtype), out_of["dv"].at[rows])
     common.drain_stores()
 
-  @pl.when(wg == 2)
+  @pl.when(wg == wgs)
   def _produce():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(common.REGISTERS[wgs][1], action="decrease")
 
     def block(t):
       """Position t -> (query head, query block): the heads of the group one after another."""
@@ -250,7 +258,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
       plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
                               loaded.at[slot])
       # The queries' segment ids and the CTA's transposed bias and mask tiles travel with Q.
-      common.copy_beside(refs, b, n, pl.ds(cta_k, 2 * bk), pl.ds(q_start, bq), loaded.at[slot],
+      common.copy_beside(refs, b, n, pl.ds(cta_k, wgs * bk), pl.ds(q_start, bq), loaded.at[slot],
                          (qseg_smem, bias_smem, mask_smem), slot, seg_rows=pl.ds(q_start, bq),
                          seg_ref=refs.q_seg)
 
@@ -275,21 +283,22 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
   mma = common.mma_transforms(dtype, bq)
   fused = call.config.fused_dq
   split = _splits_dq(call)
+  wgs = call.config.dkv_wgs   # 2 with a bias or mask or the fused dQ (TuningConfig, the API)
 
-  smem = (plgpu.SMEM((2, bk, H), dtype, transforms=mma),
-          plgpu.SMEM((2, bk, H), dtype, transforms=mma),
+  smem = (plgpu.SMEM((wgs, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((wgs, bk, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq), f32), plgpu.SMEM((stages, bq), f32),
-          plgpu.SMEM((2, bk), jnp.int32) if call.packed else None,
+          plgpu.SMEM((wgs, bk), jnp.int32) if call.packed else None,
           plgpu.SMEM((stages, bq), jnp.int32) if call.packed else None,
-          *common.pairwise_smem(x, stages, 2 * bk, bq),
+          *common.pairwise_smem(x, stages, wgs * bk, bq),
           plgpu.SMEM((2, 2, bk, bq) if split else (2, bk, bq), dtype, transforms=mma)
           if fused else None,
           plgpu.SMEM((2, bq, H // (1 + split)), f32,
                      transforms=common.tile_transforms(H // (1 + split), f32)) if fused else None)
   beside = call.packed + (x.bias is not None) + (x.mask is not None)
-  barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=2),
+  barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=wgs),
               plgpu.Barrier(num_arrivals=4 + beside, num_barriers=stages),
               plgpu.Barrier(num_arrivals=2, num_barriers=2) if split else None)
   dq_acc = jax.new_ref(jnp.zeros(x.q.shape, f32)) if fused else None
@@ -299,9 +308,10 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
     out_type = tuple(jax.ShapeDtypeStruct(x.k.shape, dtype) for _ in names)
     grads_of.update(zip(names, common.launch(
         functools.partial(_dkv_kernel, call=call, part=part),
-        (smem, barriers, plgpu.Barrier(num_arrivals=2, num_barriers=stages)),
-        name=f"stable_attn_{part}", out_type=out_type, grid=(B, K, call.pad.S // (2 * bk)),
-        grid_names=("batch", "heads", "kv_seq"), in_place=fused,
+        (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
+        name=f"stable_attn_{part}", out_type=out_type, compute_wgs=wgs,
+        grid=(B, K, blocks.cdiv(call.pad.S, wgs * bk)), grid_names=("batch", "heads", "kv_seq"),
+        in_place=fused,
     )(x, grads, ranges, dq_acc)))
   dk, dv = grads_of["dk"], grads_of["dv"]
   return (dk, dv) if not fused else (dk, dv, dq_acc[...])

@@ -239,6 +239,30 @@ def kv_ranges_of(call: Call, ranges: Ranges, b, n, q_start, bq: int, bk: int, q_
   return sections
 
 
+def has_idle_keys(call: Call, wgs: int, bk: int) -> bool:
+  """Whether a dK/dV CTA of wgs * bk key rows can reach past the padded S (S is padded to
+  2 * bk rows; with 3 warpgroups the last CTA's last warpgroups may be idle)."""
+  return call.pad.S % (wgs * bk) != 0
+
+
+def q_ranges_of(call: Call, ranges: Ranges, b, n, k_start, bk: int, bq: int, q_len, kv_len, *,
+                wgs: int = 2):
+  """(lo, flo, fhi, hi) of the query blocks that see one warpgroup's key rows [k_start, +bk),
+  the packed-sequence and mask ranges intersected in (`ranges` per key block, at batch row b and
+  kv head n); empty for an idle warpgroup (keys from the padded S on: `has_idle_keys`). The dK/dV
+  kernel's CTAs start at 0, so its partial CTA holds the last keys: the lightest under a causal
+  mask."""
+  idle_keys = has_idle_keys(call, wgs, bk)
+  last = call.pad.S // bk - 1
+  block = jnp.minimum(k_start // bk, last) if idle_keys else k_start // bk
+  sections = call.q_ranges(k_start, bk, bq, q_len, kv_len,
+                           block_range(ranges.segments, b, n, block),
+                           block_range(ranges.mask, b, n, block))
+  if idle_keys:
+    sections = tuple(jnp.where(k_start < call.pad.S, x, 0) for x in sections)
+  return sections
+
+
 def cta_rows(call: Call, wgs: int, bq: int, index):
   """(number of CTAs, the first row of CTA `index`) of a kernel whose CTAs own wgs * bq query
   rows, the heaviest causal rows first: the CTAs are aligned to the padded T's end, so when

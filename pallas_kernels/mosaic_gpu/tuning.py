@@ -71,6 +71,10 @@ class TuningConfig:
   # The same for the dQ kernel (its CTAs own dq_wgs * dq.block_q query rows): 2 or 3; 3 takes no
   # bias or mask operands.
   dq_wgs: int = COMPUTE_WGS
+  # The same for the dK/dV kernel (its CTAs own dkv_wgs * dkv.block_kv key rows, S is padded to
+  # 2 * block_kv: the last CTA's last warpgroups may idle): 2 or 3; 3 takes no bias or mask
+  # operands and not the fused dQ.
+  dkv_wgs: int = COMPUTE_WGS
   # A persistent forward: one CTA per SM taking the query tiles round-robin (heaviest rows
   # first), the next tile's Q loading during this one (two Q buffers, O staged apart). Needs
   # fwd_wgs=3.
@@ -86,13 +90,16 @@ class TuningConfig:
     self.dq.check_owned("block_q", "dq")
     if self.dkv_passes not in (1, 2):
       raise ValueError(f"dkv_passes must be 1 or 2, got {self.dkv_passes!r}")
-    for name in ("fwd_wgs", "dq_wgs"):
+    for name in ("fwd_wgs", "dq_wgs", "dkv_wgs"):
       if getattr(self, name) not in (2, 3):
         raise ValueError(f"{name} must be 2 or 3, got {getattr(self, name)!r}")
     if self.fwd_persistent and self.fwd_wgs != 3:
       raise ValueError(f"fwd_persistent needs fwd_wgs=3, got fwd_wgs={self.fwd_wgs}")
     if self.fused_dq and self.dkv_passes != 1:
       raise ValueError("fused_dq adds dQ in the one dK/dV pass: it needs dkv_passes=1")
+    if self.fused_dq and self.dkv_wgs != COMPUTE_WGS:
+      raise ValueError(f"fused_dq splits dQ between two dK/dV warpgroups: it needs dkv_wgs="
+                       f"{COMPUTE_WGS}, got {self.dkv_wgs}")
 
   def replace(self, **changes) -> "TuningConfig":
     return dataclasses.replace(self, **changes)
@@ -123,7 +130,7 @@ class TuningConfig:
                 + fwd.stages * self.fwd_wgs * fwd.block_q * fwd.block_kv * beside
                 # persistent: a second Q buffer (with offsets and segment ids) and O's staging
                 + self.fwd_persistent * self.fwd_wgs * fwd.block_q * (2 * row + 8)),
-        "dkv": (COMPUTE_WGS * dkv.block_kv * (2 * row + 4)
+        "dkv": (self.dkv_wgs * dkv.block_kv * (2 * row + 4)
                 + dkv.stages * dkv.block_q * (2 * row + 12)
                 + dkv.stages * COMPUTE_WGS * dkv.block_kv * dkv.block_q * beside
                 # fused dQ: each warpgroup's dS^T tile and fp32 dQ staging tile
@@ -184,20 +191,29 @@ def fused_dq_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
   reduce-adds in whatever order the CTAs run)."""
   if head_dim not in _FUSED_DKV:
     raise ValueError(f"the fused-dQ backward covers head dims {tuple(_FUSED_DKV)}, got {head_dim}")
-  return table_config(head_dim, itemsize, **extras).replace(fused_dq=True,
-                                                            dkv=_FUSED_DKV[head_dim])
+  return table_config(head_dim, itemsize, **extras).replace(
+      fused_dq=True, dkv=_FUSED_DKV[head_dim], dkv_wgs=COMPUTE_WGS)
 
 
-def table_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
-  """The table's config for a head dim; with `extras` (bias / mask tiles: see `smem_problem`),
-  the first of it and smaller tilings that fits shared memory (ValueError when none does)."""
+# Where every query sees every key (no causal or window mask, no segment ids) and each kv head
+# has one query head: three dK/dV warpgroups at head dim 64, fwd+bwd 1.03-1.06x at B8 T2048 N16,
+# B16 T1024 N12 and N16, B4 T4096 N16 H64 full; under a causal mask 0.98-1.01x, with GQA (B2
+# T8192 N32 K8 full) 0.96x (H100, one process, gradients bitwise equal; docs/hopper_kernel.md).
+_DENSE = {64: dict(dkv_wgs=3)}
+
+
+def table_config(head_dim: int, itemsize: int = 2, *, dense: bool = False,
+                 **extras) -> TuningConfig:
+  """The table's config for a head dim (dense: the call masks no (query, key) pair by position or
+  segment: `_DENSE`'s changes); with `extras` (bias / mask tiles: see `smem_problem`), the first
+  of it and smaller tilings that fits shared memory (ValueError when none does)."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
   if not extras:
-    return config
+    return config.replace(**_DENSE.get(head_dim, {})) if dense else config
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
-                          fwd_persistent=False)
+                          dkv_wgs=COMPUTE_WGS, fwd_persistent=False)
   candidates = (config, config.replace(dkv=_BESIDE), config.replace(fwd=_BESIDE),
                 config.replace(fwd=_BESIDE, dkv=_BESIDE))
   candidates += tuple(c.replace(dq_delta=False) for c in candidates)   # delta in XLA
