@@ -102,8 +102,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
     rows = (b, pl.ds(k_start, bk), kvh)
     # With 3 warpgroups the last CTA's last ones may own no keys: they load and store nothing
     # and step over every block.
-    if_keys = (pl.when(k_start < call.pad.S) if common.has_idle_keys(call, wgs, bk)
-               else lambda f: f())
+    if_keys = common.if_keys(call, wgs, bk, k_start)
 
     @if_keys
     def _load():

@@ -299,7 +299,16 @@ def query_cta(call: Call, ranges: Ranges, b, n, q_len, kv_len, *, wgs: int, bq: 
 def if_rows(call: Call, wgs: int, bq: int, q_start):
   """A decorator running its function unless the warpgroup whose rows start at q_start idles
   (`cta_rows`)."""
-  return pl.when(q_start >= 0) if has_idle_rows(call, wgs, bq) else (lambda f: f())
+  return _unless_idle(has_idle_rows(call, wgs, bq), q_start >= 0)
+
+
+def if_keys(call: Call, wgs: int, bk: int, k_start):
+  """The same for a dK/dV warpgroup whose key rows start at k_start (`has_idle_keys`)."""
+  return _unless_idle(has_idle_keys(call, wgs, bk), k_start < call.pad.S)
+
+
+def _unless_idle(may_idle: bool, owns):
+  return pl.when(owns) if may_idle else (lambda f: f())
 
 
 def pairwise_index(ref, b, n):
