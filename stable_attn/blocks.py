@@ -237,26 +237,38 @@ def _mask_tables(mask, block_q: int, block_k: int, groups: int):
 
 def _ranges(share, whole, per: str):
   """(lo, flo, fhi, hi) per block from bool [..., nq, nk] block tables: `share`, the blocks to
-  visit, `whole`, those that run unmasked -> int32 [..., n, 4] per query (or per key) block."""
+  visit, `whole`, those that run unmasked -> int32 [..., n, 4] per query (or per key) block.
+  One variadic reduction (first and last shared block, first and last whole block, how many are
+  whole): a GPU runs it as one kernel, where separate reductions took one each (these run on
+  every call with segment ids or a mask)."""
   if per == "key":
     share, whole = jnp.swapaxes(share, -1, -2), jnp.swapaxes(whole, -1, -2)
   elif per != "query":
     raise ValueError(f"per must be 'query' or 'key', got {per!r}")
   n = share.shape[-1]
   idx = jnp.arange(n, dtype=jnp.int32)
-  hi = jnp.max(jnp.where(share, idx + 1, 0), axis=-1)
-  lo = jnp.minimum(jnp.min(jnp.where(share, idx, n), axis=-1), hi)   # nothing shared: [0, 0)
-  flo = jnp.min(jnp.where(whole, idx, n), axis=-1)
-  fhi = jnp.max(jnp.where(whole, idx + 1, 0), axis=-1)
-  contiguous = jnp.sum(whole, axis=-1) == fhi - flo
+  # Maxima as minima of negated indices, so that one reduction computation serves all four.
+  lo, neg_hi, flo, neg_fhi, count = lax.reduce(
+      (jnp.where(share, idx, n), jnp.where(share, -idx - 1, 0), jnp.where(whole, idx, n),
+       jnp.where(whole, -idx - 1, 0), whole.astype(jnp.int32)),
+      (jnp.int32(n), jnp.int32(0), jnp.int32(n), jnp.int32(0), jnp.int32(0)),
+      lambda a, b: (*(jnp.minimum(x, y) for x, y in zip(a[:4], b[:4])), a[4] + b[4]),
+      (share.ndim - 1,))
+  hi, fhi = -neg_hi, -neg_fhi
+  lo = jnp.minimum(lo, hi)                                    # nothing shared: [0, 0)
+  contiguous = count == fhi - flo
   flo, fhi = _clamp_subrange(lo, hi, jnp.where(contiguous, flo, lo), jnp.where(contiguous, fhi, lo))
   return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
 
 
 def _block_ids(seg: jax.Array, block: int):
-  """(smallest, largest) id of every block of a [B, L] id array -> two [B, L // block]."""
+  """(smallest, largest) id of every block of a [B, L] id array -> two [B, L // block], in one
+  variadic reduction."""
   blocked = seg.reshape(seg.shape[0], seg.shape[1] // block, block)
-  return jnp.min(blocked, axis=-1), jnp.max(blocked, axis=-1)
+  info = jnp.iinfo(blocked.dtype)
+  inits = (jnp.asarray(info.max, blocked.dtype), jnp.asarray(info.min, blocked.dtype))
+  return lax.reduce((blocked, blocked), inits,
+                    lambda a, b: (jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])), (2,))
 
 
 def split_loop(lo, flo, fhi, hi, body, carry):

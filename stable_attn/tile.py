@@ -399,7 +399,10 @@ def sink_grad(sinks, lse, shifted_delta):
   """d(loss)/d(sinks) [N] fp32 from the sinks [N], the LSE with the sinks [B, N, T] and the rows'
   delta - dLSE [B, N, T]: the sink's probability is exp(sink - LSE) and its value is 0, so its
   logit's gradient is -P_sink * (delta - dLSE), summed over batch and rows."""
-  p_sink = jnp.exp(sinks.astype(f32)[None, :, None] - lse)
+  # P_sink <= 1 since the LSE holds the sink; the clamp also keeps XLA 0.12's GPU reduction
+  # fusion from returning NaN for a sink above 88 (seen on an H200: it evaluates this product
+  # as inf * 0 there; 0.11 and the CPU do not).
+  p_sink = jnp.exp(jnp.minimum(sinks.astype(f32)[None, :, None] - lse, 0.0))
   return -jnp.sum(p_sink * shifted_delta, axis=(0, 2))
 
 

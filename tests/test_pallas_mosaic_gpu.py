@@ -387,6 +387,21 @@ def test_dense_calls_take_three_dkv_warpgroups():
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
 
 
+def test_packed_calls_take_two_query_warpgroups():
+  """With segment ids the dQ kernel takes two warpgroups (128-row CTAs line up with documents), and
+  at head dim 128 the forward too, three without; at 64 the persistent three-warpgroup forward
+  stays."""
+  for H, packed_wgs in ((128, (2, 2)), (64, (3, 2))):
+    spec, ops = _spec_ops(shape=(2, 256, 4, H), kv_heads=2, is_causal=True)
+    packed = ops._replace(q_seg=jnp.zeros((2, 256), jnp.int32),
+                          kv_seg=jnp.zeros((2, 256), jnp.int32))
+    plain, config = mosaic.default_config(spec, ops), mosaic.default_config(spec, packed)
+    assert (plain.fwd_wgs, plain.dq_wgs) == (3, 3)
+    assert (config.fwd_wgs, config.dq_wgs) == packed_wgs, H
+    assert config.replace(fwd_wgs=plain.fwd_wgs, dq_wgs=plain.dq_wgs) == plain
+    config.check_smem(H, 2)
+
+
 @pytest.mark.parametrize("H", [64, 128])
 def test_fused_dq_lowers_for_cuda(H):
   """With TuningConfig.fused_dq the backward is one kernel: forward and dK/dV(+dQ), two in all;

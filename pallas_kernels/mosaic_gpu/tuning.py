@@ -201,17 +201,28 @@ def fused_dq_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
 # T8192 N32 K8 full) 0.96x (H100, one process, gradients bitwise equal; docs/hopper_kernel.md).
 _DENSE = {64: dict(dkv_wgs=3)}
 
+# With segment ids (packed sequences): two warpgroups in the dQ kernel, and at 128 in the forward.
+# Their CTAs' 128 rows line up with documents of 128-row multiples, where three warpgroups' 192
+# rows straddle two documents and stream the blocks of both. H200, one process, 3 reps, fwd+bwd
+# time relative to three (docs/hopper_kernel.md): B1 T8192 N16 H128 causal 0.98x with 8 documents
+# of 1024, 0.93x with 64 of 128, 1.00x with one of 8192; N12 H64, 8 of 1024 and 16 of 512: 0.96x
+# and 0.87x with two dQ warpgroups, 0.97x and 0.88x with the forward's two as well (its persistent
+# three stay).
+_PACKED = {64: dict(dq_wgs=2), 128: dict(fwd_wgs=2, dq_wgs=2)}
 
-def table_config(head_dim: int, itemsize: int = 2, *, dense: bool = False,
+
+def table_config(head_dim: int, itemsize: int = 2, *, dense: bool = False, packed: bool = False,
                  **extras) -> TuningConfig:
   """The table's config for a head dim (dense: the call masks no (query, key) pair by position or
-  segment: `_DENSE`'s changes); with `extras` (bias / mask tiles: see `smem_problem`), the first
-  of it and smaller tilings that fits shared memory (ValueError when none does)."""
+  segment: `_DENSE`'s changes; packed: it has segment ids, `_PACKED`'s); with `extras` (bias /
+  mask tiles: see `smem_problem`), the first of it and smaller tilings that fits shared memory
+  (ValueError when none does)."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
   if not extras:
-    return config.replace(**_DENSE.get(head_dim, {})) if dense else config
+    return config.replace(**(_DENSE if dense else {}).get(head_dim, {}),
+                          **(_PACKED if packed else {}).get(head_dim, {}))
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False)
   candidates = (config, config.replace(dkv=_BESIDE), config.replace(fwd=_BESIDE),
