@@ -18,7 +18,8 @@ plain attention, bias, masks and packed rows as a dense mask; each of ours gets 
 per call.
 Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks). Writes
 benchmarks/results/features_<device>.md (features_<device>_<features>.md for a subset, --features)
-and prints it.
+and a figure beside it (.png: what each feature costs, and our speed over each peer), and prints
+the table. `--plot-from TABLE.md` redraws the figure of a written table (no GPU needed).
 """
 from __future__ import annotations
 
@@ -125,6 +126,49 @@ def _label(shape) -> str:
   return f"B{B} T{T} N{N} H{H} causal"
 
 
+def read_table(path) -> list[tuple]:
+  """The (implementation, case, value, note) rows of a table this script wrote."""
+  rows = []
+  with open(path) as f:
+    for line in f:
+      cells = [c.strip() for c in line.strip().strip("|").split("|")]
+      if len(cells) == 4 and cells[0] not in ("implementation", "---"):
+        rows.append((cells[0], cells[1], float(cells[2]), cells[3]))
+  return rows
+
+
+def plot(rows, title: str, path: str):
+  """Left: each feature's cost relative to the same call without it (ratio rows); right: our
+  kernels' speed over each peer on the same call (peer ms / ours); log scales."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(17, 7), constrained_layout=True)
+  panels = ((axes[0], lambda note: note == "ratio", "cost of the feature (time / without it)"),
+            (axes[1], lambda note: note.endswith("ms / ours"), "speed-up over the peer (x)"))
+  series_of = lambda r: r[0] if r[3] == "ratio" else f"{r[0]} vs {r[3].split()[0]}"
+  case_of = lambda r: r[1].split(": ", 1)[-1] if r[1].startswith("speed-up over") else r[1]
+  for ax, keep, label in panels:
+    picked = [r for r in rows if keep(r[3]) and np.isfinite(r[2])]
+    series = list(dict.fromkeys(map(series_of, picked)))
+    cases = list(dict.fromkeys(map(case_of, picked)))
+    height = 0.8 / max(1, len(series))
+    for i, name in enumerate(series):
+      values = {case_of(r): r[2] for r in picked if series_of(r) == name}
+      ax.barh(np.arange(len(cases)) + i * height, [values.get(c, np.nan) for c in cases],
+              height, label=name)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(np.arange(len(cases)) + 0.4 - height / 2)
+    ax.set_yticklabels(cases, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel(label)
+    ax.legend(fontsize=7)
+  fig.suptitle(title, fontsize=10)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
@@ -136,8 +180,17 @@ def main(argv=None):
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--blocks", type=int, default=5)
   p.add_argument("--out-dir", default=bench.RESULTS)
+  p.add_argument("--plot-from", metavar="TABLE.md",
+                 help="only redraw the figure of a table this script wrote (beside it, .png)")
   jax_cache.add_flags(p)
   args = p.parse_args(argv)
+  if args.plot_from:
+    if not os.path.isfile(args.plot_from):
+      p.error(f"--plot-from: no such file {args.plot_from!r}")
+    with open(args.plot_from) as f:
+      title = f.readline().lstrip("# ").strip()
+    plot(read_table(args.plot_from), title, os.path.splitext(args.plot_from)[0] + ".png")
+    return
   features = args.features.split(",")
   if set(features) - set(FEATURES):
     p.error(f"--features: unknown {sorted(set(features) - set(FEATURES))}; choose from {FEATURES}")
@@ -228,8 +281,13 @@ def main(argv=None):
   if not args.smoke:
     os.makedirs(args.out_dir, exist_ok=True)
     subset = "" if set(features) == set(FEATURES) else "_" + "_".join(features)
-    with open(os.path.join(args.out_dir, f"features_{slug}{subset}.md"), "w") as f:
+    path = os.path.join(args.out_dir, f"features_{slug}{subset}")
+    with open(path + ".md", "w") as f:
       f.write(text)
+    try:
+      plot(rows, lines[0].lstrip("# "), path + ".png")
+    except Exception as e:  # matplotlib missing is not fatal
+      print(f"plot failed: {e}")
   print(text)
 
 

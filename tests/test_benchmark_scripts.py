@@ -4,6 +4,7 @@ Their timings mean nothing here; what is checked is that they still run against 
 so the next GPU session does not spend device time on a broken script.
 """
 import json
+import os
 import re
 
 import jax
@@ -26,6 +27,23 @@ def test_features_smoke(capsys):
     import tokamax  # noqa: F401
   except ImportError:
     assert "| tokamax | B1 T64 N2 H32 causal, soft cap 50 | nan | not run: tokamax is not " in text
+
+
+def test_features_figure_from_a_written_table(tmp_path):
+  """--plot-from redraws a written table's figure beside a copy of it, on the CPU; every row of
+  the table is read back; a missing table is a usage error."""
+  table = os.path.join(attention.RESULTS, "features_nvidia_h200.md")
+  with open(table) as f:
+    lines = [line for line in f if line.startswith("| ") and not line.startswith("| implementation")]
+  rows = features.read_table(table)
+  assert len(rows) == len(lines) and ("pallas_mosaic_gpu", "packed / unpacked, 8 x 1024") in {
+      r[:2] for r in rows}
+  copy = tmp_path / "features_copy.md"
+  copy.write_text(open(table).read())
+  features.main(["--plot-from", str(copy)])
+  assert (tmp_path / "features_copy.png").stat().st_size > 10_000
+  with pytest.raises(SystemExit):
+    features.main(["--plot-from", str(tmp_path / "missing.md")])
 
 
 def test_attention_arms_and_peer_columns():
