@@ -372,7 +372,8 @@ def test_layers_share_one_kernel_each():
 
 def test_dense_calls_take_three_dkv_warpgroups():
   """A call where every query sees every key takes three dK/dV warpgroups at head dim 64 (S = 200:
-  the last CTA's last two idle), packed or not; causal, windowed, packed and GQA calls take two."""
+  the last CTA's last two idle); causal, windowed, packed, head-dim-128 and GQA calls take two.
+  Asked for, three lower with segment ids too."""
   for kwargs, wgs in ((dict(), 3), (dict(is_causal=True), 2), (dict(local_window_size=(8, 8)), 2),
                       (dict(shape=(2, 200, 4, 128)), 2), (dict(kv_heads=2), 2)):
     kwargs = dict(dict(shape=(2, 200, 4, 64), kv_heads=4), **kwargs)
