@@ -48,6 +48,7 @@ class Options:
   kv_segment_ids: Any = None
   logits_soft_cap: Optional[float] = None
   sinks: Any = None
+  deterministic: bool = False
   return_residual: bool = False
   return_residuals: bool = False
 
@@ -74,6 +75,7 @@ def dot_product_attention(
     kv_segment_ids=None,
     logits_soft_cap: Optional[float] = None,
     sinks=None,
+    deterministic: bool = False,
     return_residual: bool = False,
     return_residuals: bool = False,
 ):
@@ -119,6 +121,14 @@ def dot_product_attention(
       sum_s exp(S_s) V_s / (exp(sink) + sum_s exp(S_s)). Differentiable. Not capped, scaled or
       masked; a row with no visible key returns 0 (and LSE = sink). Concrete non-finite sinks
       raise ValueError; traced ones (under jit) cannot be checked, and NaN there gives NaN.
+    deterministic: True: the gradients are bitwise reproducible run to run (same inputs, device
+      and program; the switch of that name in flash-attn and cuDNN): the backward sums each
+      gradient in a fixed order. False (the default) lets a backend pick a backward that
+      reduce-adds in whatever order its thread blocks finish -- on Hopper FlashAttention-3's
+      fused backward, `TuningConfig(fused_dq=True)` -- where its table measured that faster;
+      today it measured slower at every shape, so False runs the same deterministic kernels
+      (docs/dispatch.md). deterministic=True with a `config` that asks for such a backward
+      raises ValueError. The forward is deterministic either way.
     return_residual: jax.nn's option, with jax.nn's semantics: also return the log-sum-exp of
       each query row as [B, T, N] (or [T, N]) in the input dtype, under stop_gradient.
     return_residuals: ours: also return the log-sum-exp of each query row as [B, N, T] float32,
@@ -336,7 +346,15 @@ def _spec(options: Options, head_dim: int) -> AttentionSpec:
       has_lengths=(options.query_seq_lengths is not None
                    or options.key_value_seq_lengths is not None),
       logits_soft_cap=_soft_cap(options.logits_soft_cap),
-      return_residuals=bool(options.return_residuals))
+      return_residuals=bool(options.return_residuals),
+      deterministic=_flag(options.deterministic, "deterministic"))
+
+
+def _flag(value, name: str) -> bool:
+  """A boolean option: True or False (NumPy's too), never a truthy stand-in such as a string."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+  return bool(value)
 
 
 def _concrete(x):

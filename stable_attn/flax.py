@@ -21,7 +21,9 @@ def make_attention_fn(**options):
   defaults; `stable_attn.api.Options`), fixed for every call. Flax's masks may be float
   (1 = attend) or bool; extra leading batch dims are flattened; `is_causal` from Flax's call is
   or-ed with the option. Dropout on attention weights is not supported: a non-zero dropout_rate
-  outside deterministic mode raises ValueError. Segment ids: Flax's attention modules never pass
+  outside Flax's deterministic mode raises ValueError. That call-time `deterministic` is
+  dropout's; the option `deterministic` (bitwise-reproducible gradients) is fixed here and never
+  changed by it. Segment ids: Flax's attention modules never pass
   them (they build a mask, e.g. nnx.make_attention_mask(ids, ids, jnp.equal), which works here
   too), so attention_fn takes q_segment_ids / kv_segment_ids ([..., T] / [..., S]) as keywords for
   callers that can pass them (a custom module or a functools.partial); the kernels then skip key

@@ -42,6 +42,8 @@ class AttentionSpec:
   has_lengths: bool = False
   logits_soft_cap: Optional[float] = None   # logits -> cap * tanh(logits / cap)
   return_residuals: bool = False            # the caller also wants the (differentiable) LSE
+  # The backward must sum each gradient in a fixed order (no reduce-adds in CTA order).
+  deterministic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

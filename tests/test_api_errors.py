@@ -46,6 +46,8 @@ k = jnp.ones((2, 10, 2, 16), jnp.float32) * 0.2
     (dict(sinks=jnp.array([0.0, jnp.nan, 0.0, 0.0])), "sinks must be finite"),
     (dict(sinks=jnp.array([0.0, 0.0, -jnp.inf, 0.0])), "sinks must be finite"),
     (dict(return_residual=True, return_residuals=True), "return_residual .* return_residuals"),
+    (dict(deterministic="yes"), "deterministic must be True or False"),
+    (dict(deterministic=None), "deterministic must be True or False"),
 ])
 def test_bad_input_raises_value_error(kwargs, match):
   args = dict(query=q, key=k, value=k)

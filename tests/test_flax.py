@@ -63,3 +63,20 @@ def test_segment_ids_pass_through_and_match_a_flax_mask():
                                 attention_fn=with_ids)
   theirs = nnx.MultiHeadAttention(num_heads=4, in_features=32, decode=False, rngs=nnx.Rngs(0))
   chex.assert_trees_all_close(ours(x), theirs(x, mask=mask), atol=1e-5)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+@pytest.mark.parametrize("dropout_deterministic", [False, True])
+def test_deterministic_option_is_not_flax_dropout_flag(monkeypatch, fixed, dropout_deterministic):
+  """make_attention_fn(deterministic=...) is the backward's determinism; the `deterministic` that
+  Flax passes at call time is dropout's. The call-time flag never changes the fixed option."""
+  import stable_attn.flax as adapter
+  seen = []
+  real = adapter.attend
+  monkeypatch.setattr(adapter, "attend",
+                      lambda *args: seen.append(args[-1].deterministic) or real(*args))
+  layer = nnx.MultiHeadAttention(num_heads=4, in_features=32, decode=False, rngs=nnx.Rngs(0),
+                                 attention_fn=make_attention_fn(implementation="reference",
+                                                                deterministic=fixed))
+  layer(_x(4), deterministic=dropout_deterministic)
+  assert seen == [fixed]

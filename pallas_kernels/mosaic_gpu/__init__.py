@@ -3,8 +3,9 @@
 TMA loads through multi-stage shared-memory pipelines, wgmma, warp specialisation (a producer
 warpgroup and two compute warpgroups that ping-pong in the forward, three that run free at head
 dim 64), exp2 with log2(e) folded into the softmax scale, the max adjustment of stable_attn.tile;
-a deterministic backward (dK/dV and dQ kernels, no atomics), or opt-in (TuningConfig.fused_dq)
-FlashAttention-3's single backward kernel that reduce-adds dQ. See forward.py, backward.py and
+a deterministic backward (dK/dV and dQ kernels, no atomics), or opt-in (TuningConfig.fused_dq,
+refused with deterministic=True) FlashAttention-3's single backward kernel that reduce-adds dQ:
+the default table keeps the two kernels at every shape, measured faster. See forward.py, backward.py and
 docs/dispatch.md.
 
 What it covers (`covers`): bf16/fp16 on an sm_90 GPU, head dims 64, 128 and 256, numerics "fast",
@@ -161,6 +162,10 @@ def attention(spec: AttentionSpec, ops: Operands,
   elif not isinstance(config, tuning.TuningConfig):
     raise ValueError(f"config for implementation='pallas_mosaic_gpu' must be a "
                      f"pallas_kernels.mosaic_gpu.tuning.TuningConfig, got {config!r}")
+  if spec.deterministic and config.fused_dq:
+    raise ValueError("config.fused_dq=True reduce-adds dQ in whatever order the CTAs finish, so "
+                     "its gradients are not bitwise reproducible; deterministic=True takes the "
+                     "two-kernel backward (fused_dq=False)")
   config.check_smem(H, itemsize, **_extras(ops))
   for name in ("fwd_wgs", "dq_wgs", "dkv_wgs"):
     if getattr(config, name) != tuning.COMPUTE_WGS and _extras(ops):

@@ -191,13 +191,19 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
 
         def update(accs):
           accs = dict(zip(names, accs))
-          if "dv" in accs:
-            plgpu.wgmma(accs["dv"], p_op, do)   # runs while dS is computed
+          # Two kernels: dV's product runs while dS is computed. Fused: dS first (FA3's order),
+          # so P's operand is not held beside the fp32 P and dP, which spilled (measured in
+          # docs/hopper_kernel.md; the two kernels run faster with the overlap).
+          ds_first = dq_acc is not None
+          if "dv" in accs and not ds_first:
+            plgpu.wgmma(accs["dv"], p_op, do)
           if "dk" not in accs:
             return
           dk_acc = accs["dk"]
           _, ds_op = tile.backward_ds(p_t, dp_t, common.load_tile(delta_smem.at[slot], COLS),
                                       in_dtype=call.dt.input, q_axis=1)
+          if ds_first:
+            plgpu.wgmma(accs["dv"], p_op, do)
           if dq_acc is None:
             plgpu.wgmma(dk_acc, ds_op, q)
             return
