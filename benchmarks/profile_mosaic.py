@@ -1,10 +1,11 @@
 """Where the Hopper kernel's time goes: Mosaic GPU's on-device profiler over one call.
 
-  python -m benchmarks.profile_mosaic [--shapes targets] [--max-adjust safe] [--backward]
+  python -m benchmarks.profile_mosaic [--shapes targets] [--max-adjust safe] [--backward] [--fused]
 
 Runs each shape once unprofiled (compile, warm-up), then once inside `common.profiling`, which
 makes every compute warpgroup record its named regions (`jax.named_scope` in the kernel bodies:
-load_q, first_k, each step's kind with its qk / softmax / wait_v / pv parts, epilogue) in clock
+load_q, first_k, each step's kind with its qk / softmax / wait_v / pv parts, epilogue; in the
+fused backward share_ds and dq) in clock
 cycles. Per kernel and shape it prints, for each region, how often a warpgroup enters it and the
 mean cycles per entry and per warpgroup (with the share of the warpgroup's span), and per SM the
 time from one CTA's first event to the next CTA's (ns, globaltimer) against the CTA's span
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 
 import stable_attn
 from benchmarks.attention import TARGETS, make_inputs, shape_name
-from pallas_kernels.mosaic_gpu import common
+from pallas_kernels.mosaic_gpu import common, tuning
 
 
 def traces(path):
@@ -96,22 +97,27 @@ def summarize(path) -> list[str]:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--shapes", default="targets", choices=["targets", "short", "gpt2"],
-                  help="issue 23's five shapes, the first three (T <= 4096), or GPT-2's")
+  ap.add_argument("--shapes", default="targets", choices=["targets", "short", "gpt2", "h128"],
+                  help="issue 23's five shapes, the first three (T <= 4096), GPT-2's, or "
+                       "B4 T4096 N16 H128 causal")
   ap.add_argument("--max-adjust", default="safe", choices=["off", "safe", "paper"])
   ap.add_argument("--backward", action="store_true", help="profile the backward kernels too")
+  ap.add_argument("--fused", action="store_true",
+                  help="with --backward: FlashAttention-3's fused backward (TuningConfig.fused_dq)")
   ap.add_argument("--ranges", type=int, default=384, help="regions recorded per warpgroup")
   ap.add_argument("--out", help="also write the markdown here")
   args = ap.parse_args(argv)
-  shapes = {"targets": TARGETS, "short": TARGETS[:3], "gpt2": TARGETS[:1]}[args.shapes]
+  shapes = {"targets": TARGETS, "short": TARGETS[:3], "gpt2": TARGETS[:1],
+            "h128": TARGETS[1:2]}[args.shapes]
   report = [f"# Hopper kernel profile ({jax.devices()[0].device_kind}, bf16, "
-            f"max_adjust={args.max_adjust})", ""]
+            f"max_adjust={args.max_adjust}{', fused backward' if args.fused else ''})", ""]
   for shape in shapes:
     B, T, N, K, H, causal = shape
     q, k, v, do = make_inputs(B, T, N, K, H, jnp.bfloat16)
+    config = tuning.fused_dq_config(H) if args.fused else None
     attend = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="pallas_mosaic_gpu",
-        max_adjust=args.max_adjust)
+        max_adjust=args.max_adjust, config=config)
     if args.backward:
       fn = jax.jit(lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do))
       operands = (q, k, v, do)

@@ -119,6 +119,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
     mine = common.clamp_ranges(q_ranges(k_start), lo, hi)
     half = call.pad.H // 2
 
+    @jax.named_scope("share_ds")
     def share_ds(ds_op, buf):
       """Splitting dQ's columns: this warpgroup's dS^T into its half of the shared buffer, then
       wait for the other's."""
@@ -127,6 +128,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
       plgpu.barrier_arrive(ds_ready.at[buf])
       plgpu.barrier_wait(ds_ready.at[buf])
 
+    @jax.named_scope("dq")
     def stage_dq(issue, cols: int):
       """issue(acc) issues a dS K product into a fresh [block_q, cols] fp32 accumulator; its
       result goes to this warpgroup's dq_smem tile (the read waits for every wgmma in flight,
