@@ -5,8 +5,8 @@ warpgroup and two compute warpgroups that ping-pong in the forward, three that r
 dim 64), exp2 with log2(e) folded into the softmax scale, the max adjustment of stable_attn.tile;
 a deterministic backward (dK/dV and dQ kernels, no atomics), or opt-in (TuningConfig.fused_dq,
 refused with deterministic=True) FlashAttention-3's single backward kernel that reduce-adds dQ:
-the default table keeps the two kernels at every shape, measured faster. See forward.py, backward.py and
-docs/dispatch.md.
+the default table keeps the two kernels at every shape, measured faster. See forward.py,
+backward.py and docs/dispatch.md.
 
 What it covers (`covers`): bf16/fp16 on an sm_90 GPU, head dims 64, 128 and 256, numerics "fast",
 every max_adjust mode, causal, local windows, lengths, GQA/MQA, T != S and lengths that are not
