@@ -107,6 +107,8 @@ def main(argv=None):
   ap.add_argument("--ranges", type=int, default=384, help="regions recorded per warpgroup")
   ap.add_argument("--out", help="also write the markdown here")
   args = ap.parse_args(argv)
+  if args.fused and not args.backward:
+    ap.error("--fused changes only the backward: pass --backward with it")
   shapes = {"targets": TARGETS, "short": TARGETS[:3], "gpt2": TARGETS[:1],
             "h128": TARGETS[1:2]}[args.shapes]
   report = [f"# Hopper kernel profile ({jax.devices()[0].device_kind}, bf16, "

@@ -155,3 +155,12 @@ def test_profile_summary_of_a_known_trace(tmp_path):
   assert f"| epilogue | 1.00 | {tail:,} | {tail:,} |" in text
   assert "Init" not in text   # the producer's
   assert "median 8,000 ns over 1 pairs" in text
+
+
+def test_profile_fused_needs_backward(capsys):
+  """--fused changes only the backward, so without --backward it is refused before any device
+  work, with a one-line usage error."""
+  with pytest.raises(SystemExit) as exit_info:
+    profile_mosaic.main(["--fused"])
+  assert exit_info.value.code == 2
+  assert "--fused changes only the backward" in capsys.readouterr().err
