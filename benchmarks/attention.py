@@ -401,8 +401,8 @@ def main(argv=None):
     f.write(markdown(rows, device, dtype, args.calls, args.blocks, notes, ceiling))
   try:
     plot(rows, device, os.path.join(args.out_dir, f"attention_{slug}.png"))
-  except Exception as e:  # matplotlib missing is not fatal
-    print(f"plot failed: {e}")
+  except ImportError as e:  # the GPU machine may lack matplotlib: the table stands alone
+    print(f"no figure: {e}")
   print(f"\nwrote {md_path}\n")
   print(f"{'shape':32s} {'impl':12s} {'fwd TF':>7s} {'f+b TF':>7s} {'fwd/cu':>6s} {'f+b/cu':>6s} "
         f"{'fwd/tk':>6s} {'f+b/tk':>6s} {'errO':>7s} {'errG':>7s}")

@@ -221,8 +221,9 @@ def table_config(head_dim: int, itemsize: int = 2, *, dense: bool = False, packe
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
   if not extras:
-    return config.replace(**(_DENSE if dense else {}).get(head_dim, {}),
-                          **(_PACKED if packed else {}).get(head_dim, {}))
+    changes = {**(_DENSE.get(head_dim, {}) if dense else {}),
+               **(_PACKED.get(head_dim, {}) if packed else {})}
+    return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False)
   candidates = (config, config.replace(dkv=_BESIDE), config.replace(fwd=_BESIDE),
