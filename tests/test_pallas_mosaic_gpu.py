@@ -147,6 +147,21 @@ def test_tuning_config_validates():
     tuning.table_config(64).replace(fwd_wgs=2)
   with pytest.raises(ValueError, match="fwd tiling"):
     tuning.table_config(128).replace(fwd_persistent=True).check_smem(128, 2)
+  # the persistent dK/dV kernel: one pass, no fused dQ, two K/V buffers (at head dim 128 not
+  # beside four Q/dO stages)
+  with pytest.raises(ValueError, match="dkv_persistent runs one dK/dV pass"):
+    tuning.fused_dq_config(64).replace(dkv_persistent=True)
+  with pytest.raises(ValueError, match="dkv_persistent runs one dK/dV pass"):
+    tuning.table_config(256).replace(dkv_persistent=True)
+  with pytest.raises(ValueError, match="dkv tiling"):
+    tuning.table_config(128).replace(dkv_persistent=True, dkv=T(64, 64, 4)).check_smem(128, 2)
+  tuning.table_config(128).replace(dkv_persistent=True).check_smem(128, 2)
+  config = tuning.table_config(64)
+  assert config.dkv_persistent and not tuning.fused_dq_config(64).dkv_persistent
+  with pytest.raises(ValueError, match="dkv_persistent=True takes no bias or mask"):
+    stable_attn.dot_product_attention(q, q, q, mask=jnp.ones((64, 64), bool),
+                                      implementation=IMPL, config=config.replace(
+                                          fwd_wgs=2, dq_wgs=2, fwd_persistent=False))
 
 
 def test_deterministic_refuses_the_fused_backward():
@@ -403,6 +418,27 @@ def test_dense_calls_take_three_dkv_warpgroups():
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
 
 
+def test_persistent_dkv_where_key_tiles_differ():
+  """The dK/dV kernel runs persistent CTAs at head dim 64 where its key tiles differ in work
+  (causal, windowed, packed, GQA) and lowers so; a grid where every query sees every key (equal
+  tiles), at head dim 128 and with a bias or mask."""
+  cases_ = ((dict(is_causal=True), True), (dict(local_window_size=(8, 8)), True),
+            (dict(kv_heads=2), True), (dict(), False), (dict(shape=(2, 200, 4, 128)), False),
+            (dict(is_causal=True, mask=jnp.ones((1, 1, 200, 200), bool)), False))
+  for kwargs, persistent in cases_:
+    kwargs = dict(dict(shape=(2, 200, 4, 64), kv_heads=4), **kwargs)
+    spec, ops = _spec_ops(**kwargs)
+    assert mosaic.default_config(spec, ops).dkv_persistent == persistent, kwargs
+  spec, ops = _spec_ops(shape=(2, 256, 4, 64), kv_heads=4, is_causal=True)
+  packed = ops._replace(q_seg=jnp.zeros((2, 256), jnp.int32), kv_seg=jnp.zeros((2, 256), jnp.int32))
+  assert mosaic.default_config(spec, packed).dkv_persistent
+  for o in (ops, packed):   # three dK/dV warpgroups (idle keys: S = 256) lower persistent too
+    for wgs in (2, 3):
+      config = mosaic.default_config(spec, o).replace(dkv_wgs=wgs)
+      text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), o)
+      assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
+
+
 def test_packed_calls_take_two_query_warpgroups():
   """With segment ids the dQ kernel takes two warpgroups (128-row CTAs line up with documents), and
   at head dim 128 the forward too, three without; at 64 the persistent three-warpgroup forward
@@ -533,6 +569,9 @@ MANY_TILES = {
                             q_lens=(1000, 700, 333), kv_lens=(1000, 900, 200)),
     "many_tiles_packed": dict(B=2, T=2048, S=2048, N=8, K=8, H=64, is_causal=True,
                               segments=True, docs=5),
+    # More key tiles than SMs for the persistent dK/dV kernel (B * K * S / 128 = 448).
+    "many_key_tiles_gqa_lens": dict(B=4, T=1800, S=1800, N=16, K=8, H=64, is_causal=True,
+                                    q_lens=(1800, 1500, 700, 64), kv_lens=(1800, 1700, 900, 30)),
 }
 
 
@@ -565,6 +604,32 @@ FUSED_CASES = ["gpt2", "gqa_h128_lens", "cross_window", "T_gt_S", "empty_rows",
 def _fused_config(case, dtype):
   extras = dict(beside=1, ds_itemsize=0) if "mask" in case else {}
   return tuning.fused_dq_config(case["H"], jnp.dtype(dtype).itemsize, **extras)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("max_adjust", ["off", "safe"])
+@pytest.mark.parametrize("name", WGS_CASES + list(MANY_TILES))
+def test_gpu_persistent_dkv_matches_grid(name, max_adjust):
+  """The persistent dK/dV kernel (the table's at head dim 64 under a causal or window mask, with
+  segment ids or GQA: one CTA per SM taking the key tiles in zigzag rounds, the next tile's K and V
+  loading during this one) computes every tile as a CTA of the grid does: dK and dV bitwise equal,
+  with two and three warpgroups (the last CTA's last ones idle where 192 keys do not divide S)
+  and at head dim 128."""
+  case = GPU_CASES[name] if name in GPU_CASES else MANY_TILES[name]
+  (q, k, v, _, _), kwargs, do = cases.make_inputs(dict(case), bf16, 6)
+  H = q.shape[-1]
+  wgs_options = (2, 3) if H == 64 else (2,)
+
+  def run(persistent, wgs):
+    config = tuning.table_config(H).replace(dkv_persistent=persistent, dkv_wgs=wgs)
+    attend = lambda q, k, v: stable_attn.dot_product_attention(
+        q, k, v, implementation=IMPL, max_adjust=max_adjust, config=config, **kwargs)
+    return jax.device_get(jax.vjp(attend, q, k, v)[1](do))
+
+  for wgs in wgs_options:
+    for a, b in zip(run(False, wgs), run(True, wgs)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.gpu

@@ -172,6 +172,10 @@ def attention(spec: AttentionSpec, ops: Operands,
       raise ValueError(f"config.{name}={getattr(config, name)} takes no bias or mask operands "
                        f"(their tiles stream per pair of warpgroups): use {name}="
                        f"{tuning.COMPUTE_WGS}")
+  if config.dkv_persistent and _extras(ops):
+    raise ValueError("config.dkv_persistent=True takes no bias or mask operands (their blocks "
+                     "stream in a per-call order a persistent CTA does not follow): use "
+                     "dkv_persistent=False")
   if not is_available():
     raise ValueError("implementation='pallas_mosaic_gpu' needs a Hopper (sm_90) GPU; the default "
                      f"backend is {jax.default_backend()!r}")

@@ -10,6 +10,10 @@ dK/dV  one CTA per (batch, kv head, W * block_kv key rows; W = TuningConfig.dkv_
        every query head of the kv head's group (GQA is summed here, in registers) over the query
        blocks that see the CTA's keys. The tile is computed transposed (S^T = K Q^T, FA3's
        SwapAB), so P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers.
+       Persistent (TuningConfig.dkv_persistent, the table's at head dim 64 unless every query
+       sees every key): one CTA per SM takes the key tiles in zigzag rounds, key CTA 0 (the
+       heaviest under a causal mask) first; each compute warpgroup loads its next tile's K and V
+       into a second buffer during this one, and the producer's slots run on across tiles.
 dQ     one CTA per (batch, query head, W * block_q query rows; W = TuningConfig.dq_wgs compute
        warpgroups, 3 at head dims 64 and 128 as in the forward, 2 with a bias's dS or a mask),
        like the forward: Q, dO, LSE and delta (or O, to compute it) resident, K and V streamed;
@@ -35,7 +39,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from stable_attn import blocks, tile
+from stable_attn import tile
 from stable_attn.flash import shifted_delta
 from stable_attn.spec import BackwardInputs, Operands
 
@@ -72,11 +76,13 @@ _PASSES = {"dkv": ("dk", "dv"), "dk": ("dk",), "dv": ("dv",)}
 
 
 def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_acc, *rest,
-                call: Call, part: str):
+                call: Call, part: str, ctas: int):
   """rest: the output refs of `part`'s gradients (_PASSES: dK and dV, or one of them), then the
   scratch. refs.bias and refs.mask, when present, are transposed: [Bx, Nx, Sp, Tp]. dq_acc: None,
   or (config.fused_dq) the fp32 [B, Tp, N, H] dQ accumulator (zeros on entry) that each step adds
-  its dS K into with a TMA reduce-add: FlashAttention-3's backward, no dQ kernel."""
+  its dS K into with a TMA reduce-add: FlashAttention-3's backward, no dQ kernel. ctas: 0 for one
+  CTA per key tile (grid (B, K, key CTAs)), else the number of persistent CTAs
+  (`common.key_tiles`)."""
   *outs, scratch = rest
   names = _PASSES[part]
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kseg_smem, qseg_smem, bias_smem,
@@ -84,193 +90,232 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
   spec, tiles, G, wgs = call.spec, call.config.dkv, call.geo.G, call.config.dkv_wgs
   split = _splits_dq(call)
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
-  b, kvh, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  cta_k = lax.axis_index("kv_seq") * (wgs * bk)
-  q_len, kv_len = call.lengths(refs, b)
-  # The query blocks of one warpgroup's keys (its packed-sequence and mask ranges intersected in;
-  # the mask's merged over the kv head's query heads).
-  q_ranges = lambda k_start: common.q_ranges_of(call, ranges, b, kvh, k_start, bk, bq, q_len,
-                                                kv_len, wgs=wgs)
-  lo, hi = common.union_range(*(q_ranges(cta_k + w * bk) for w in range(wgs)))
-  order = common.schedule(ranges, b, kvh, lo, hi, cta_k, wgs * bk)
-  per_head = order.stop - order.first
+  wg = lax.axis_index("wg")
+  key_tiles = common.key_tiles(call, wgs, bk, ctas)
+
+  def key_tile(i):
+    """Tile i's (b, kv head, first key row, lengths, the query blocks of a warpgroup's keys as a
+    function of its first key, the CTA's streaming order)."""
+    b, kvh, index = key_tiles.tile(i)
+    cta_k = index * (wgs * bk)
+    q_len, kv_len = call.lengths(refs, b)
+    # The query blocks of one warpgroup's keys (its packed-sequence and mask ranges intersected
+    # in; the mask's merged over the kv head's query heads).
+    q_ranges = lambda k_start: common.q_ranges_of(call, ranges, b, kvh, k_start, bk, bq, q_len,
+                                                  kv_len, wgs=wgs)
+    lo, hi = common.union_range(*(q_ranges(cta_k + w * bk) for w in range(wgs)))
+    order = common.schedule(ranges, b, kvh, lo, hi, cta_k, wgs * bk)
+    return b, kvh, cta_k, q_len, kv_len, q_ranges, (lo, hi), order
 
   @pl.when(wg < wgs)
   def _compute():
     plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
-    k_start = cta_k + wg * bk
-    rows = (b, pl.ds(k_start, bk), kvh)
-    # With 3 warpgroups the last CTA's last ones may own no keys: they load and store nothing
-    # and step over every block.
-    if_keys = common.if_keys(call, wgs, bk, k_start)
 
-    @if_keys
-    def _load():
-      plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[wg], kv_loaded.at[wg])
-      plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[wg], kv_loaded.at[wg])
-      if call.packed:
-        plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(k_start, bk)], kseg_smem.at[wg],
-                                kv_loaded.at[wg])
-      plgpu.barrier_wait(kv_loaded.at[wg])
-    if split:   # each warpgroup's dQ columns take both warpgroups' keys
-      plgpu.barrier_wait(kv_loaded.at[1 - wg])
-    # Segment ids are read on the masked steps that need them, not held across the loop.
-    kv_ids = lambda: common.load_tile(kseg_smem.at[wg], ROWS) if call.packed else None
-    mine = common.clamp_ranges(q_ranges(k_start), lo, hi)
-    half = call.pad.H // 2
+    def load_kv(i, buf):
+      """Tile i's K and V rows of this warpgroup (and their segment ids) into K/V buffer buf."""
+      b, kvh, index = key_tiles.tile(i)
+      k_start = index * (wgs * bk) + wg * bk
+      rows = (b, pl.ds(k_start, bk), kvh)
+      barrier = kv_loaded.at[buf * wgs + wg]
 
-    @jax.named_scope("share_ds")
-    def share_ds(ds_op, buf):
-      """Splitting dQ's columns: this warpgroup's dS^T into its half of the shared buffer, then
-      wait for the other's."""
-      ds_smem.at[buf, wg][...] = ds_op
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(ds_ready.at[buf])
-      plgpu.barrier_wait(ds_ready.at[buf])
+      @common.if_keys(call, wgs, bk, k_start)
+      def _load():
+        plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[buf, wg], barrier)
+        plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[buf, wg], barrier)
+        if call.packed:
+          plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(k_start, bk)], kseg_smem.at[buf, wg],
+                                  barrier)
 
-    @jax.named_scope("dq")
-    def stage_dq(issue, cols: int):
-      """issue(acc) issues a dS K product into a fresh [block_q, cols] fp32 accumulator; its
-      result goes to this warpgroup's dq_smem tile (the read waits for every wgmma in flight,
-      dK's and dV's too; the store waits for the last reduce to have read the tile)."""
-      def product(acc):
-        issue(acc)
-        dq = acc[...]
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        dq_smem.at[wg][...] = dq
-      pl.run_scoped(product, plgpu.ACC((bq, cols), f32))
+    def run_tile(i, base):
+      """Tile i, whose first streamed block is the CTA's base-th -> the next tile's base."""
+      buf = key_tiles.buffer(i)
+      if ctas:   # the next tile's K and V load into the other buffer once the previous tile's
+        @pl.when(i + 1 < key_tiles.count)   # dK and dV stores have read it
+        def _prefetch():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          load_kv(i + 1, 1 - buf)
+      b, kvh, cta_k, q_len, kv_len, q_ranges, (lo, hi), order = key_tile(i)
+      per_head = order.stop - order.first
+      k_start = cta_k + wg * bk
+      rows = (b, pl.ds(k_start, bk), kvh)
+      # With 3 warpgroups the last CTA's last ones may own no keys: they load and store nothing
+      # and step over every block.
+      if_keys = common.if_keys(call, wgs, bk, k_start)
+      if_keys(lambda: plgpu.barrier_wait(kv_loaded.at[buf * wgs + wg]))
+      if split:   # each warpgroup's dQ columns take both warpgroups' keys
+        plgpu.barrier_wait(kv_loaded.at[buf * wgs + 1 - wg])
+      # Segment ids are read on the masked steps that need them, not held across the loop.
+      kv_ids = lambda: common.load_tile(kseg_smem.at[buf, wg], ROWS) if call.packed else None
+      mine = common.clamp_ranges(q_ranges(k_start), lo, hi)
+      half = call.pad.H // 2
 
-    def dq_columns(buf):
-      """dS K for this warpgroup's half of dQ's columns over both warpgroups' keys."""
-      for w in range(2):
-        def issue(acc, w=w):
-          for j in range(2):
-            plgpu.wgmma(acc, ds_smem.at[buf, j].transpose((1, 0)),
-                        k_smem.at[j, :, pl.ds(w * half, half)])
-        pl.when(wg == w)(lambda issue=issue: stage_dq(issue, half))
+      @jax.named_scope("share_ds")
+      def share_ds(ds_op, dbuf):
+        """Splitting dQ's columns: this warpgroup's dS^T into its half of the shared buffer, then
+        wait for the other's."""
+        ds_smem.at[dbuf, wg][...] = ds_op
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready.at[dbuf])
+        plgpu.barrier_wait(ds_ready.at[dbuf])
 
-    def reduce_dq(g, i):
-      plgpu.commit_smem()
-      cols = pl.ds(wg * half, half) if split else pl.ds(0, call.pad.H)
-      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc.at[b, pl.ds(i * bq, bq), kvh * G + g, cols],
-                              reduction_op="add")
+      @jax.named_scope("dq")
+      def stage_dq(issue, cols: int):
+        """issue(acc) issues a dS K product into a fresh [block_q, cols] fp32 accumulator; its
+        result goes to this warpgroup's dq_smem tile (the read waits for every wgmma in flight,
+        dK's and dV's too; the store waits for the last reduce to have read the tile)."""
+        def product(acc):
+          issue(acc)
+          dq = acc[...]
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          dq_smem.at[wg][...] = dq
+        pl.run_scoped(product, plgpu.ACC((bq, cols), f32))
 
-    def head(g, carry):
-      def step(p, i, carry, kind):
-        t = g * per_head + p - order.first
-        slot = common.slot_of(t, stages)
-        buf = common.slot_of(t, 2)
-        with jax.named_scope("wait"):   # (named regions: what common.profiling records)
-          plgpu.barrier_wait(loaded.at[slot])
-        if kind in ("skip", "empty"):
-          if split:   # the other warpgroup may see this block: dQ's columns still take both
-            share_ds(common.zeros((bk, bq), plgpu.Layout.WGMMA).astype(ds_smem.dtype), buf)
-            dq_columns(buf)
-          plgpu.barrier_arrive(free.at[slot])
-          if split:
-            reduce_dq(g, i)
+      def dq_columns(dbuf):
+        """dS K for this warpgroup's half of dQ's columns over both warpgroups' keys."""
+        for w in range(2):
+          def issue(acc, w=w):
+            for j in range(2):
+              plgpu.wgmma(acc, ds_smem.at[dbuf, j].transpose((1, 0)),
+                          k_smem.at[buf, j, :, pl.ds(w * half, half)])
+          pl.when(wg == w)(lambda issue=issue: stage_dq(issue, half))
+
+      def reduce_dq(g, i):
+        plgpu.commit_smem()
+        cols = pl.ds(wg * half, half) if split else pl.ds(0, call.pad.H)
+        plgpu.copy_smem_to_gmem(dq_smem.at[wg],
+                                dq_acc.at[b, pl.ds(i * bq, bq), kvh * G + g, cols],
+                                reduction_op="add")
+
+      def head(g, carry):
+        def step(p, i, carry, kind):
+          t = g * per_head + p - order.first
+          slot = common.slot_of(base + t, stages)
+          dbuf = common.slot_of(t, 2)
+          with jax.named_scope("wait"):   # (named regions: what common.profiling records)
+            plgpu.barrier_wait(loaded.at[slot])
+          if kind in ("skip", "empty"):
+            if split:   # the other warpgroup may see this block: dQ's columns still take both
+              share_ds(common.zeros((bk, bq), plgpu.Layout.WGMMA).astype(ds_smem.dtype), dbuf)
+              dq_columns(dbuf)
+            plgpu.barrier_arrive(free.at[slot])
+            if split:
+              reduce_dq(g, i)
+            return carry
+          q, do = q_smem.at[slot], do_smem.at[slot]
+          bias_t, allowed_t = common.read_beside(bias_smem, mask_smem, slot,
+                                                 pl.ds(wg * bk, bk), kind == "masked")
+          ok = None
+          if kind == "masked":
+            q_ids = common.load_tile(qseg_smem.at[slot], COLS) if call.packed else None
+            ok = call.visible((bk, bq), i * bq, k_start, q_len, kv_len, q_axis=1, q_ids=q_ids,
+                              kv_ids=kv_ids(), mask=allowed_t)
+
+          def p_of_scores(qk_t):
+            s_t = call.scores(qk_t, ok, bias_t)
+            return tile.backward_p(s_t, common.load_tile(lse_smem.at[slot], COLS),
+                                   in_dtype=call.dt.input, base2=True, q_axis=1)
+
+          dp_product = lambda acc: plgpu.wgmma(acc, v_smem.at[buf, wg], do.transpose((1, 0)))
+          with jax.named_scope("s_dp_p"):
+            (p_t, p_op), dp_t = _scores_then_p(
+                lambda acc: plgpu.wgmma(acc, k_smem.at[buf, wg], q.transpose((1, 0))),
+                dp_product if "dk" in names else None,   # the dV pass needs no dP
+                (bk, bq), p_of_scores)
+
+          def update(accs):
+            accs = dict(zip(names, accs))
+            # Two kernels: dV's product runs while dS is computed. Fused: dS first (FA3's
+            # order), so P's operand is not held beside the fp32 P and dP, which spilled
+            # (measured in docs/hopper_kernel.md; the two kernels run faster with the overlap).
+            ds_first = dq_acc is not None
+            if "dv" in accs and not ds_first:
+              plgpu.wgmma(accs["dv"], p_op, do)
+            if "dk" not in accs:
+              return
+            dk_acc = accs["dk"]
+            _, ds_op = tile.backward_ds(p_t, dp_t, common.load_tile(delta_smem.at[slot], COLS),
+                                        in_dtype=call.dt.input, q_axis=1)
+            if ds_first:
+              plgpu.wgmma(accs["dv"], p_op, do)
+            if dq_acc is None:
+              plgpu.wgmma(dk_acc, ds_op, q)
+              return
+            if split:
+              plgpu.wgmma(dk_acc, ds_op, q)
+              share_ds(ds_op, dbuf)
+              dq_columns(dbuf)
+              return
+            ds_smem.at[wg][...] = ds_op   # dS^T, the dQ product's operand (transposed)
+            plgpu.commit_smem()
+            plgpu.wgmma(dk_acc, ds_op, q)
+
+            stage_dq(lambda acc: plgpu.wgmma(acc, ds_smem.at[wg].transpose((1, 0)),
+                                             k_smem.at[buf, wg]),
+                     call.pad.H)   # issued behind dK's: one wait for dV, dK and dQ
+
+          with jax.named_scope("ds_dv_dk"):
+            carry = pl.run_state(update)(tuple(plgpu.ACC.init(a) for a in carry))
+            plgpu.barrier_arrive(free.at[slot])
+          if dq_acc is not None:   # dQ[rows of block i, head g] += dS K
+            with jax.named_scope("reduce_dq"):
+              reduce_dq(g, i)
           return carry
-        q, do = q_smem.at[slot], do_smem.at[slot]
-        bias_t, allowed_t = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bk, bk),
-                                               kind == "masked")
-        ok = None
-        if kind == "masked":
-          q_ids = common.load_tile(qseg_smem.at[slot], COLS) if call.packed else None
-          ok = call.visible((bk, bq), i * bq, k_start, q_len, kv_len, q_axis=1, q_ids=q_ids,
-                            kv_ids=kv_ids(), mask=allowed_t)
 
-        def p_of_scores(qk_t):
-          s_t = call.scores(qk_t, ok, bias_t)
-          return tile.backward_p(s_t, common.load_tile(lse_smem.at[slot], COLS),
-                                 in_dtype=call.dt.input, base2=True, q_axis=1)
+        flags = common.block_flags(ranges.mask_blocks, b, kvh * G + g, k_start // bk)
+        return common.sections(order, mine, step, carry, flags)
 
-        dp_product = lambda acc: plgpu.wgmma(acc, v_smem.at[wg], do.transpose((1, 0)))
-        with jax.named_scope("s_dp_p"):
-          (p_t, p_op), dp_t = _scores_then_p(
-              lambda acc: plgpu.wgmma(acc, k_smem.at[wg], q.transpose((1, 0))),
-              dp_product if "dk" in names else None,   # the dV pass needs no dP
-              (bk, bq), p_of_scores)
+      zeros = common.zeros((bk, call.pad.H), plgpu.Layout.WGMMA)
+      grads_of = dict(zip(names, lax.fori_loop(0, G, head, (zeros,) * len(names))))
+      out_of = dict(zip(names, outs))
 
-        def update(accs):
-          accs = dict(zip(names, accs))
-          # Two kernels: dV's product runs while dS is computed. Fused: dS first (FA3's order),
-          # so P's operand is not held beside the fp32 P and dP, which spilled (measured in
-          # docs/hopper_kernel.md; the two kernels run faster with the overlap).
-          ds_first = dq_acc is not None
-          if "dv" in accs and not ds_first:
-            plgpu.wgmma(accs["dv"], p_op, do)
-          if "dk" not in accs:
-            return
-          dk_acc = accs["dk"]
-          _, ds_op = tile.backward_ds(p_t, dp_t, common.load_tile(delta_smem.at[slot], COLS),
-                                      in_dtype=call.dt.input, q_axis=1)
-          if ds_first:
-            plgpu.wgmma(accs["dv"], p_op, do)
-          if dq_acc is None:
-            plgpu.wgmma(dk_acc, ds_op, q)
-            return
-          if split:
-            plgpu.wgmma(dk_acc, ds_op, q)
-            share_ds(ds_op, buf)
-            dq_columns(buf)
-            return
-          ds_smem.at[wg][...] = ds_op   # dS^T, the dQ product's operand (transposed)
-          plgpu.commit_smem()
-          plgpu.wgmma(dk_acc, ds_op, q)
+      @if_keys
+      def _store_grads():
+        # Staged in this tile's K and V buffers (the products that read them have landed); a
+        # persistent CTA's next load into them waits for these stores to have read them.
+        if "dk" in grads_of:
+          _store(k_smem.at[buf, wg], (grads_of["dk"] * spec.scale).astype(k_smem.dtype),
+                 out_of["dk"].at[rows])
+        if "dv" in grads_of:
+          _store(v_smem.at[buf, wg], grads_of["dv"].astype(v_smem.dtype), out_of["dv"].at[rows])
+      return base + G * per_head
 
-          stage_dq(lambda acc: plgpu.wgmma(acc, ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg]),
-                   call.pad.H)   # issued behind dK's: one wait for dV, dK and dQ
-
-        with jax.named_scope("ds_dv_dk"):
-          carry = pl.run_state(update)(tuple(plgpu.ACC.init(a) for a in carry))
-          plgpu.barrier_arrive(free.at[slot])
-        if dq_acc is not None:   # dQ[rows of block i, head g] += dS K
-          with jax.named_scope("reduce_dq"):
-            reduce_dq(g, i)
-        return carry
-
-      flags = common.block_flags(ranges.mask_blocks, b, kvh * G + g, k_start // bk)
-      return common.sections(order, mine, step, carry, flags)
-
-    zeros = common.zeros((bk, call.pad.H), plgpu.Layout.WGMMA)
-    grads_of = dict(zip(names, lax.fori_loop(0, G, head, (zeros,) * len(names))))
-    out_of = dict(zip(names, outs))
-
-    @if_keys
-    def _store_grads():
-      if "dk" in grads_of:
-        _store(k_smem.at[wg], (grads_of["dk"] * spec.scale).astype(k_smem.dtype),
-               out_of["dk"].at[rows])
-      if "dv" in grads_of:
-        _store(v_smem.at[wg], grads_of["dv"].astype(v_smem.dtype), out_of["dv"].at[rows])
+    load_kv(0, 0)
+    key_tiles.run(run_tile)
     common.drain_stores()
 
   @pl.when(wg == wgs)
   def _produce():
     plgpu.set_max_registers(common.REGISTERS[wgs][1], action="decrease")
 
-    def block(t):
-      """Position t -> (query head, query block): the heads of the group one after another."""
-      g = lax.div(t, per_head)
-      return kvh * G + g, order.block(order.first + t - g * per_head)
+    def stream_tile(i, base):
+      b, kvh, cta_k, _, _, _, _, order = key_tile(i)
+      per_head = order.stop - order.first
 
-    def load(at, slot):
-      n, i = at
-      q_start = i * bq
-      rows = (b, pl.ds(q_start, bq), n)
-      plgpu.copy_gmem_to_smem(refs.q.at[rows], q_smem.at[slot], loaded.at[slot])
-      plgpu.copy_gmem_to_smem(grads.do.at[rows], do_smem.at[slot], loaded.at[slot])
-      plgpu.copy_gmem_to_smem(grads.lse.at[b, n, pl.ds(q_start, bq)], lse_smem.at[slot],
-                              loaded.at[slot])
-      plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
-                              loaded.at[slot])
-      # The queries' segment ids and the CTA's transposed bias and mask tiles travel with Q.
-      common.copy_beside(refs, b, n, pl.ds(cta_k, wgs * bk), pl.ds(q_start, bq), loaded.at[slot],
-                         (qseg_smem, bias_smem, mask_smem), slot, seg_rows=pl.ds(q_start, bq),
-                         seg_ref=refs.q_seg)
+      def block(t):
+        """Position t -> (query head, query block): the heads of the group one after another."""
+        g = lax.div(t, per_head)
+        return kvh * G + g, order.block(order.first + t - g * per_head)
 
-    common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)], block,
-                  prefetch=ranges.order is not None)
+      def load(at, slot):
+        n, i = at
+        q_start = i * bq
+        rows = (b, pl.ds(q_start, bq), n)
+        plgpu.copy_gmem_to_smem(refs.q.at[rows], q_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(grads.do.at[rows], do_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(grads.lse.at[b, n, pl.ds(q_start, bq)], lse_smem.at[slot],
+                                loaded.at[slot])
+        plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
+                                loaded.at[slot])
+        # The queries' segment ids and the CTA's transposed bias and mask tiles travel with Q.
+        common.copy_beside(refs, b, n, pl.ds(cta_k, wgs * bk), pl.ds(q_start, bq),
+                           loaded.at[slot], (qseg_smem, bias_smem, mask_smem), slot,
+                           seg_rows=pl.ds(q_start, bq), seg_ref=refs.q_seg)
+
+      common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)], block,
+                    prefetch=ranges.order is not None, base=base)
+      return base + G * per_head
+
+    key_tiles.run(stream_tile)
 
 
 def _splits_dq(call: Call) -> bool:
@@ -285,19 +330,22 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
   """-> (dK, dV), or with config.fused_dq (dK, dV, dQ fp32 unscaled)."""
   tiles = call.config.dkv
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
-  B, K, H = call.geo.B, call.geo.K, call.pad.H
+  H = call.pad.H
   dtype = x.q.dtype
   mma = common.mma_transforms(dtype, bq)
   fused = call.config.fused_dq
   split = _splits_dq(call)
   wgs = call.config.dkv_wgs   # 2 with a bias or mask or the fused dQ (TuningConfig, the API)
+  # Persistent CTAs (TuningConfig.dkv_persistent): two K/V buffers, the next tile's loading.
+  grid, grid_names, ctas = common.key_grid(call, wgs, bk, call.config.dkv_persistent)
+  kv_bufs = 2 if ctas else 1
 
-  smem = (plgpu.SMEM((wgs, bk, H), dtype, transforms=mma),
-          plgpu.SMEM((wgs, bk, H), dtype, transforms=mma),
+  smem = (plgpu.SMEM((kv_bufs, wgs, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((kv_bufs, wgs, bk, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq), f32), plgpu.SMEM((stages, bq), f32),
-          plgpu.SMEM((wgs, bk), jnp.int32) if call.packed else None,
+          plgpu.SMEM((kv_bufs, wgs, bk), jnp.int32) if call.packed else None,
           plgpu.SMEM((stages, bq), jnp.int32) if call.packed else None,
           *common.pairwise_smem(x, stages, wgs * bk, bq),
           plgpu.SMEM((2, 2, bk, bq) if split else (2, bk, bq), dtype, transforms=mma)
@@ -305,7 +353,7 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
           plgpu.SMEM((2, bq, H // (1 + split)), f32,
                      transforms=common.tile_transforms(H // (1 + split), f32)) if fused else None)
   beside = call.packed + (x.bias is not None) + (x.mask is not None)
-  barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=wgs),
+  barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=kv_bufs * wgs),
               plgpu.Barrier(num_arrivals=4 + beside, num_barriers=stages),
               plgpu.Barrier(num_arrivals=2, num_barriers=2) if split else None)
   dq_acc = jax.new_ref(jnp.zeros(x.q.shape, f32)) if fused else None
@@ -314,10 +362,10 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
     names = _PASSES[part]
     out_type = tuple(jax.ShapeDtypeStruct(x.k.shape, dtype) for _ in names)
     grads_of.update(zip(names, common.launch(
-        functools.partial(_dkv_kernel, call=call, part=part),
+        functools.partial(_dkv_kernel, call=call, part=part, ctas=ctas),
         (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
         name=f"stable_attn_{part}", out_type=out_type, compute_wgs=wgs,
-        grid=(B, K, blocks.cdiv(call.pad.S, wgs * bk)), grid_names=("batch", "heads", "kv_seq"),
+        grid=grid, grid_names=grid_names,
         in_place=fused,
     )(x, grads, ranges, dq_acc)))
   dk, dv = grads_of["dk"], grads_of["dv"]

@@ -498,18 +498,32 @@ def query_grid(call: Call, wgs: int, bq: int, persistent: bool):
   """(grid, grid names, persistent CTAs or 0) of a query kernel whose CTAs own wgs * bq rows: the
   grid (B, N, row CTAs), or min(tiles, SMs) persistent CTAs (the H64 forward; a persistent dQ
   kernel measured slower, docs/hopper_kernel.md)."""
-  B, N = call.geo.B, call.geo.N
-  row_ctas = cta_rows(call, wgs, bq, 0)[0]
+  return _grid(call.geo.B, call.geo.N, cta_rows(call, wgs, bq, 0)[0], "q_seq", persistent)
+
+
+def key_grid(call: Call, wgs: int, bk: int, persistent: bool):
+  """The same for the dK/dV kernel, whose CTAs own wgs * bk key rows of a kv head: the grid (B, K,
+  key CTAs), or persistent CTAs (TuningConfig.dkv_persistent)."""
+  return _grid(call.geo.B, call.geo.K, key_ctas(call, wgs, bk), "kv_seq", persistent)
+
+
+def key_ctas(call: Call, wgs: int, bk: int) -> int:
+  """CTAs per (batch row, kv head) of the dK/dV kernel: S is padded to 2 * bk rows only, so with
+  3 warpgroups the last CTA's last warpgroups may own no keys (`has_idle_keys`)."""
+  return blocks.cdiv(call.pad.S, wgs * bk)
+
+
+def _grid(B: int, heads: int, per_row: int, axis: str, persistent: bool):
   if not persistent:
-    return (B, N, row_ctas), ("batch", "heads", "q_seq"), 0
-  ctas = min(B * N * row_ctas, sm_count())
+    return (B, heads, per_row), ("batch", "heads", axis), 0
+  ctas = min(B * heads * per_row, sm_count())
   return (ctas,), ("cta",), ctas
 
 
-class QueryTiles(NamedTuple):
-  """The query tiles (batch row, head, row CTA index) a CTA of a query kernel runs."""
+class Tiles(NamedTuple):
+  """The tiles (batch row, head, row or key CTA index) a CTA runs."""
   count: Any          # how many
-  tile: Callable      # i -> (b, n, row CTA index) of its i-th
+  tile: Callable      # i -> (b, n, CTA index) of its i-th
   buffer: Callable    # i -> which of the two buffers of its resident tiles tile i uses (0: one)
   persistent: bool
 
@@ -522,21 +536,30 @@ class QueryTiles(NamedTuple):
       body(0, 0)
 
 
-def query_tiles(call: Call, wgs: int, bq: int, ctas: int) -> QueryTiles:
+def query_tiles(call: Call, wgs: int, bq: int, ctas: int) -> Tiles:
   """Inside a query kernel: its grid position's one tile, or (ctas > 0, `query_grid`) a persistent
   CTA's tiles, tile t = (row CTA, batch row, head) with the row CTA slowest: every head's heaviest
   causal rows first, in zigzag rounds (`persistent_tiles`)."""
+  return _tiles(call.geo.B, call.geo.N, cta_rows(call, wgs, bq, 0)[0], "q_seq", ctas)
+
+
+def key_tiles(call: Call, wgs: int, bk: int, ctas: int) -> Tiles:
+  """The same for the dK/dV kernel (`key_grid`): key CTA 0, the keys every causal query sees,
+  is the heaviest, so the key CTA index ascends."""
+  return _tiles(call.geo.B, call.geo.K, key_ctas(call, wgs, bk), "kv_seq", ctas)
+
+
+def _tiles(B: int, heads: int, per_row: int, axis: str, ctas: int) -> Tiles:
   if not ctas:
-    return QueryTiles(1, lambda i: (lax.axis_index("batch"), lax.axis_index("heads"),
-                                    lax.axis_index("q_seq")), lambda i: 0, False)
-  B, N = call.geo.B, call.geo.N
-  count, nth = persistent_tiles(lax.axis_index("cta"), ctas, B * N * cta_rows(call, wgs, bq, 0)[0])
+    return Tiles(1, lambda i: (lax.axis_index("batch"), lax.axis_index("heads"),
+                               lax.axis_index(axis)), lambda i: 0, False)
+  count, nth = persistent_tiles(lax.axis_index("cta"), ctas, B * heads * per_row)
 
   def tile(i):
     t = nth(i)
-    r = lax.rem(t, B * N)
-    return lax.div(r, N), lax.rem(r, N), lax.div(t, B * N)
-  return QueryTiles(count, tile, lambda i: lax.rem(i, 2), True)
+    r = lax.rem(t, B * heads)
+    return lax.div(r, heads), lax.rem(r, heads), lax.div(t, B * heads)
+  return Tiles(count, tile, lambda i: lax.rem(i, 2), True)
 
 
 def persistent_tiles(cta, ctas: int, total: int):

@@ -83,6 +83,11 @@ class TuningConfig:
   # beside it, uses it and writes it for the dK/dV kernel (which then runs second): no XLA pass
   # over dO and O before the kernels (the fused backward, which has no dQ kernel, keeps it).
   dq_delta: bool = False
+  # A persistent dK/dV kernel: one CTA per SM taking the key tiles in zigzag rounds (heaviest
+  # causal keys first), each compute warpgroup loading its next tile's K and V into a second
+  # buffer while it works on this one; its dK and dV are staged in the buffer they came from.
+  # Not with the fused dQ or two passes; takes no bias or mask operands (the API checks).
+  dkv_persistent: bool = False
 
   def __post_init__(self):
     self.fwd.check_owned("block_q", "fwd")
@@ -97,6 +102,10 @@ class TuningConfig:
       raise ValueError(f"fwd_persistent needs fwd_wgs=3, got fwd_wgs={self.fwd_wgs}")
     if self.fused_dq and self.dkv_passes != 1:
       raise ValueError("fused_dq adds dQ in the one dK/dV pass: it needs dkv_passes=1")
+    if self.dkv_persistent and (self.fused_dq or self.dkv_passes != 1):
+      raise ValueError("dkv_persistent runs one dK/dV pass without the fused dQ: it needs "
+                       f"fused_dq=False and dkv_passes=1, got fused_dq={self.fused_dq}, "
+                       f"dkv_passes={self.dkv_passes}")
     if self.fused_dq and self.dkv_wgs != COMPUTE_WGS:
       raise ValueError(f"fused_dq splits dQ between two dK/dV warpgroups: it needs dkv_wgs="
                        f"{COMPUTE_WGS}, got {self.dkv_wgs}")
@@ -130,7 +139,7 @@ class TuningConfig:
                 + fwd.stages * self.fwd_wgs * fwd.block_q * fwd.block_kv * beside
                 # persistent: a second Q buffer (with offsets and segment ids) and O's staging
                 + self.fwd_persistent * self.fwd_wgs * fwd.block_q * (2 * row + 8)),
-        "dkv": (self.dkv_wgs * dkv.block_kv * (2 * row + 4)
+        "dkv": ((1 + self.dkv_persistent) * self.dkv_wgs * dkv.block_kv * (2 * row + 4)
                 + dkv.stages * dkv.block_q * (2 * row + 12)
                 + dkv.stages * COMPUTE_WGS * dkv.block_kv * dkv.block_q * beside
                 # fused dQ: each warpgroup's dS^T tile and fp32 dQ staging tile
@@ -164,10 +173,18 @@ TABLE = {
     # N16 full, 1.17x at B4 T4096 N16 causal, 1.30x at B2 T1000 N12 causal, 0.99x at B4 T8192
     # N16 causal. At 128 its second Q buffer does not fit. Delta in the dQ kernel (dq_delta; A/B,
     # fwd+bwd): 1.02x at B16 T1024 N12 H64 causal and B2 T8192 N32 K8 H128, 0.995-1.005x at the
-    # other targets; at 256 its O tile does not fit.
+    # other targets; at 256 its O tile does not fit. A persistent dK/dV kernel at 64 (gradients
+    # bitwise equal to the grid's; H200, one process, fwd+bwd time): 0.96-0.97x at B16 T1024 N12
+    # causal, 0.89x at B2 T1000 N12 causal, 1.00x at B4 T4096 N16 causal, packed B1 T8192 N12
+    # 0.95x (8 documents) and 0.88x (64); where every query sees every key 1.02-1.05x (_DENSE).
     64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3,
-                     dq_wgs=3, fwd_persistent=True, dq_delta=True),
-    128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 4), dq=_T(64, 64, 2), fwd_wgs=3,
+                     dq_wgs=3, fwd_persistent=True, dq_delta=True, dkv_persistent=True),
+    # Two Q/dO stages in the dK/dV kernel at 128, not the H100 sweep's four: fwd+bwd time 0.96x
+    # at B1 T16384 N16 causal, 0.96-0.98x packed (B1 T8192, 8 documents) and at B4 T1024 N16
+    # causal, 0.98-1.00x at B4 T4096 N16 causal and GQA B2 T8192 N32 K8 (same-process A/Bs on an
+    # H100 and an H200, gradients bitwise equal). A persistent dK/dV kernel there: 0.93x at T1024,
+    # 0.98x with GQA, 1.00x at T4096, 1.03x at T16384, 1.15-1.20x packed: not taken.
+    128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3,
                       dq_wgs=3, dq_delta=True),
     # What fits 227 KB at 512-byte rows: 64-row K/V blocks in the forward; 32-row streamed blocks
     # in the backward, whose dK and dV take two passes (docs/hopper_kernel.md).
@@ -192,14 +209,16 @@ def fused_dq_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
   if head_dim not in _FUSED_DKV:
     raise ValueError(f"the fused-dQ backward covers head dims {tuple(_FUSED_DKV)}, got {head_dim}")
   return table_config(head_dim, itemsize, **extras).replace(
-      fused_dq=True, dkv=_FUSED_DKV[head_dim], dkv_wgs=COMPUTE_WGS)
+      fused_dq=True, dkv=_FUSED_DKV[head_dim], dkv_wgs=COMPUTE_WGS, dkv_persistent=False)
 
 
 # Where every query sees every key (no causal or window mask, no segment ids) and each kv head
 # has one query head: three dK/dV warpgroups at head dim 64, fwd+bwd 1.03-1.06x at B8 T2048 N16,
 # B16 T1024 N12 and N16, B4 T4096 N16 H64 full; under a causal mask 0.98-1.01x, with GQA (B2
 # T8192 N32 K8 full) 0.96x (H100, one process, gradients bitwise equal; docs/hopper_kernel.md).
-_DENSE = {64: dict(dkv_wgs=3)}
+# Their tiles all cost the same, so the hardware's CTA scheduling leaves no tail for a persistent
+# dK/dV kernel to even out (measured slower, above).
+_DENSE = {64: dict(dkv_wgs=3, dkv_persistent=False)}
 
 # With segment ids (packed sequences): two warpgroups in the dQ kernel, and at 128 in the forward.
 # Their CTAs' 128 rows line up with documents of 128-row multiples, where three warpgroups' 192
@@ -225,7 +244,7 @@ def table_config(head_dim: int, itemsize: int = 2, *, dense: bool = False, packe
                **(_PACKED.get(head_dim, {}) if packed else {})}
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
-                          dkv_wgs=COMPUTE_WGS, fwd_persistent=False)
+                          dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False)
   candidates = (config, config.replace(dkv=_BESIDE), config.replace(fwd=_BESIDE),
                 config.replace(fwd=_BESIDE, dkv=_BESIDE))
   candidates += tuple(c.replace(dq_delta=False) for c in candidates)   # delta in XLA
