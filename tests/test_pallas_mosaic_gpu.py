@@ -124,6 +124,7 @@ def test_tuning_config_validates():
   assert tuning.table_config(64, dense=True).dkv_wgs == 3
   assert tuning.table_config(64).dkv_wgs == tuning.table_config(128, dense=True).dkv_wgs == 2
   assert tuning.table_config(64, dense=True, beside=1).dkv_wgs == 2
+  assert tuning.table_config(64, full=True).dkv_wgs == 2   # GQA: every query sees every key
   assert tuning.fused_dq_config(64).dkv_wgs == 2
   with pytest.raises(ValueError, match="dq tiling"):   # three dQ warpgroups do not fit at 256
     tuning.table_config(256).replace(dq_wgs=3).check_smem(256, 2)
@@ -420,10 +421,11 @@ def test_dense_calls_take_three_dkv_warpgroups():
 
 def test_persistent_dkv_where_key_tiles_differ():
   """The dK/dV kernel runs persistent CTAs at head dim 64 where its key tiles differ in work
-  (causal, windowed, packed, GQA) and lowers so; a grid where every query sees every key (equal
-  tiles), at head dim 128 and with a bias or mask."""
+  (causal, windowed, packed) and lowers so; a grid where every query sees every key (equal tiles,
+  with or without GQA), at head dim 128 and with a bias or mask."""
   cases_ = ((dict(is_causal=True), True), (dict(local_window_size=(8, 8)), True),
-            (dict(kv_heads=2), True), (dict(), False), (dict(shape=(2, 200, 4, 128)), False),
+            (dict(kv_heads=2, is_causal=True), True), (dict(kv_heads=2), False), (dict(), False),
+            (dict(shape=(2, 200, 4, 128)), False),
             (dict(is_causal=True, mask=jnp.ones((1, 1, 200, 200), bool)), False))
   for kwargs, persistent in cases_:
     kwargs = dict(dict(shape=(2, 200, 4, 64), kv_heads=4), **kwargs)

@@ -176,7 +176,7 @@ TABLE = {
     # other targets; at 256 its O tile does not fit. A persistent dK/dV kernel at 64 (gradients
     # bitwise equal to the grid's; H200, one process, fwd+bwd time): 0.96-0.97x at B16 T1024 N12
     # causal, 0.89x at B2 T1000 N12 causal, 1.00x at B4 T4096 N16 causal, packed B1 T8192 N12
-    # 0.95x (8 documents) and 0.88x (64); where every query sees every key 1.02-1.05x (_DENSE).
+    # 0.95x (8 documents) and 0.88x (64); where every query sees every key 1.02-1.05x (_FULL).
     64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3,
                      dq_wgs=3, fwd_persistent=True, dq_delta=True, dkv_persistent=True),
     # Two Q/dO stages in the dK/dV kernel at 128, not the H100 sweep's four: fwd+bwd time 0.96x
@@ -212,13 +212,17 @@ def fused_dq_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
       fused_dq=True, dkv=_FUSED_DKV[head_dim], dkv_wgs=COMPUTE_WGS, dkv_persistent=False)
 
 
-# Where every query sees every key (no causal or window mask, no segment ids) and each kv head
-# has one query head: three dK/dV warpgroups at head dim 64, fwd+bwd 1.03-1.06x at B8 T2048 N16,
-# B16 T1024 N12 and N16, B4 T4096 N16 H64 full; under a causal mask 0.98-1.01x, with GQA (B2
-# T8192 N32 K8 full) 0.96x (H100, one process, gradients bitwise equal; docs/hopper_kernel.md).
-# Their tiles all cost the same, so the hardware's CTA scheduling leaves no tail for a persistent
-# dK/dV kernel to even out (measured slower, above).
-_DENSE = {64: dict(dkv_wgs=3, dkv_persistent=False)}
+# Where every query sees every key (no causal or window mask, no segment ids), the dK/dV key
+# tiles all cost the same, so the hardware's CTA scheduling leaves no tail for a persistent dK/dV
+# kernel to even out: it took 1.02-1.05x the grid's fwd+bwd time at B8 T2048 N16 and B16 T1024
+# N16 H64 full, 1.02x with GQA (B8 T2048 N16 K4 full; H200, one process).
+_FULL = {64: dict(dkv_persistent=False)}
+
+# Where, besides, each kv head has one query head: three dK/dV warpgroups at head dim 64, fwd+bwd
+# 1.03-1.06x at B8 T2048 N16, B16 T1024 N12 and N16, B4 T4096 N16 H64 full; under a causal mask
+# 0.98-1.01x, with GQA (B2 T8192 N32 K8 full) 0.96x (H100, one process, gradients bitwise equal;
+# docs/hopper_kernel.md).
+_DENSE = {64: dict(dkv_wgs=3)}
 
 # With segment ids (packed sequences): two warpgroups in the dQ kernel, and at 128 in the forward.
 # Their CTAs' 128 rows line up with documents of 128-row multiples, where three warpgroups' 192
@@ -230,17 +234,19 @@ _DENSE = {64: dict(dkv_wgs=3, dkv_persistent=False)}
 _PACKED = {64: dict(dq_wgs=2), 128: dict(fwd_wgs=2, dq_wgs=2)}
 
 
-def table_config(head_dim: int, itemsize: int = 2, *, dense: bool = False, packed: bool = False,
-                 **extras) -> TuningConfig:
-  """The table's config for a head dim (dense: the call masks no (query, key) pair by position or
-  segment: `_DENSE`'s changes; packed: it has segment ids, `_PACKED`'s); with `extras` (bias /
-  mask tiles: see `smem_problem`), the first of it and smaller tilings that fits shared memory
-  (ValueError when none does)."""
+def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense: bool = False,
+                 packed: bool = False, **extras) -> TuningConfig:
+  """The table's config for a head dim (full: the call masks no (query, key) pair by position or
+  segment: `_FULL`'s changes; dense: full, and each kv head has one query head: `_DENSE`'s too;
+  packed: it has segment ids, `_PACKED`'s); with `extras` (bias / mask tiles: see
+  `smem_problem`), the first of it and smaller tilings that fits shared memory (ValueError when
+  none does)."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
   if not extras:
-    changes = {**(_DENSE.get(head_dim, {}) if dense else {}),
+    changes = {**(_FULL.get(head_dim, {}) if full or dense else {}),
+               **(_DENSE.get(head_dim, {}) if dense else {}),
                **(_PACKED.get(head_dim, {}) if packed else {})}
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
