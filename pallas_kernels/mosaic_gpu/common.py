@@ -520,7 +520,7 @@ def _grid(B: int, heads: int, per_row: int, axis: str, persistent: bool):
   return (ctas,), ("cta",), ctas
 
 
-class Tiles(NamedTuple):
+class CtaTiles(NamedTuple):
   """The tiles (batch row, head, row or key CTA index) a CTA runs."""
   count: Any          # how many
   tile: Callable      # i -> (b, n, CTA index) of its i-th
@@ -536,30 +536,30 @@ class Tiles(NamedTuple):
       body(0, 0)
 
 
-def query_tiles(call: Call, wgs: int, bq: int, ctas: int) -> Tiles:
+def query_tiles(call: Call, wgs: int, bq: int, ctas: int) -> CtaTiles:
   """Inside a query kernel: its grid position's one tile, or (ctas > 0, `query_grid`) a persistent
   CTA's tiles, tile t = (row CTA, batch row, head) with the row CTA slowest: every head's heaviest
   causal rows first, in zigzag rounds (`persistent_tiles`)."""
   return _tiles(call.geo.B, call.geo.N, cta_rows(call, wgs, bq, 0)[0], "q_seq", ctas)
 
 
-def key_tiles(call: Call, wgs: int, bk: int, ctas: int) -> Tiles:
+def key_tiles(call: Call, wgs: int, bk: int, ctas: int) -> CtaTiles:
   """The same for the dK/dV kernel (`key_grid`): key CTA 0, the keys every causal query sees,
   is the heaviest, so the key CTA index ascends."""
   return _tiles(call.geo.B, call.geo.K, key_ctas(call, wgs, bk), "kv_seq", ctas)
 
 
-def _tiles(B: int, heads: int, per_row: int, axis: str, ctas: int) -> Tiles:
+def _tiles(B: int, heads: int, per_row: int, axis: str, ctas: int) -> CtaTiles:
   if not ctas:
-    return Tiles(1, lambda i: (lax.axis_index("batch"), lax.axis_index("heads"),
-                               lax.axis_index(axis)), lambda i: 0, False)
+    return CtaTiles(1, lambda i: (lax.axis_index("batch"), lax.axis_index("heads"),
+                                  lax.axis_index(axis)), lambda i: 0, False)
   count, nth = persistent_tiles(lax.axis_index("cta"), ctas, B * heads * per_row)
 
   def tile(i):
     t = nth(i)
     r = lax.rem(t, B * heads)
     return lax.div(r, heads), lax.rem(r, heads), lax.div(t, B * heads)
-  return Tiles(count, tile, lambda i: lax.rem(i, 2), True)
+  return CtaTiles(count, tile, lambda i: lax.rem(i, 2), True)
 
 
 def persistent_tiles(cta, ctas: int, total: int):
