@@ -43,6 +43,8 @@ from train.step import make_training  # noqa: E402
 ARMS = {
     "ours": dict(attention="auto", max_adjust="safe"),
     "ours_off": dict(attention="auto", max_adjust="off"),
+    # q, k, v split out of the fused projection before attention, as jax.nn's arms must.
+    "ours_split": dict(attention="auto", max_adjust="safe", qkv_packed=False),
     # --remat: blocks recomputed in the backward, attention's named residuals (out, lse) kept.
     "ours_remat": dict(attention="auto", max_adjust="safe", remat=True),
     "cudnn": dict(attention="cudnn", max_adjust="off"),
@@ -107,7 +109,8 @@ def run_arm(cfg, n_steps: int, warmup: int, mesh, tokens: np.ndarray) -> dict:
 def label(mcfg) -> str:
   """Short name of what an arm runs, for the table."""
   name = attn_lib.short_name(mcfg)
-  return name + (", --remat" if mcfg.remat else "")
+  split = not mcfg.qkv_packed and mcfg.attention not in attn_lib.JAX_NN
+  return name + (", --remat" if mcfg.remat else "") + (", --no-qkv-packed" if split else "")
 
 
 def peak_memory_gb() -> float | None:

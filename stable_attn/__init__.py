@@ -8,13 +8,14 @@ touch it.
 import importlib
 
 from stable_attn.api import (IMPLEMENTATIONS, choose_implementation, default_implementation,
-                             dot_product_attention)
+                             dot_product_attention, dot_product_attention_qkvpacked)
 from stable_attn.numerics import FAST, PAPER, PRESETS, Numerics
 from stable_attn.tile import MAX_ADJUST_MODES
 from stable_attn import reference
 
-__all__ = ["dot_product_attention", "choose_implementation", "default_implementation", "Numerics",
-           "FAST", "PAPER", "PRESETS", "IMPLEMENTATIONS", "MAX_ADJUST_MODES", "reference", "flax"]
+__all__ = ["dot_product_attention", "dot_product_attention_qkvpacked", "choose_implementation",
+           "default_implementation", "Numerics", "FAST", "PAPER", "PRESETS", "IMPLEMENTATIONS",
+           "MAX_ADJUST_MODES", "reference", "flax"]
 __version__ = "0.1.0"
 
 

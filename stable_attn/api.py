@@ -18,8 +18,9 @@ from stable_attn.spec import OPERANDS, AttentionSpec, Operand
 from stable_attn import tile
 from stable_attn.tile import MAX_ADJUST_MODES
 
-__all__ = ["dot_product_attention", "attend", "choose_implementation", "default_implementation",
-           "canonicalize", "Options", "IMPLEMENTATIONS"]
+__all__ = ["dot_product_attention", "dot_product_attention_qkvpacked", "attend",
+           "choose_implementation", "default_implementation", "canonicalize", "Options",
+           "IMPLEMENTATIONS"]
 # float64 (under jax_enable_x64) as jax.nn takes it: computed with the fp32 tile math (see
 # reference.tile_dtypes); the Pallas kernels refuse it in covers(), so implementation=None runs it on
 # the reference.
@@ -155,6 +156,37 @@ def attend(query, key, value, bias=None, mask=None, options: Optional["Options"]
   options = Options() if options is None else options
   spec, ops, unbatched = canonicalize(query, key, value, bias, mask, options)
   out, lse = backends.run(options.implementation, spec, ops, options.config)
+  return _results(options, ops, unbatched, out, lse)
+
+
+def dot_product_attention_qkvpacked(qkv, bias=None, mask=None, **options):
+  """Self-attention on a fused QKV projection: `dot_product_attention(q, k, v, bias, mask,
+  **options)` with q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2] (flash-attn's
+  qkvpacked form).
+
+  qkv: [B, T, 3, N, H] (or [T, 3, N, H]): e.g. a [B, T, 3 * N * H] projection reshaped, whose
+  columns are W_Q, W_K, W_V. Takes every keyword argument of dot_product_attention and returns
+  the same values; the gradient with respect to qkv comes back in its packed layout.
+
+  Why: on the Hopper kernel ("pallas_mosaic_gpu") q, k and v are read in place from qkv, and the
+  backward writes dQ, dK and dV into one [B, T, 3, N, H] gradient -- the XLA copies that a split
+  (forward) and its transpose, a concatenation (backward), cost around an attention call that
+  takes q, k and v apart are not made. Other backends run on the slices.
+  """
+  opts = Options(**options)   # TypeError for an unknown keyword, as for any function
+  qkv = jnp.asarray(qkv)
+  if qkv.ndim not in (4, 5) or qkv.shape[-3] != 3:
+    raise ValueError(f"qkv must be [B, T, 3, N, H] (or [T, 3, N, H]): q, k and v stacked on the "
+                     f"third-last axis, got shape {qkv.shape}")
+  q, k, v = (qkv[..., i, :, :] for i in range(3))
+  spec, ops, unbatched = canonicalize(q, k, v, bias, mask, opts)
+  packed = qkv[None] if unbatched else qkv
+  out, lse = backends.run(opts.implementation, spec, ops, opts.config, qkv=packed)
+  return _results(opts, ops, unbatched, out, lse)
+
+
+def _results(options: Options, ops, unbatched: bool, out, lse):
+  """The backend's (O, LSE) as dot_product_attention returns them."""
   if options.return_residual:
     lse = jax_nn_residual(lse, ops.q.dtype)
   if unbatched:
@@ -187,6 +219,9 @@ def choose_implementation(query, key, value, bias=None, mask=None, **options) ->
 
 choose_implementation.__signature__ = inspect.signature(dot_product_attention).replace(
     return_annotation=backends.Choice)
+dot_product_attention_qkvpacked.__signature__ = inspect.signature(dot_product_attention).replace(
+    parameters=[inspect.Parameter("qkv", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    + list(inspect.signature(dot_product_attention).parameters.values())[3:])
 
 
 # ---------------------------------------------------------------------------------------------

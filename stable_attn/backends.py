@@ -6,6 +6,10 @@ A backend is a module with three functions (the `Backend` protocol):
     is_available() -> bool                     # can it compile for the default JAX backend?
     covers(spec, ops) -> str | None            # None if it runs this call, else why not
 
+A backend may also have `attention_qkvpacked(spec, packed_ops, config=None)`, the same call on
+`PackedOperands` (q, k and v as one [B, T, 3, N, H] array, read in place): what
+`dot_product_attention_qkvpacked` runs where it exists.
+
 `implementation=None` takes the first registered backend with `auto=True` that is available and
 covers the call (the registry's order is the priority order), so a call the fastest kernel does
 not cover runs on the next one -- by this table, never silently: `choose_implementation` says
@@ -20,7 +24,7 @@ from typing import NamedTuple, Optional, Protocol
 
 import jax
 
-from stable_attn.spec import AttentionSpec, Operands
+from stable_attn.spec import AttentionSpec, Operands, pack
 
 
 class Backend(Protocol):
@@ -98,8 +102,11 @@ def default_implementation() -> str:
   return next(r.name for r in REGISTRY if r.auto and _unavailable(r.name) is None)
 
 
-def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, config=None):
-  """Dispatches one canonical call -> (O [B,T,N,H], LSE fp32 [B,N,T])."""
+def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, config=None, qkv=None):
+  """Dispatches one canonical call -> (O [B,T,N,H], LSE fp32 [B,N,T]). qkv: None, or the packed
+  [B, T, 3, N, H] array that ops.q, ops.k and ops.v are slices of: a backend with
+  `attention_qkvpacked` takes it in place of them (PackedOperands; its gradient comes back
+  packed), the others run on the slices (the same results: packing only moves memory)."""
   if implementation is None:
     if config is not None:
       raise ValueError("config needs an explicit implementation (it belongs to one backend)")
@@ -108,4 +115,6 @@ def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, confi
   reason = backend.covers(spec, ops)
   if reason is not None:
     raise ValueError(f"implementation={implementation!r} does not cover this call: {reason}")
+  if qkv is not None and hasattr(backend, "attention_qkvpacked"):
+    return backend.attention_qkvpacked(spec, pack(qkv, ops), config)
   return backend.attention(spec, ops, config)

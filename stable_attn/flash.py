@@ -20,8 +20,9 @@ from stable_attn.spec import AttentionSpec, Operands
 
 # forward(spec, config, ops) -> (O [B,T,N,H], O residual [B,T,N,H], LSE fp32 [B,N,T])
 Forward = Callable[[AttentionSpec, Hashable, Operands], tuple]
-# backward(spec, config, ops, o_residual, lse, dO, dLSE or None) -> (dq, dk, dv, dbias or None):
-# the gradients of the operand table's `grad` rows, in table order.
+# backward(spec, config, ops, o_residual, lse, dO, dLSE or None) -> (dq, dk, dv, dbias or None),
+# or (dqkv, dbias or None) for PackedOperands: the gradients of the operand table's `grad` rows, in
+# table order.
 Backward = Callable[..., tuple]
 RESIDUAL_NAMES = ("attn_out", "attn_lse")
 
@@ -71,17 +72,23 @@ def make_flash_attention(forward: Forward, backward: Backward,
     ops, o_residual, lse = residuals
     do, dlse = cotangents
     dlse = jnp.where(lse == tile.EMPTY_ROW_LSE, 0.0, dlse) if spec.return_residuals else None
-    dq, dk, dv, dbias = backward(spec, config, ops, o_residual, lse, do, dlse)
+    grads = backward(spec, config, ops, o_residual, lse, do, dlse)
     dsinks = None
     if ops.sinks is not None:
       # The sinks have no value and one logit per head: their gradient needs only the rows' delta,
       # computed here once in jnp for every backend (and partitioned by XLA).
       delta = jnp.swapaxes(tile.delta(do, o_residual), 1, 2)           # [B, N, T]
       dsinks = tile.sink_grad(ops.sinks, lse, shifted_delta(delta, dlse)).astype(ops.sinks.dtype)
-    return (type(ops)(q=dq, k=dk, v=dv, q_lens=None, kv_lens=None, bias=dbias, sinks=dsinks),)
+    return (type(ops).TABLE.make(**dict(zip(_grad_names(ops), grads)), sinks=dsinks),)
 
   attention.defvjp(attention_fwd, attention_bwd)
   return attention
+
+
+def _grad_names(ops):
+  """The fields whose gradients the backward returns, in order (dq, dk, dv, dbias; or dqkv, dbias
+  for PackedOperands)."""
+  return [row.name for row in type(ops).TABLE.rows if row.grad]
 
 
 def _check_offsets(spec: AttentionSpec, ops: Operands) -> None:

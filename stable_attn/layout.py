@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from stable_attn.spec import Operands
+from stable_attn.spec import Operands, is_packed
 
 # The axes padding changes, and the Padded field that holds each one's padded size.
 _PADDED_AXES = {"query": "T", "key": "S", "head_dim": "H"}
@@ -49,6 +49,10 @@ class Geometry:
 
   @classmethod
   def of(cls, ops: Operands) -> "Geometry":
+    """The sizes of Operands, or of PackedOperands (self-attention: S = T, K = N)."""
+    if is_packed(ops):
+      B, T, _, N, H = ops.qkv.shape
+      return cls(B, T, T, N, N, H)
     B, T, N, H = ops.q.shape
     S, K = ops.k.shape[1], ops.k.shape[2]
     return cls(B, T, S, N, K, H)
@@ -60,7 +64,7 @@ class Geometry:
 
   def size(self, axis: str) -> int:
     return dict(batch=self.B, query=self.T, key=self.S, heads=self.N, kv_heads=self.K,
-                head_dim=self.H)[axis]
+                head_dim=self.H, qkv=3)[axis]
 
   def padded(self, q_multiple: int, kv_multiple: int, head_dim: int | None = None) -> Padded:
     return Padded(round_up(self.T, q_multiple), round_up(self.S, kv_multiple),

@@ -104,19 +104,22 @@ def _axes(mesh, layout: _Layout, args) -> _Axes:
   """The mesh axes of the query's batch and heads; ValueError where q, k or v are split along an
   axis the kernels need whole, or the heads cannot follow the query's."""
   shapes = dict(zip(layout.names, args))
-  for name, what in (("q", "query"), ("k", "key"), ("v", "value")):
+  inputs = [name for name in ("q", "k", "v", "qkv") if name in shapes]
+  for name in inputs:
     row = layout.table[name]
     spec = _spec(shapes[name], len(row.axes))
     split = [(a, s) for a, s in zip(row.axes, spec) if s is not None and a not in PARTITIONABLE]
     if split:
+      what = {"q": "query", "k": "key", "v": "value", "qkv": "packed qkv"}[name]
       raise ValueError(f"stable_attn.dot_product_attention partitions over batch and heads only; "
                        f"the {what} is sharded as {P(*spec)} (its {split[0][0]} dim over "
-                       f"{split[0][1]}). Reshard q/k/v to P(batch_axes, None, head_axes, None) "
-                       f"first")
-  q_spec = dict(zip(layout.table["q"].axes, _spec(shapes["q"], 4)))
+                       f"{split[0][1]}). Reshard it to P(batch_axes, ..., head_axes, None) first")
+  row = layout.table[inputs[0]]   # q, or the packed qkv
+  q_spec = dict(zip(row.axes, _spec(shapes[inputs[0]], len(row.axes))))
   n = q_spec["heads"]
   shards = _axis_size(mesh, n)
-  N, K = shapes["q"].shape[2], shapes["k"].shape[2]
+  sizes = _sizes([layout.table[name] for name in inputs], [shapes[x].shape for x in inputs])
+  N, K = sizes["heads"], sizes.get("kv_heads", sizes["heads"])
   if n is not None and (N % shards or K % shards):
     raise ValueError(f"the query heads are sharded {shards} ways over {n}, which must divide both "
                      f"N={N} query heads and K={K} key/value heads (each device keeps whole GQA "
@@ -148,9 +151,9 @@ def _rule(layout: _Layout, value_types, n_results: int, backward: bool):
   rows = layout.rows(len(value_types))
   shapes = [tuple(t.shape) for t in value_types]
   sizes = _sizes(rows, shapes)
-  G = sizes["heads"] // sizes["kv_heads"]
+  G = sizes["heads"] // sizes.get("kv_heads", sizes["heads"])
   factors = {"batch": "b", "query": "t", "key": "s", "kv_heads": "kvh", "head_dim": "h",
-             "heads": CompoundFactor("kvh", "grp") if G > 1 else "kvh"}
+             "qkv": "qkv", "heads": CompoundFactor("kvh", "grp") if G > 1 else "kvh"}
   unique = iter(f"one{i}" for i in range(1 << 10))
 
   def mapping(row: Operand, shape):

@@ -7,9 +7,14 @@ argument checks of `stable_attn.api`, the padding of `stable_attn.layout`, the P
 of the kernels and the sharding and vmap rules of `stable_attn.partition`. Adding an operand is
 one row here (and the code that uses it).
 
-Logical axes: "batch" B, "query" T, "key" S, "heads" N (query heads), "kv_heads" K, "head_dim" H.
-"batch", "heads" and "kv_heads" may be partitioned (split over devices, vmapped); the kernels need
-whole "query", "key" and "head_dim" extents.
+Logical axes: "batch" B, "query" T, "key" S, "heads" N (query heads), "kv_heads" K, "head_dim" H,
+and "qkv" (size 3: q, k, v of a packed self-attention projection). "batch", "heads" and "kv_heads"
+may be partitioned (split over devices, vmapped); the kernels need whole "query", "key", "qkv" and
+"head_dim" extents.
+
+`PACKED_OPERANDS` is the same table with q, k and v as one row, `qkv` [B, T, 3, N, H]: the output
+of a fused QKV projection, read in place by a backend that takes it (no split copies in the forward
+and no concatenation of dq, dk, dv in the backward); `unpack` gives the plain operands.
 """
 from __future__ import annotations
 
@@ -21,10 +26,11 @@ import jax
 
 from stable_attn.numerics import Numerics
 
-AXES = ("batch", "query", "key", "heads", "kv_heads", "head_dim")
+AXES = ("batch", "query", "key", "heads", "kv_heads", "head_dim", "qkv")
 PARTITIONABLE = ("batch", "heads", "kv_heads")
 ROW_AXES = ("batch", "query", "heads", "head_dim")    # O, dO, the O residual: shaped like q
 LSE_AXES = ("batch", "heads", "query")                # LSE, delta, dLSE
+QKV_AXES = ("batch", "query", "qkv", "heads", "head_dim")   # a packed q, k, v (PACKED_OPERANDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +90,7 @@ class Operand:
 class OperandTable:
   """The rows, in `Operands` field order; `tuple_type` is the pytree built from them."""
 
-  def __init__(self, rows):
+  def __init__(self, rows, name: str = "Operands"):
     self.rows = tuple(rows)
     self.by_name = {r.name: r for r in self.rows}
     # Required fields first (no default), optional ones default to None.
@@ -92,7 +98,7 @@ class OperandTable:
     required = [r.name for r in self.rows if not r.optional]
     assert order[:len(required)] == required, "required operands come first"
     base = collections.namedtuple("Operands", order, defaults=[None] * (len(order) - len(required)))
-    self.tuple_type = type("Operands", (base,), {
+    self.tuple_type = type(name, (base,), {
         "__slots__": (), "TABLE": self, "__doc__": _doc(self.rows),
         "__module__": __name__})
 
@@ -103,9 +109,16 @@ class OperandTable:
     """Operands from the arrays given by name; every other field is None."""
     return self.tuple_type(**{r.name: arrays.get(r.name) for r in self.rows})
 
+  def packed(self) -> "OperandTable":
+    """This table with q, k and v replaced by one row, qkv [B, T, 3, N, H] (self-attention, as
+    many key/value heads as query heads): `PACKED_OPERANDS`."""
+    rest = [r for r in self.rows if r.name not in ("q", "k", "v")]
+    return OperandTable([Operand("qkv", QKV_AXES, "input", grad=True, arg="qkv")] + rest,
+                        "PackedOperands")
+
   def with_row(self, row: Operand) -> "OperandTable":
     """A new table with one more (optional) row: how a new operand is added, and tested."""
-    return OperandTable(self.rows + (row,))
+    return OperandTable(self.rows + (row,), self.tuple_type.__name__)
 
   def present(self, ops):
     """(row, array) of every operand that is not None, in table order."""
@@ -154,6 +167,31 @@ OPERANDS = OperandTable([
     Operand("sinks", ("heads",), "float", optional=True, arg="sinks"),
 ])
 Operands = OPERANDS.tuple_type
+PACKED_OPERANDS = OPERANDS.packed()
+PackedOperands = PACKED_OPERANDS.tuple_type
+
+
+def is_packed(ops) -> bool:
+  """Whether `ops` holds q, k and v as one packed qkv array (PackedOperands)."""
+  table = getattr(type(ops), "TABLE", None)
+  return table is not None and "qkv" in table.by_name
+
+
+def unpack(ops) -> Operands:
+  """Operands from PackedOperands: q, k, v sliced out of qkv (copies, under XLA); the other fields
+  as they are. Operands are returned unchanged."""
+  if not is_packed(ops):
+    return ops
+  fields = {name: getattr(ops, name) for name in ops._fields if name != "qkv"}
+  q, k, v = (ops.qkv[:, :, i] for i in range(3))
+  return OPERANDS.make(q=q, k=k, v=v, **fields)
+
+
+def pack(qkv: jax.Array, ops: Operands) -> PackedOperands:
+  """PackedOperands: `qkv` [B, T, 3, N, H] in place of ops.q, ops.k, ops.v (which must be its
+  slices), ops's other fields as they are."""
+  fields = {name: getattr(ops, name) for name in ops._fields if name not in ("q", "k", "v")}
+  return PACKED_OPERANDS.make(qkv=qkv, **fields)
 
 
 class BackwardInputs(NamedTuple):

@@ -9,6 +9,7 @@ lowering, short of ptxas) and their block bookkeeping is checked in plain Python
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
@@ -24,7 +25,7 @@ from stable_attn.api import Options, canonicalize
 from stable_attn.layout import Padded
 from stable_attn.diagnostics import REGIMES, measure, tie_inputs
 from stable_attn.reference import exact_attention, exact_attention_vjp
-from stable_attn.spec import Operands
+from stable_attn.spec import Operands, pack
 from tests import cases
 
 IMPL = "pallas_mosaic_gpu"
@@ -357,11 +358,44 @@ def test_lowers_for_cuda(kwargs):
     assert f"stable_attn_{name}" in text
 
 
+QKV_LOWER_CASES = [
+    dict(shape=(2, 256, 4, 64), kv_heads=4, is_causal=True, max_adjust="safe"),
+    dict(shape=(1, 300, 2, 128), kv_heads=2, max_adjust="off", query_seq_lengths=[200]),
+    dict(shape=(2, 200, 2, 256), kv_heads=2, is_causal=True, max_adjust="paper"),
+]
+
+
+@pytest.mark.parametrize("dq_delta", [True, False])
+@pytest.mark.parametrize("kwargs", QKV_LOWER_CASES, ids=lambda k: f"H{k['shape'][-1]}")
+def test_qkvpacked_lowers_in_place(kwargs, dq_delta):
+  """PackedOperands: the kernels take qkv [B, T, 3, N, H] itself (one operand, no split), the dQ
+  kernel returns the packed gradient and the dK/dV kernel writes into it in place (its output
+  aliases that operand): no concatenation anywhere in the program, with delta computed in the dQ
+  kernel or in XLA."""
+  spec, ops = _spec_ops(**kwargs)
+  B, T, N, H = ops.q.shape
+  qkv = jnp.zeros((B, T, 3, N, H), ops.q.dtype)
+  config = tuning.table_config(H).replace(dq_delta=dq_delta and tuning.table_config(H).dq_delta)
+  text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), pack(qkv, ops))
+  kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  assert len(kernels) == 2 + config.dkv_passes
+  # Each kernel's (operand types) -> (result types), from the end of its line.
+  types = [line[line.rindex(": ("):].rsplit("->", 1) for line in kernels]
+  packed = f"tensor<{B}x{config.q_multiple * -(-T // config.q_multiple)}x3x{N}x{H}x"
+  assert all(packed in ins for ins, _ in types)          # every kernel reads qkv
+  assert packed in types[1][1]                            # the dQ kernel returns the packed dqkv
+  for line, (_, outs) in zip(kernels[2:], types[2:]):     # dK/dV write into it in place
+    assert "output_operand_aliases" in line and packed in outs
+  assert "concatenate" not in text
+
+
 @pytest.mark.parametrize("H", [64, 128])
 def test_dq_kernel_computes_delta_before_dkv(H):
-  """The table's config (dq_delta) launches the dQ kernel first: it computes delta = rowsum(dO * O)
-  from O and writes it for the dK/dV kernel, so no XLA pass over dO and O comes before the kernels
-  (there is none between them either); with dq_delta=False the dK/dV kernel comes first."""
+  """The table's config (dq_delta): the dQ kernel computes delta = rowsum(dO * O) from O and
+  returns it (its last result, [B, N, Tp] fp32) for the dK/dV kernel, so no XLA reduction over dO
+  and O comes before the kernels; with dq_delta=False XLA computes delta and the dQ kernel returns
+  dQ alone. The dQ kernel runs first either way (a packed backward writes dK and dV into its
+  output)."""
   spec, ops = _spec_ops(shape=(2, 200, 4, H), kv_heads=2, is_causal=True)
   config = tuning.table_config(H)
   assert config.dq_delta and config.smem_problem(H, 2) is None
@@ -369,7 +403,11 @@ def test_dq_kernel_computes_delta_before_dkv(H):
     text = cases.lower_vjp_for_cuda(
         lambda o: mosaic._flash(spec, config.replace(dq_delta=dq_delta), o), ops)
     dq, dkv = text.index("stable_attn_dq"), text.index("stable_attn_dkv")
-    assert (dq < dkv) == dq_delta
+    assert dq < dkv
+    line = next(x for x in text.splitlines() if "custom_call @mosaic_gpu" in x
+                and "stable_attn_dq" in x)
+    results = line.rsplit("->", 1)[1]
+    assert ("tensor<2x4x256xf32>" in results) == dq_delta, results
   assert not tuning.table_config(256).dq_delta   # its O tile would not fit beside the dQ tiles
   # A bias and a mask at 128 with dbias's staging: no room for O either, delta stays in XLA.
   extras = dict(beside=3, ds_itemsize=2)
@@ -642,6 +680,59 @@ def test_gpu_fused_dq_matches_exact(name, max_adjust):
   """FlashAttention-3's backward (dQ reduce-added by the dK/dV kernel, opt-in) against float64."""
   case = dict(name=name, **GPU_CASES[name])
   cases.check_case(IMPL, case, bf16, max_adjust, "fast", seed=5, config=_fused_config(case, bf16))
+
+
+# Self-attention (T == S, K == N): what dot_product_attention_qkvpacked takes.
+QKV_CASES = {
+    "gpt2": GPU_CASES["gpt2"],
+    "h128_lens_softcap_sinks": dict(B=2, T=300, S=300, N=4, K=4, H=128, is_causal=True,
+                                    q_lens=(300, 217), kv_lens=(300, 190), soft_cap=20.0,
+                                    sinks=True),
+    "packed_docs": MANY_TILES["many_tiles_packed"],
+    "bias_mask": dict(B=2, T=256, S=256, N=4, K=4, H=64, bias=(1, 4, 256, 256),
+                      mask=(2, 1, 256, 256)),
+    "h256": dict(B=1, T=256, S=256, N=2, K=2, H=256, is_causal=True),
+}
+QKV_RUNS = ([(name, "table") for name in QKV_CASES]
+            + [("gpt2", "fused"), ("h128_lens_softcap_sinks", "fused"), ("gpt2", "lse_grad"),
+               ("packed_docs", "lse_grad"), ("gpt2", "vmap")])
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("name, variant", QKV_RUNS)
+def test_gpu_qkvpacked_matches_split(name, variant):
+  """The kernels reading q, k and v in place from qkv [B, T, 3, N, H] and writing one packed
+  gradient compute what they compute on separate q, k, v: O, the LSE and dqkv bitwise equal to
+  (O, LSE, stacked dq, dk, dv) -- with the table's config, the fused dQ, a differentiated LSE
+  (delta in XLA) and under jax.vmap."""
+  case = QKV_CASES[name]
+  (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(case), bf16, 8)
+  qkv = jnp.stack([q, k, v], axis=2)
+  config = tuning.fused_dq_config(case["H"]) if variant == "fused" else None
+  kwargs.update(implementation=IMPL, config=config, return_residuals=variant == "lse_grad")
+
+  def attend(packed, qkv, bias):
+    if packed:
+      return stable_attn.dot_product_attention_qkvpacked(qkv, bias, mask, **kwargs)
+    return stable_attn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], bias,
+                                             mask, **kwargs)
+
+  def run(packed):
+    f = functools.partial(attend, packed)
+    if variant == "vmap":   # two instances of the batch: the API folds them into it
+      f = jax.vmap(f, in_axes=(0, None))
+      out, vjp = jax.vjp(f, jnp.stack([qkv, qkv[::-1]]), bias)
+      return jax.device_get((out, vjp(jnp.stack([do, do[::-1]]))))
+    out, vjp = jax.vjp(f, qkv, bias)
+    if variant == "lse_grad":
+      dlse = jnp.asarray(np.random.default_rng(1).standard_normal(out[1].shape), jnp.float32)
+      return jax.device_get((out, vjp((do, dlse))))
+    return jax.device_get((out, vjp(do)))
+
+  got, want = run(True), run(False)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.gpu

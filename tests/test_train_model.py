@@ -160,6 +160,17 @@ def test_pallas_gpu_interpret_matches_reference_in_model():
     assert _rel(b, a) < 1e-3
 
 
+def test_packed_and_split_attention_agree_in_model():
+  """The attention reading the fused projection packed (stable_attn's qkvpacked form, the default)
+  and on q, k, v split out of it (--no-qkv-packed): the same loss, logits and gradients, bitwise."""
+  out = {}
+  for packed in (True, False):
+    cfg, graphdef, params = make(dtype="bfloat16", attention="reference", qkv_packed=packed)
+    out[packed] = _loss_and_grads(graphdef, params, tokens(cfg, seed=7))
+  for a, b in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 # ----------------------------------------------------------------------------- monitors
 
 

@@ -33,15 +33,35 @@ def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str =
   if implementation not in OURS:
     raise ValueError(f"attention implementation {implementation!r} is not one of "
                      f"{', '.join(OURS + tuple(JAX_NN))}")
-  impl = None if implementation == "auto" else implementation
+  return stable_attn.dot_product_attention(
+      q, k, v, **_ours(implementation, max_adjust, numerics, beta, segment_ids))
+
+
+def causal_attention_qkv(qkv, *, packed: bool = True, implementation: str = "auto", **options):
+  """causal_attention on a fused projection, qkv [B, T, 3, N, H] (q, k, v on axis 2). packed: ours
+  read it in place (stable_attn.dot_product_attention_qkvpacked: on the Hopper kernel no split
+  copies in the forward and no concatenation of dq, dk, dv in the backward); False, or a jax.nn
+  implementation (which takes q, k and v apart): split first. Same values either way."""
+  if implementation in JAX_NN or not packed:
+    return causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
+                            implementation=implementation, **options)
+  if implementation not in OURS:
+    raise ValueError(f"attention implementation {implementation!r} is not one of "
+                     f"{', '.join(OURS + tuple(JAX_NN))}")
+  return stable_attn.dot_product_attention_qkvpacked(qkv, **_ours(implementation, **options))
+
+
+def _ours(implementation: str, max_adjust: str = "safe", numerics: str = "fast",
+          beta: float = 2.0, segment_ids=None) -> dict:
+  """stable_attn's keyword arguments for a causal call of `implementation` (ours or "auto")."""
   # Pallas kernels (every implementation named pallas*) cannot compile for the CPU; there they run
   # in interpret mode (tests, smoke runs).
   interpret = implementation.startswith("pallas") and jax.default_backend() == "cpu"
   # Under the data-parallel mesh the Pallas kernels partition themselves over the batch
   # (stable_attn.partition): no shard_map here.
-  return stable_attn.dot_product_attention(q, k, v, is_causal=True, implementation=impl,
-                                           max_adjust=max_adjust, beta=beta, numerics=numerics,
-                                           interpret=interpret, q_segment_ids=segment_ids)
+  return dict(is_causal=True, implementation=None if implementation == "auto" else implementation,
+              max_adjust=max_adjust, beta=beta, numerics=numerics, interpret=interpret,
+              q_segment_ids=segment_ids)
 
 
 def resolved_implementation(mcfg) -> str:

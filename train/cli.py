@@ -31,7 +31,7 @@ _TRAIN_FLAGS = {
 }
 _MODEL_FLAGS = {"attention": "attention", "max_adjust": "max_adjust", "numerics": "numerics",
                 "beta": "beta", "dtype": "dtype", "block_size": "block_size", "remat": "remat",
-                "pack_documents": "pack_documents"}
+                "pack_documents": "pack_documents", "qkv_packed": "qkv_packed"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
   a("--pack-documents", action="store_true", default=None,
     help="document masking: no position attends across an end-of-text token (off by default, "
          "as nanoGPT)")
+  a("--no-qkv-packed", dest="qkv_packed", action="store_false", default=None,
+    help="split q, k and v out of the fused projection before attention (ours read it in place "
+         "by default: no split copies, no concatenated gradient)")
   a("--seed", type=int)
   a("--batch-size", type=int, help="global sequences per micro-step")
   a("--grad-accum", type=int, help="micro-steps per optimizer step")

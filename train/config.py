@@ -41,6 +41,10 @@ class ModelConfig:
   # Document masking (--pack-documents): no position attends across an end-of-text token; the
   # segment ids come from the tokens (train.model.document_ids). Off by default, as in nanoGPT.
   pack_documents: bool = False
+  # Our attention reads the fused QKV projection in place
+  # (stable_attn.dot_product_attention_qkvpacked); False splits q, k and v out first, as the jax.nn
+  # arms always do (--no-qkv-packed).
+  qkv_packed: bool = True
 
   def __post_init__(self):
     if self.n_embd % self.n_head:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from stable_attn.flash import RESIDUAL_NAMES
 
-from .attention import causal_attention
+from .attention import causal_attention_qkv
 from .config import ModelConfig
 from .tokenizer import EOT
 
@@ -44,10 +44,13 @@ class CausalSelfAttention(nnx.Module):
     """
     cfg = self.cfg
     B, T, C = x.shape
-    qkv = self.c_attn(x)
-    q, k, v = (a.reshape(B, T, cfg.n_head, cfg.head_dim) for a in jnp.split(qkv, 3, axis=-1))
-    y = causal_attention(q, k, v, implementation=cfg.attention, max_adjust=cfg.max_adjust,
-                         numerics=cfg.numerics, beta=cfg.beta, segment_ids=segment_ids)
+    # [B, T, 3C] -> [B, T, 3, N, H] is free (columns [0:C] are q, then k, then v); the attention
+    # reads it packed (cfg.qkv_packed), the monitors' q, k, v are its slices.
+    qkv = self.c_attn(x).reshape(B, T, 3, cfg.n_head, cfg.head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    y = causal_attention_qkv(qkv, packed=cfg.qkv_packed, implementation=cfg.attention,
+                             max_adjust=cfg.max_adjust, numerics=cfg.numerics, beta=cfg.beta,
+                             segment_ids=segment_ids)
     if tap is not None:
       y = y + tap
     captured = {"x": x, "q": q, "k": k, "v": v, "segment_ids": segment_ids}

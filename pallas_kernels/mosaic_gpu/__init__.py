@@ -29,12 +29,12 @@ from stable_attn import numerics as numerics_lib
 from stable_attn import tile
 from stable_attn.flash import make_flash_attention, reduce_to_shape
 from stable_attn.layout import Geometry, pad_operands, pad_to, unpad
-from stable_attn.spec import LSE_AXES, OPERANDS, ROW_AXES, AttentionSpec, Operands
+from stable_attn.spec import LSE_AXES, ROW_AXES, AttentionSpec, Operands, PackedOperands, unpack
 
 from pallas_kernels.mosaic_gpu import tuning
-from pallas_kernels.mosaic_gpu.common import Call, block_ranges
+from pallas_kernels.mosaic_gpu.common import Call, block_ranges, input_dtype
 
-__all__ = ["attention", "is_available", "covers", "tuning"]
+__all__ = ["attention", "attention_qkvpacked", "is_available", "covers", "tuning"]
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -100,9 +100,10 @@ def _extras(ops: Operands) -> dict:
 
 
 def _call(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands) -> Call:
+  """ops: Operands or PackedOperands."""
   geo = Geometry.of(ops)
   return Call(spec, geo, geo.padded(config.q_multiple, config.kv_multiple),
-              spec.numerics.dtypes(ops.q.dtype), config, packed=ops.q_seg is not None)
+              spec.numerics.dtypes(input_dtype(ops)), config, packed=ops.q_seg is not None)
 
 
 def _padded(ops: Operands, call: Call) -> Operands:
@@ -133,19 +134,19 @@ def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o
   from pallas_kernels.mosaic_gpu.backward import backward_call
   call = _call(spec, config, ops)
   x = _padded(ops, call)._replace(offset=None)   # the backward reads the LSE instead
-  rows = lambda a: pad_to(a.astype(ops.q.dtype), ROW_AXES, call.pad)
+  rows = lambda a: pad_to(a.astype(input_dtype(ops)), ROW_AXES, call.pad)
   lse = pad_to(lse, LSE_AXES, call.pad, tile.EMPTY_ROW_LSE)
   if dlse is not None:
     dlse = pad_to(dlse, LSE_AXES, call.pad)
-  dq, dk, dv, ds = backward_call(call, x, rows(o_res), lse, rows(do), dlse, _ds_dtype(ops))
+  *grads, ds = backward_call(call, x, rows(o_res), lse, rows(do), dlse, _ds_dtype(ops))
   dbias = None
   if ds is not None:
     geo = call.geo
     ds = ds[:, :, :geo.T, :geo.S].astype(jnp.float32)   # fused into the sum
     dbias = reduce_to_shape(ds, ops.bias.shape).astype(ops.bias.dtype)
-  kv_axes = OPERANDS["k"].axes
-  return (unpad(dq, ROW_AXES, call.geo), unpad(dk, kv_axes, call.geo),
-          unpad(dv, kv_axes, call.geo), dbias)
+  # dq, dk, dv (or the packed dqkv) unpadded by their table rows, then dbias.
+  rows_of = [row for row in type(ops).TABLE.rows if row.grad and row.name != "bias"]
+  return tuple(unpad(g, row.axes, call.geo) for row, g in zip(rows_of, grads)) + (dbias,)
 
 
 _flash = make_flash_attention(_forward, _backward, partition=True)
@@ -154,6 +155,21 @@ _flash = make_flash_attention(_forward, _backward, partition=True)
 def attention(spec: AttentionSpec, ops: Operands,
               config: Optional[tuning.TuningConfig] = None) -> jax.Array:
   """(O [B, T, N, H] in the input dtype, LSE fp32 [B, N, T]); differentiable in q, k and v."""
+  return _flash(spec, _checked_config(spec, ops, config), ops)
+
+
+def attention_qkvpacked(spec: AttentionSpec, ops: PackedOperands,
+                        config: Optional[tuning.TuningConfig] = None) -> jax.Array:
+  """`attention` on PackedOperands: the kernels read q, k and v in place from ops.qkv [B, T, 3, N,
+  H] (TMA copies of its strided rows: no split copies), and the gradient comes back packed, dQ's
+  kernel writing slot 0 and the dK/dV kernel slots 1 and 2 of the same buffer (no
+  concatenation). Same kernels, same results, bitwise."""
+  return _flash(spec, _checked_config(spec, unpack(ops), config), ops)
+
+
+def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.TuningConfig:
+  """The config to run (the table's when None), checked against the call: ValueError naming what
+  does not fit."""
   reason = covers(spec, ops)
   if reason is not None:
     raise ValueError(f"implementation='pallas_mosaic_gpu' does not cover this call: {reason}")
@@ -180,4 +196,4 @@ def attention(spec: AttentionSpec, ops: Operands,
   if not is_available():
     raise ValueError("implementation='pallas_mosaic_gpu' needs a Hopper (sm_90) GPU; the default "
                      f"backend is {jax.default_backend()!r}")
-  return _flash(spec, config, ops)
+  return config

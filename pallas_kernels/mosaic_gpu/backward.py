@@ -41,7 +41,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from stable_attn import tile
 from stable_attn.flash import shifted_delta
-from stable_attn.spec import BackwardInputs, Operands
+from stable_attn.spec import BackwardInputs, Operands, is_packed
 
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import COLS, ROWS, Call, f32
@@ -73,18 +73,22 @@ def _store(smem, value, gmem):
 
 # What one pass of the dK/dV kernel accumulates (TuningConfig.dkv_passes: both, or one each).
 _PASSES = {"dkv": ("dk", "dv"), "dk": ("dk",), "dv": ("dv",)}
+_QKV_SLOT = {"dq": 0, "dk": 1, "dv": 2}   # where each gradient goes in a packed [B, T, 3, N, H]
 
 
-def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_acc, *rest,
-                call: Call, part: str, ctas: int):
+def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq_acc, into,
+                *rest, call: Call, part: str, ctas: int):
   """rest: the output refs of `part`'s gradients (_PASSES: dK and dV, or one of them), then the
-  scratch. refs.bias and refs.mask, when present, are transposed: [Bx, Nx, Sp, Tp]. dq_acc: None,
-  or (config.fused_dq) the fp32 [B, Tp, N, H] dQ accumulator (zeros on entry) that each step adds
+  scratch; with packed operands `into` is the [B, Tp, 3, N, H] gradient (slot 0 holds dQ) whose
+  slots 1 and 2 take dK and dV in place, and there are no output refs. refs.bias and refs.mask,
+  when present, are transposed: [Bx, Nx, Sp, Tp]. dq_acc: None, or (config.fused_dq) the fp32 [B, Tp, N, H] dQ accumulator (zeros on entry) that each step adds
   its dS K into with a TMA reduce-add: FlashAttention-3's backward, no dQ kernel. ctas: 0 for one
   CTA per key tile (grid (B, K, key CTAs)), else the number of persistent CTAs
   (`common.key_tiles`)."""
   *outs, scratch = rest
   names = _PASSES[part]
+  if into is not None:
+    outs = [into.at[:, :, _QKV_SLOT[name]] for name in names]
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kseg_smem, qseg_smem, bias_smem,
    mask_smem, ds_smem, dq_smem), (kv_loaded, loaded, ds_ready), free = scratch
   spec, tiles, G, wgs = call.spec, call.config.dkv, call.geo.G, call.config.dkv_wgs
@@ -326,12 +330,14 @@ def _splits_dq(call: Call) -> bool:
 
 
 @common.lowered_once("call")
-def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ranges):
-  """-> (dK, dV), or with config.fused_dq (dK, dV, dQ fp32 unscaled)."""
+def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ranges, into=None):
+  """-> (dK, dV), or with config.fused_dq (dK, dV, dQ fp32 unscaled). into: None, or (packed
+  operands, no fused dQ) the dQ kernel's [B, Tp, 3, N, H] output, slot 0 written: returns it with
+  dK and dV written into slots 1 and 2 in place (no concatenation)."""
   tiles = call.config.dkv
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
-  H = call.pad.H
-  dtype = x.q.dtype
+  B, H, Sp, K = call.geo.B, call.pad.H, call.pad.S, call.geo.K
+  dtype = common.input_dtype(x)
   mma = common.mma_transforms(dtype, bq)
   fused = call.config.fused_dq
   split = _splits_dq(call)
@@ -356,18 +362,22 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
   barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=kv_bufs * wgs),
               plgpu.Barrier(num_arrivals=4 + beside, num_barriers=stages),
               plgpu.Barrier(num_arrivals=2, num_barriers=2) if split else None)
-  dq_acc = jax.new_ref(jnp.zeros(x.q.shape, f32)) if fused else None
+  dq_acc = (jax.new_ref(jnp.zeros((B, call.pad.T, call.geo.N, H), f32)) if fused else None)
+  into = None if into is None else jax.new_ref(into)
   grads_of = {}
   for part in ("dk", "dv") if call.config.dkv_passes == 2 else ("dkv",):
     names = _PASSES[part]
-    out_type = tuple(jax.ShapeDtypeStruct(x.k.shape, dtype) for _ in names)
+    out_type = () if into is not None else tuple(
+        jax.ShapeDtypeStruct((B, Sp, K, H), dtype) for _ in names)
     grads_of.update(zip(names, common.launch(
         functools.partial(_dkv_kernel, call=call, part=part, ctas=ctas),
         (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
         name=f"stable_attn_{part}", out_type=out_type, compute_wgs=wgs,
         grid=grid, grid_names=grid_names,
-        in_place=fused,
-    )(x, grads, ranges, dq_acc)))
+        in_place=fused or into is not None,
+    )(x, grads, ranges, dq_acc, into)))
+  if into is not None:
+    return into[...]
   dk, dv = grads_of["dk"], grads_of["dv"]
   return (dk, dv) if not fused else (dk, dv, dq_acc[...])
 
@@ -512,7 +522,7 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, o, ranges: common.R
   tiles = call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H = call.geo.B, call.geo.N, call.pad.H
-  dtype = x.q.dtype
+  dtype = common.input_dtype(x)
   mma = common.mma_transforms(dtype, bk)
   wgs = call.config.dq_wgs   # 2 with a bias or mask (the API checks)
 
@@ -530,7 +540,10 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, o, ranges: common.R
   beside = call.packed + (x.bias is not None) + (x.mask is not None)
   barriers = (plgpu.Barrier(num_arrivals=4 + call.packed, num_barriers=wgs),
               plgpu.Barrier(num_arrivals=2 + beside, num_barriers=stages))
-  out_type = [jax.ShapeDtypeStruct(x.q.shape, dtype)]
+  # With packed operands dQ goes to slot 0 of a packed gradient, which the dK/dV kernel fills.
+  packed = is_packed(x)
+  dq_shape = (B, call.pad.T) + ((3,) if packed else ()) + (N, H)
+  out_type = [jax.ShapeDtypeStruct(dq_shape, dtype)]
   if ds_dtype is not None:
     out_type.append(jax.ShapeDtypeStruct((B, N, call.pad.T, call.pad.S), ds_dtype))
   if o is not None:
@@ -540,6 +553,7 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, o, ranges: common.R
       (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
       name="stable_attn_dq", out_type=tuple(out_type), compute_wgs=wgs,
       grid=(B, N, common.cta_rows(call, wgs, bq, 0)[0]), grid_names=("batch", "heads", "q_seq"),
+      out_views=(lambda outs: (outs[0].at[:, :, _QKV_SLOT["dq"]],) + outs[1:]) if packed else None,
   )(x, grads, ranges, o)
   return tuple(outs)
 
@@ -547,8 +561,11 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, o, ranges: common.R
 def backward_call(call: Call, x: Operands, o, lse, do, dlse=None, ds_dtype=None):
   """Padded operands (x.bias, x.mask: [Bx, Nx, Tp, Sp], the mask as int8) and O, dO [B, Tp, N, H],
   lse and dlse [B, N, Tp] natural units -> (dq, dk, dv, dS [B, N, Tp, Sp] in ds_dtype, or None
-  when ds_dtype is None)."""
+  when ds_dtype is None). For PackedOperands -> (dqkv [B, Tp, 3, N, H], dS or None): the dQ kernel
+  runs first and the dK/dV kernel writes into its output."""
   config = call.config
+  packed = is_packed(x)
+  dtype = common.input_dtype(x)
   # The dK/dV kernel computes S^T: it reads the bias and mask transposed (one XLA transpose).
   transposed = x._replace(**{name: None if a is None else jnp.swapaxes(a, 2, 3)
                              for name, a in (("bias", x.bias), ("mask", x.mask))})
@@ -557,15 +574,21 @@ def backward_call(call: Call, x: Operands, o, lse, do, dlse=None, ds_dtype=None)
   if config.fused_dq and ds_dtype is None:
     grads = BackwardInputs(do, lse, xla_delta())
     dk, dv, dq = _dkv_call(call, transposed, grads, dkv_ranges)
-    return (dq * call.spec.scale).astype(x.q.dtype), dk, dv, None
+    dq = (dq * call.spec.scale).astype(dtype)
+    if packed:   # the fused backward's dQ is an fp32 accumulator: one copy into the packed layout
+      return jnp.stack([dq, dk, dv], axis=2), None
+    return dq, dk, dv, None
   if config.fused_dq:   # a bias's gradient needs dS: the dQ kernel writes it
     call = dataclasses.replace(call, config=config.replace(fused_dq=False))
   dq_ranges = common.block_ranges(x, config.dq.block_q, config.dq.block_kv, "query")
-  if config.dq_delta and dlse is None:   # the dQ kernel first: it computes delta
+  if config.dq_delta and dlse is None:   # the dQ kernel computes delta for the dK/dV kernel
     dq, *ds, delta = _dq_call(call, x, BackwardInputs(do, lse, None), o, dq_ranges, ds_dtype)
-    dk, dv = _dkv_call(call, transposed, BackwardInputs(do, lse, delta), dkv_ranges)
+    grads = BackwardInputs(do, lse, delta)
   else:
     grads = BackwardInputs(do, lse, xla_delta())
-    dk, dv = _dkv_call(call, transposed, grads, dkv_ranges)
     dq, *ds = _dq_call(call, x, grads, None, dq_ranges, ds_dtype)
-  return dq, dk, dv, ds[0] if ds else None
+  ds = ds[0] if ds else None
+  if packed:   # dK and dV into slots 1 and 2 of the dQ kernel's packed output
+    return _dkv_call(call, transposed, grads, dkv_ranges, dq), ds
+  dk, dv = _dkv_call(call, transposed, grads, dkv_ranges)
+  return dq, dk, dv, ds

@@ -27,7 +27,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from stable_attn import blocks, tile
 from stable_attn.layout import Geometry, Padded
 from stable_attn.numerics import Dtypes
-from stable_attn.spec import AttentionSpec
+from stable_attn.spec import OPERANDS, AttentionSpec, is_packed
 
 from pallas_kernels.mosaic_gpu import tuning
 
@@ -420,8 +420,23 @@ def profiling(directory: str, ranges: int = 256):
     jax.clear_caches()
 
 
+def input_dtype(x) -> jnp.dtype:
+  """The input dtype of padded Operands or PackedOperands."""
+  return jnp.dtype((x.qkv if is_packed(x) else x.q).dtype)
+
+
+def qkv_views(x):
+  """The kernels read q, k and v as [B, T, N or K, H] refs. PackedOperands of refs become Operands
+  whose q, k and v are views of slots 0, 1 and 2 of the one qkv ref [B, T, 3, N, H] (TMA copies
+  the strided rows in place); anything else is returned as it is."""
+  if not is_packed(x):
+    return x
+  fields = {name: getattr(x, name) for name in x._fields if name != "qkv"}
+  return OPERANDS.make(**fields, **{name: x.qkv.at[:, :, i] for i, name in enumerate("qkv")})
+
+
 def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: bool = False,
-           compute_wgs: int = 2):
+           compute_wgs: int = 2, out_views=None):
   """A warp-specialised Mosaic GPU kernel named `name` (in profiles): `compute_wgs` compute
   warpgroups and a producer ("wg" 0 .. compute_wgs, the producer last) per CTA over `grid`.
   Returns run(*inputs): each input is a pytree of arrays (the padded `Operands`,
@@ -430,13 +445,17 @@ def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: 
   allocated collectively for the warpgroups.
   in_place: some inputs are jax.new_ref arrays the kernel writes (pl.kernel takes them;
   plgpu.kernel's vmap wrapper does not -- the API folds vmap into the batch before any kernel
-  runs)."""
+  runs). Packed operands reach the kernel as views (`qkv_views`); out_views: None, or a function
+  of the output refs (a tuple) giving the refs the kernel writes (views of them)."""
   def run(*inputs):
     flat, tree = jax.tree.flatten(inputs)
 
     def entry(*refs):
-      named = jax.tree.unflatten(tree, refs[:len(flat)])
-      pl.run_scoped(lambda *allocated: kernel(*named, *refs[len(flat):], allocated), *scratch,
+      named = [qkv_views(x) for x in jax.tree.unflatten(tree, refs[:len(flat)])]
+      outs = tuple(refs[len(flat):])
+      if out_views is not None:
+        outs = tuple(out_views(outs))
+      pl.run_scoped(lambda *allocated: kernel(*named, *outs, allocated), *scratch,
                     collective_axes="wg")
 
     params = plgpu.CompilerParams(approx_math=True, **_PROFILE)

@@ -241,13 +241,13 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
 @common.lowered_once("call")
 def forward_call(call: Call, x: Operands, ranges: common.Ranges):
-  """Padded operands (x.offset: [N, Tp] fp32 natural units, or None; x.bias, x.mask: [Bx, Nx, Tp,
-  Sp], the mask as int8) and their block ranges (common.block_ranges per block_q rows) -> (O [B,
-  Tp, N, H] in the input dtype, LSE fp32 [B, N, Tp])."""
+  """Padded Operands or PackedOperands (x.offset: [N, Tp] fp32 natural units, or None; x.bias,
+  x.mask: [Bx, Nx, Tp, Sp], the mask as int8) and their block ranges (common.block_ranges per
+  block_q rows) -> (O [B, Tp, N, H] in the input dtype, LSE fp32 [B, N, Tp])."""
   tiles, wgs = call.config.fwd, call.config.fwd_wgs
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
-  dtype = x.q.dtype
+  dtype = common.input_dtype(x)
   mma = common.mma_transforms(dtype, bk)
 
   # Persistent CTAs (TuningConfig.fwd_persistent): as many as the device has SMs, each with two
@@ -272,6 +272,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   return common.launch(
       functools.partial(_kernel, call=call, ctas=ctas), (smem, loaded, free, schedule),
       name="stable_attn_forward", compute_wgs=wgs,
-      out_type=(jax.ShapeDtypeStruct(x.q.shape, dtype), jax.ShapeDtypeStruct((B, N, Tp), f32)),
+      out_type=(jax.ShapeDtypeStruct((B, Tp, N, H), dtype),
+                jax.ShapeDtypeStruct((B, N, Tp), f32)),
       grid=grid, grid_names=names,
   )(x, ranges)
