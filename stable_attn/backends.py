@@ -6,9 +6,9 @@ A backend is a module with three functions (the `Backend` protocol):
     is_available() -> bool                     # can it compile for the default JAX backend?
     covers(spec, ops) -> str | None            # None if it runs this call, else why not
 
-A backend may also have `attention_qkvpacked(spec, packed_ops, config=None)`, the same call on
-`PackedOperands` (q, k and v as one [B, T, 3, N, H] array, read in place): what
-`dot_product_attention_qkvpacked` runs where it exists.
+A backend may also have `attention_qkvpacked(spec, ops, qkv, config=None)`, the same call with
+ops.q, ops.k, ops.v the slices of qkv [B, T, 3, N, H], which it reads in place (as
+`PackedOperands`): what `dot_product_attention_qkvpacked` runs where it exists.
 
 `implementation=None` takes the first registered backend with `auto=True` that is available and
 covers the call (the registry's order is the priority order), so a call the fastest kernel does
@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Protocol
 
 import jax
 
-from stable_attn.spec import AttentionSpec, Operands, pack
+from stable_attn.spec import AttentionSpec, Operands
 
 
 class Backend(Protocol):
@@ -116,5 +116,5 @@ def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, confi
   if reason is not None:
     raise ValueError(f"implementation={implementation!r} does not cover this call: {reason}")
   if qkv is not None and hasattr(backend, "attention_qkvpacked"):
-    return backend.attention_qkvpacked(spec, pack(qkv, ops), config)
+    return backend.attention_qkvpacked(spec, ops, qkv, config)
   return backend.attention(spec, ops, config)

@@ -30,9 +30,6 @@ def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str =
             else segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                         implementation=JAX_NN[implementation])
-  if implementation not in OURS:
-    raise ValueError(f"attention implementation {implementation!r} is not one of "
-                     f"{', '.join(OURS + tuple(JAX_NN))}")
   return stable_attn.dot_product_attention(
       q, k, v, **_ours(implementation, max_adjust, numerics, beta, segment_ids))
 
@@ -45,15 +42,16 @@ def causal_attention_qkv(qkv, *, packed: bool = True, implementation: str = "aut
   if implementation in JAX_NN or not packed:
     return causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
                             implementation=implementation, **options)
-  if implementation not in OURS:
-    raise ValueError(f"attention implementation {implementation!r} is not one of "
-                     f"{', '.join(OURS + tuple(JAX_NN))}")
   return stable_attn.dot_product_attention_qkvpacked(qkv, **_ours(implementation, **options))
 
 
 def _ours(implementation: str, max_adjust: str = "safe", numerics: str = "fast",
           beta: float = 2.0, segment_ids=None) -> dict:
-  """stable_attn's keyword arguments for a causal call of `implementation` (ours or "auto")."""
+  """stable_attn's keyword arguments for a causal call of `implementation` (ours or "auto");
+  ValueError for a name that is neither ours nor jax.nn's."""
+  if implementation not in OURS:
+    raise ValueError(f"attention implementation {implementation!r} is not one of "
+                     f"{', '.join(OURS + tuple(JAX_NN))}")
   # Pallas kernels (every implementation named pallas*) cannot compile for the CPU; there they run
   # in interpret mode (tests, smoke runs).
   interpret = implementation.startswith("pallas") and jax.default_backend() == "cpu"

@@ -29,7 +29,7 @@ from stable_attn import numerics as numerics_lib
 from stable_attn import tile
 from stable_attn.flash import make_flash_attention, reduce_to_shape
 from stable_attn.layout import Geometry, pad_operands, pad_to, unpad
-from stable_attn.spec import LSE_AXES, ROW_AXES, AttentionSpec, Operands, PackedOperands, unpack
+from stable_attn.spec import LSE_AXES, ROW_AXES, AttentionSpec, Operands, pack
 
 from pallas_kernels.mosaic_gpu import tuning
 from pallas_kernels.mosaic_gpu.common import Call, block_ranges, input_dtype
@@ -158,13 +158,14 @@ def attention(spec: AttentionSpec, ops: Operands,
   return _flash(spec, _checked_config(spec, ops, config), ops)
 
 
-def attention_qkvpacked(spec: AttentionSpec, ops: PackedOperands,
+def attention_qkvpacked(spec: AttentionSpec, ops: Operands, qkv: jax.Array,
                         config: Optional[tuning.TuningConfig] = None) -> jax.Array:
-  """`attention` on PackedOperands: the kernels read q, k and v in place from ops.qkv [B, T, 3, N,
-  H] (TMA copies of its strided rows: no split copies), and the gradient comes back packed, dQ's
-  kernel writing slot 0 and the dK/dV kernel slots 1 and 2 of the same buffer (no
-  concatenation). Same kernels, same results, bitwise."""
-  return _flash(spec, _checked_config(spec, unpack(ops), config), ops)
+  """`attention` with ops.q, ops.k, ops.v the slices of qkv [B, T, 3, N, H] (checked and tuned on
+  them): the kernels take PackedOperands and read q, k and v in place from qkv (TMA copies of its
+  strided rows: no split copies), and the gradient comes back packed, the dQ kernel writing slot
+  0 and the dK/dV kernel slots 1 and 2 of the same buffer (no concatenation). Same kernels, same
+  results, bitwise."""
+  return _flash(spec, _checked_config(spec, ops, config), pack(qkv, ops))
 
 
 def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.TuningConfig:
