@@ -45,6 +45,8 @@ ARMS = {
     "ours_off": dict(attention="auto", max_adjust="off"),
     # q, k, v split out of the fused projection before attention, as jax.nn's arms must.
     "ours_split": dict(attention="auto", max_adjust="safe", qkv_packed=False),
+    # packed, with c_attn's bias added after its product (nnx.Linear's way) instead of in it.
+    "ours_bias_add": dict(attention="auto", max_adjust="safe", qkv_bias_in_matmul=False),
     # --remat: blocks recomputed in the backward, attention's named residuals (out, lse) kept.
     "ours_remat": dict(attention="auto", max_adjust="safe", remat=True),
     "cudnn": dict(attention="cudnn", max_adjust="off"),

@@ -309,6 +309,9 @@ def test_cli_defaults_and_flags():
   assert (cfg.max_steps, cfg.batch_size, cfg.model.attention, cfg.model.max_adjust,
           cfg.model.numerics) == (10, 4, "reference", "paper", "paper")
   assert not cfg.model.bias and cfg.lr == 1e-3 and cfg.tokens_per_step == 4 * 16 * 1024
+  assert cfg.model.qkv_packed and cfg.model.qkv_bias_in_matmul   # the defaults
+  cfg = build_config(build_parser().parse_args(["--no-qkv-packed", "--no-qkv-bias-in-matmul"]))
+  assert not cfg.model.qkv_packed and not cfg.model.qkv_bias_in_matmul
 
 
 def test_cli_choices_follow_stable_attn():

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from train.config import ModelConfig
-from train.model import GPT, count_params, flops_per_token
+from train.model import GPT, count_params, flops_per_token, linear_bias_in_matmul
 from train.monitors import attention_stats, make_monitor_fn, spectral_norm
 
 SMALL = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=512)
@@ -162,13 +162,55 @@ def test_pallas_gpu_interpret_matches_reference_in_model():
 
 def test_packed_and_split_attention_agree_in_model():
   """The attention reading the fused projection packed (stable_attn's qkvpacked form, the default)
-  and on q, k, v split out of it (--no-qkv-packed): the same loss, logits and gradients, bitwise."""
+  and on q, k, v split out of it (--no-qkv-packed): with c_attn's bias added after its product
+  in both, the same loss, logits and gradients, bitwise; with the packed default's bias in the
+  matmul (one rounding of qkv instead of two), the same to bf16's precision."""
   out = {}
-  for packed in (True, False):
-    cfg, graphdef, params = make(dtype="bfloat16", attention="reference", qkv_packed=packed)
-    out[packed] = _loss_and_grads(graphdef, params, tokens(cfg, seed=7))
-  for a, b in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
+  for name, kw in {"packed": dict(qkv_bias_in_matmul=False), "split": dict(qkv_packed=False),
+                   "default": {}}.items():
+    cfg, graphdef, params = make(dtype="bfloat16", attention="reference", **kw)
+    out[name] = _loss_and_grads(graphdef, params, tokens(cfg, seed=7))
+  for a, b in zip(jax.tree.leaves(out["packed"]), jax.tree.leaves(out["split"])):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  ((l_def, _), g_def), ((l_split, _), g_split) = out["default"], out["split"]
+  assert abs(float(l_def) - float(l_split)) < 2e-2 * abs(float(l_split))
+  for a, b in zip(jax.tree.leaves(g_def), jax.tree.leaves(g_split)):
+    assert _rel(a, b) < 3e-2
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(g_def),
+                                                      jax.tree.leaves(g_split)))
+
+
+@pytest.mark.parametrize("C, D", [(64, 192), (96, 288), (768, 48)])
+def test_linear_bias_in_matmul_matches_float64(C, D):
+  """train.model.linear_bias_in_matmul (the packed model's c_attn): x [..., C] -> [..., D], values
+  and gradients (x, kernel, bias) against float64; in bf16 within one rounding of the product,
+  at least as close as nnx.Linear (which rounds the product and the sum)."""
+  keys = jax.random.split(jax.random.key(C + D), 4)
+  x = jax.random.normal(keys[0], (3, 5, C))
+  w = jax.random.normal(keys[1], (C, D)) / math.sqrt(C)
+  b = jax.random.normal(keys[2], (D,))
+  ct = jax.random.normal(keys[3], (3, 5, D))
+  for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2 ** -8)):
+    # The truth for the inputs as the layer sees them (cast to its dtype): what is left is the
+    # product's rounding.
+    x64, w64, b64, ct64 = (np.asarray(a.astype(dtype), np.float64) for a in (x, w, b, ct))
+    want = x64 @ w64 + b64
+    want_grads = (ct64 @ w64.T, np.einsum("abc,abd->cd", x64, ct64), ct64.sum((0, 1)))
+
+    def f(x, w, b, fold, dtype=dtype):
+      linear = nnx.Linear(C, D, dtype=dtype, rngs=nnx.Rngs(0))
+      linear.kernel[...], linear.bias[...] = w, b
+      return (linear_bias_in_matmul(linear, x) if fold else linear(x)).astype(jnp.float32)
+
+    got, vjp = jax.vjp(lambda x, w, b: f(x, w, b, True), x, w, b)
+    scale = np.abs(want).max()
+    err = np.abs(np.asarray(got, np.float64) - want).max() / scale
+    assert got.shape == want.shape and err < tol, (dtype, err)
+    if dtype == jnp.bfloat16:
+      plain = np.asarray(f(x, w, b, False), np.float64)
+      assert err <= np.abs(plain - want).max() / scale + 1e-7
+    for g, w_g in zip(vjp(ct), want_grads):
+      assert np.abs(np.asarray(g, np.float64) - w_g).max() / np.abs(w_g).max() < 4 * tol
 
 
 # ----------------------------------------------------------------------------- monitors

@@ -39,10 +39,15 @@ def causal_attention_qkv(qkv, *, packed: bool = True, implementation: str = "aut
   read it in place (stable_attn.dot_product_attention_qkvpacked: on the Hopper kernel no split
   copies in the forward and no concatenation of dq, dk, dv in the backward); False, or a jax.nn
   implementation (which takes q, k and v apart): split first. Same values either way."""
-  if implementation in JAX_NN or not packed:
+  if not reads_packed(implementation, packed):
     return causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
                             implementation=implementation, **options)
   return stable_attn.dot_product_attention_qkvpacked(qkv, **_ours(implementation, **options))
+
+
+def reads_packed(implementation: str, packed: bool = True) -> bool:
+  """Whether causal_attention_qkv reads qkv in place (ours, packed) or splits it first."""
+  return packed and implementation not in JAX_NN
 
 
 def _ours(implementation: str, max_adjust: str = "safe", numerics: str = "fast",

@@ -31,7 +31,8 @@ _TRAIN_FLAGS = {
 }
 _MODEL_FLAGS = {"attention": "attention", "max_adjust": "max_adjust", "numerics": "numerics",
                 "beta": "beta", "dtype": "dtype", "block_size": "block_size", "remat": "remat",
-                "pack_documents": "pack_documents", "qkv_packed": "qkv_packed"}
+                "pack_documents": "pack_documents", "qkv_packed": "qkv_packed",
+                "qkv_bias_in_matmul": "qkv_bias_in_matmul"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
   a("--no-qkv-packed", dest="qkv_packed", action="store_false", default=None,
     help="split q, k and v out of the fused projection before attention (ours read it in place "
          "by default: no split copies, no concatenated gradient)")
+  a("--no-qkv-bias-in-matmul", dest="qkv_bias_in_matmul", action="store_false", default=None,
+    help="with q, k, v read packed, add c_attn's bias after its product (nnx.Linear's way) "
+         "instead of as one more row of its matmul")
   a("--seed", type=int)
   a("--batch-size", type=int, help="global sequences per micro-step")
   a("--grad-accum", type=int, help="micro-steps per optimizer step")

@@ -45,6 +45,10 @@ class ModelConfig:
   # (stable_attn.dot_product_attention_qkvpacked); False splits q, k and v out first, as the jax.nn
   # arms always do (--no-qkv-packed).
   qkv_packed: bool = True
+  # Where the attention reads qkv packed, c_attn's bias rides in its matmul (train.model.
+  # linear_bias_in_matmul): split, the slices' copy adds it for free, packed, nothing would fuse
+  # it and it took a pass of its own. False adds it after the product, as nnx.Linear does.
+  qkv_bias_in_matmul: bool = True
 
   def __post_init__(self):
     if self.n_embd % self.n_head:

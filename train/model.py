@@ -14,13 +14,35 @@ import jax.numpy as jnp
 from flax import nnx
 from stable_attn.flash import RESIDUAL_NAMES
 
-from .attention import causal_attention_qkv
+from .attention import causal_attention_qkv, reads_packed
 from .config import ModelConfig
 from .tokenizer import EOT
 
 
 def _normal(std: float):
   return nnx.initializers.normal(stddev=std)
+
+
+def linear_bias_in_matmul(linear: nnx.Linear, x, multiple: int = 64):
+  """linear(x) with the bias as one more row of the kernel and x given a column of ones (and
+  zeros up to a contraction that is a multiple of `multiple`, whole tiles for cuBLAS).
+
+  x: [..., C] -> [..., D] in linear.dtype. The bias joins the product in its fp32 accumulator,
+  before the one rounding (nnx.Linear rounds the product, then adds the bias and rounds again),
+  and its gradient comes out of the kernel's gradient matmul. Why: XLA fuses no vector bias into
+  cuBLAS's matmul; added after, it is an elementwise pass over the [..., D] output unless another
+  pass over it absorbs it (the copies of q, k and v split out of the fused projection did; read
+  in place by the attention, nothing does: 0.56 ms of a GPT-2 124M step on an H200).
+  """
+  kernel, bias = linear.kernel[...], linear.bias[...]
+  C = kernel.shape[0]
+  pad = multiple - C % multiple
+  dt = linear.dtype or jnp.result_type(x, kernel)
+  kernel = jnp.concatenate([kernel, bias[None], jnp.zeros((pad - 1, kernel.shape[1]),
+                                                          kernel.dtype)]).astype(dt)
+  ones = jnp.ones(x.shape[:-1] + (1,), dt)
+  x = jnp.concatenate([x.astype(dt), ones, jnp.zeros(x.shape[:-1] + (pad - 1,), dt)], axis=-1)
+  return jnp.einsum("...c,cd->...d", x, kernel, precision=linear.precision)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -46,9 +68,14 @@ class CausalSelfAttention(nnx.Module):
     B, T, C = x.shape
     # [B, T, 3C] -> [B, T, 3, N, H] is free (columns [0:C] are q, then k, then v); the attention
     # reads it packed (cfg.qkv_packed), the monitors' q, k, v are its slices.
-    qkv = self.c_attn(x).reshape(B, T, 3, cfg.n_head, cfg.head_dim)
+    packed = reads_packed(cfg.attention, cfg.qkv_packed)
+    if packed and cfg.bias and cfg.qkv_bias_in_matmul:
+      qkv = linear_bias_in_matmul(self.c_attn, x)
+    else:
+      qkv = self.c_attn(x)
+    qkv = qkv.reshape(B, T, 3, cfg.n_head, cfg.head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    y = causal_attention_qkv(qkv, packed=cfg.qkv_packed, implementation=cfg.attention,
+    y = causal_attention_qkv(qkv, packed=packed, implementation=cfg.attention,
                              max_adjust=cfg.max_adjust, numerics=cfg.numerics, beta=cfg.beta,
                              segment_ids=segment_ids)
     if tap is not None:
