@@ -10,7 +10,8 @@ one document: the same row without segment ids). The segment block ranges (stabl
 should make a packed row cost about what its documents cost alone. Soft cap: B4 T4096 N16 H128 and
 B16 T1024 N12 H64 causal with logits_soft_cap=50 against no cap, forward+backward and forward; sinks
 (one per head) at B4 T4096 N16 H128 against none. Bias: an ALiBi bias [1, N, T, T] (its gradient
-included) at both soft-cap shapes. Masks at B4 T4096 N16 H128, not causal: random (80% True,
+included) at both soft-cap shapes; wide_bias: the biases whose tiles fit only beside 32-key
+blocks, ALiBi in bf16 at B2 T4096 N8 H256 and in fp32 at B4 T4096 N16 H128, causal. Masks at B4 T4096 N16 H128, not causal: random (80% True,
 [B, 1, T, T]), block-sparse (25% of the 128 x 128 blocks and the diagonal, [1, 1, T, T]; the
 kernels' block ranges and flags skip the rest) and all True. The peers run what they take: tokamax
 (its Mosaic GPU kernel) the soft cap, bias, masks and plain attention, jax.nn's cuDNN attention
@@ -41,7 +42,7 @@ from stable_attn.api import Options, canonicalize  # noqa: E402
 from train import jax_cache  # noqa: E402
 
 
-FEATURES = ("packed", "soft_cap", "sinks", "bias", "mask")
+FEATURES = ("packed", "soft_cap", "sinks", "bias", "mask", "wide_bias")
 
 
 def _dense_mask(ids):
@@ -100,12 +101,12 @@ def _why_not(impl, interpret, q, k, v, **kwargs):
   return reason
 
 
-def _alibi(shape):
-  """ALiBi's bias [1, N, T, T]: -slope_n * |t - s|, slopes 2^(-8 n / N), in bf16."""
+def _alibi(shape, dtype=jnp.bfloat16):
+  """ALiBi's bias [1, N, T, T]: -slope_n * |t - s|, slopes 2^(-8 n / N)."""
   _, T, N, _ = shape
   pos = jnp.arange(T)
   slopes = 2.0 ** (-8.0 * (jnp.arange(N) + 1) / N)
-  return (-slopes[:, None, None] * jnp.abs(pos[:, None] - pos[None, :]))[None].astype(jnp.bfloat16)
+  return (-slopes[:, None, None] * jnp.abs(pos[:, None] - pos[None, :]))[None].astype(dtype)
 
 
 def _random_mask(shape, keep=0.8):
@@ -253,6 +254,15 @@ def main(argv=None):
     for shape in cap_shapes if "bias" in features else ():
       timed(f"{_label(shape)}, ALiBi bias [1, N, T, T]", shape, is_causal=True,
             bias=_alibi(shape))
+    wide = [((1, 64, 2, 256), jnp.bfloat16), ((1, 64, 2, 128), jnp.float32)] if args.smoke else \
+        [((2, 4096, 8, 256), jnp.bfloat16), ((4, 4096, 16, 128), jnp.float32)]
+    for shape, dtype in wide if "wide_bias" in features else ():
+      biased = timed(f"{_label(shape)}, ALiBi bias [1, N, T, T] {jnp.dtype(dtype).name}", shape,
+                     is_causal=True, bias=_alibi(shape, dtype))
+      plain = ms.get((impl, f"{_label(shape)}, no cap")) or timed(f"{_label(shape)}, no cap",
+                                                                  shape, is_causal=True)
+      rows.append((impl, f"{jnp.dtype(dtype).name} bias / none, {_label(shape)}", biased / plain,
+                   "ratio"))
     if "mask" not in features:
       continue
     shape = cap_shapes[0]

@@ -21,6 +21,7 @@ def test_features_smoke(capsys):
   text = capsys.readouterr().out
   assert "| pallas_gpu | packed / unpacked, 4 x 32 |" in text
   assert "| pallas_gpu | soft cap / no cap, B1 T64 N2 H32 causal, forward |" in text
+  assert "| pallas_gpu | B1 T64 N2 H256 causal, ALiBi bias [1, N, T, T] bfloat16 |" in text
   assert "not run: Mosaic GPU kernels have no interpret mode" in text
   assert "FAILED" not in text
   try:

@@ -56,15 +56,20 @@ def _spec_ops(shape=(2, 128, 4, 64), kv_heads=2, dtype=bf16, **kwargs):
     (dict(shape=(1, 64, 2, 96), kv_heads=1), "head dim 96"),
     (dict(shape=(1, 64, 2, 256), kv_heads=1), None),
     (dict(shape=(1, 64, 2, 32), kv_heads=1), "head dim 32"),
-    # At head dim 256 bias tiles leave no room beside 512-byte rows.
-    (dict(shape=(1, 64, 2, 256), kv_heads=1, bias=jnp.zeros((1, 1, 64, 64), bf16)),
+    # At head dim 256 a bf16 bias streams beside 32-key forward blocks; with a mask as well, or
+    # in fp32, the dQ kernel has no room.
+    (dict(shape=(1, 64, 2, 256), kv_heads=1, bias=jnp.zeros((1, 1, 64, 64), bf16)), None),
+    (dict(shape=(1, 64, 2, 256), kv_heads=1, bias=jnp.zeros((1, 1, 64, 64), bf16),
+          mask=jnp.ones((1, 1, 64, 64), bool)), "shared memory"),
+    (dict(shape=(1, 64, 2, 256), kv_heads=1, bias=jnp.zeros((1, 1, 64, 64), f32)),
      "shared memory"),
     (dict(bias=jnp.zeros((1, 1, 128, 128), f32)), None),
     (dict(mask=jnp.ones((1, 1, 128, 128), bool), is_causal=True), None),
     (dict(shape=(2, 128, 4, 128), bias=jnp.zeros((2, 4, 128, 128), bf16),
           mask=jnp.ones((2, 1, 1, 128), bool)), None),
-    # fp32 bias tiles and the dS staging tile leave the dQ kernel no room at head dim 128.
-    (dict(shape=(2, 128, 4, 128), bias=jnp.zeros((1, 4, 128, 128), f32)), "shared memory"),
+    # fp32 bias tiles and the dS staging tile: 32-key blocks in the dQ kernel at head dim 128.
+    (dict(shape=(2, 128, 4, 128), bias=jnp.zeros((1, 4, 128, 128), f32),
+          mask=jnp.ones((2, 1, 1, 128), bool)), None),
     (dict(numerics="paper"), "numerics 'paper'"),
     (dict(numerics="fast+fp32o"), "numerics 'fast\\+fp32o'"),
     (dict(interpret=True), "interpret"),
@@ -358,6 +363,28 @@ def test_lowers_for_cuda(kwargs):
     assert f"stable_attn_{name}" in text
 
 
+@pytest.mark.parametrize("H, bias_dtype, mask, kernel", [(256, bf16, False, "fwd"),
+                                                          (128, f32, True, "dq")])
+def test_narrow_tiles_take_what_fits_nowhere_else(H, bias_dtype, mask, kernel):
+  """A bias (and mask) whose tiles fit no 64-key block (a bf16 bias at head dim 256: the
+  forward; an fp32 bias and a mask at 128: the dQ kernel, beside dbias's fp32 staging) take
+  32-key blocks in that kernel alone, and the call lowers for CUDA."""
+  T = 200
+  spec, ops = _spec_ops(shape=(2, T, 4, H), kv_heads=2, is_causal=True,
+                        bias=jnp.zeros((1, 4, T, T), bias_dtype),
+                        mask=jnp.ones((2, 1, T, T), bool) if mask else None)
+  assert mosaic.covers(spec, ops) is None
+  config = mosaic.default_config(spec, ops)
+  wide = tuning.TABLE[H].replace(**{kernel: tuning.Tiles(64, 64, 2)})
+  assert getattr(config, kernel) == tuning.Tiles(64, 32, 2)
+  assert wide.smem_needs(H, 2, **mosaic._extras(ops))[kernel] + tuning.SMEM_RESERVE > \
+      tuning.SMEM_BYTES
+  assert config.smem_problem(H, 2, **mosaic._extras(ops)) is None
+  assert tuning.table_config(H, 2, beside=1).fwd.block_kv == 64 * (1 + (H < 256))
+  text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2 + config.dkv_passes
+
+
 QKV_LOWER_CASES = [
     dict(shape=(2, 256, 4, 64), kv_heads=4, is_causal=True, max_adjust="safe"),
     dict(shape=(1, 300, 2, 128), kv_heads=2, max_adjust="off", query_seq_lengths=[200]),
@@ -555,6 +582,13 @@ GPU_CASES = {
     "bias_block_mask_window": dict(B=1, T=320, S=512, N=2, K=1, H=64, window=(200, 100),
                                    bias=(1, 2, 320, 512), mask=(1, 2, 320, 512),
                                    sparse_blocks=(128, 0.5), whole_blocks=True),
+    # Tiles that fit only beside 32-key blocks: a bf16 bias at head dim 256 (the forward's), an
+    # fp32 bias and a mask at 128 (the dQ kernel's).
+    "bias_h256_gqa_lens": dict(B=2, T=300, S=333, N=4, K=2, H=256, is_causal=True,
+                               bias=(1, 4, 300, 333), q_lens=(300, 217), kv_lens=(333, 190)),
+    "bias_fp32_mask_h128": dict(B=2, T=256, S=200, N=4, K=2, H=128, bias=(2, 4, 256, 200),
+                                bias_dtype=jnp.float32, mask=(2, 1, 256, 200),
+                                sparse_blocks=(64, 0.5)),
     # Head dim 256 (32-row streamed blocks in the backward, dK and dV in a pass each).
     "h256_gqa_lens": dict(B=2, T=300, S=333, N=4, K=2, H=256, is_causal=True,
                           q_lens=(300, 217), kv_lens=(333, 190)),

@@ -14,7 +14,7 @@ block multiples (padded), a logits soft cap, attention sinks, segment ids (packe
 (with its gradient) and boolean mask operands, streamed by TMA beside K/V (their all-False blocks
 neither streamed nor computed: block ranges and a compacted block order per CTA). Everything
 else -- other numerics presets, fp32, other head dims, a bias or mask whose tiles do not fit
-shared memory -- is implementation="pallas_gpu"
+shared memory even beside 32-key blocks (head dim 256: an fp32 bias, a bias with a mask) -- is implementation="pallas_gpu"
 (implementation=None picks it; naming this backend for such a call raises ValueError with the
 reason).
 """

@@ -122,9 +122,9 @@ class TuningConfig:
   def kv_multiple(self) -> int:
     return math.lcm(self.fwd.block_kv, COMPUTE_WGS * self.dkv.block_kv, self.dq.block_kv)
 
-  def smem_problem(self, head_dim: int, itemsize: int, *, beside: int = 0,
-                   ds_itemsize: int = 0):
-    """Why a kernel's shared memory would not fit (227 KB per CTA on Hopper), or None.
+  def smem_needs(self, head_dim: int, itemsize: int, *, beside: int = 0,
+                 ds_itemsize: int = 0) -> dict:
+    """Bytes of shared memory per CTA of each kernel ("fwd", "dkv", "dq").
 
     beside: bytes per score of the tiles that stream beside a block (bias and mask: their
     itemsizes); ds_itemsize: the dQ kernel's dS staging tile (a bias's gradient), 0 without."""
@@ -133,7 +133,7 @@ class TuningConfig:
     # K and V and its segment id. Resident rows per warpgroup, streamed rows per stage; the bias
     # and mask tiles cover the CTA's resident rows and one streamed block per stage.
     fwd, dkv, dq = self.fwd, self.dkv, self.dq
-    need = {
+    return {
         "fwd": (self.fwd_wgs * fwd.block_q * (row + 12)
                 + fwd.stages * fwd.block_kv * (2 * row + 4)
                 + fwd.stages * self.fwd_wgs * fwd.block_q * fwd.block_kv * beside
@@ -150,7 +150,11 @@ class TuningConfig:
                + dq.stages * self.dq_wgs * dq.block_q * dq.block_kv * beside
                + self.dq_wgs * dq.block_q * dq.block_kv * ds_itemsize),
     }
-    for kernel, nbytes in need.items():
+
+  def smem_problem(self, head_dim: int, itemsize: int, **extras):
+    """Why a kernel's shared memory would not fit (227 KB per CTA on Hopper), or None
+    (`smem_needs`' arguments)."""
+    for kernel, nbytes in self.smem_needs(head_dim, itemsize, **extras).items():
       if nbytes + SMEM_RESERVE > SMEM_BYTES:
         return (f"{kernel} tiling {getattr(self, kernel)} needs {nbytes} bytes of shared memory "
                 f"at head dim {head_dim}; Hopper has {SMEM_BYTES}")
@@ -195,6 +199,9 @@ TABLE = {
 # With bias or mask tiles streaming beside K/V (or Q/dO), 64-key forward blocks and two stages
 # leave them room at head dim 128.
 _BESIDE = _T(64, 64, 2)
+# Where even those do not fit (a bf16 bias at head dim 256, an fp32 bias at 128), 32-key blocks in
+# the forward and the dQ kernel: a 64-byte swizzle, the 256 table's dQ tiling already.
+_NARROW = _T(64, 32, 2)
 
 
 # FlashAttention-3's fused dQ (opt-in, TuningConfig.fused_dq): its dK/dV kernel also stages dS^T
@@ -239,8 +246,8 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   """The table's config for a head dim (full: the call masks no (query, key) pair by position or
   segment: `_FULL`'s changes; dense: full, and each kv head has one query head: `_DENSE`'s too;
   packed: it has segment ids, `_PACKED`'s); with `extras` (bias / mask tiles: see
-  `smem_problem`), the first of it and smaller tilings that fits shared memory (ValueError when
-  none does)."""
+  `smem_needs`), each kernel's first tiling of the table's, `_BESIDE` and `_NARROW` that fits
+  shared memory beside them (ValueError when one kernel has none)."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
@@ -251,10 +258,18 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False)
-  candidates = (config, config.replace(dkv=_BESIDE), config.replace(fwd=_BESIDE),
-                config.replace(fwd=_BESIDE, dkv=_BESIDE))
-  candidates += tuple(c.replace(dq_delta=False) for c in candidates)   # delta in XLA
-  for candidate in candidates:
-    if candidate.smem_problem(head_dim, itemsize, **extras) is None:
-      return candidate
-  candidates[-1].check_smem(head_dim, itemsize, **extras)
+  # Each kernel's shared memory is its own: each takes the first of its options that fits (the
+  # dQ kernel keeps delta's O tile before it gives up 64-key blocks; without it, XLA's delta).
+  options = {"fwd": [dict(fwd=t) for t in (config.fwd, _BESIDE, _NARROW)],
+             "dkv": [dict(dkv=t) for t in (config.dkv, _BESIDE)],
+             "dq": [dict(dq=t, dq_delta=d) for t in (config.dq, _NARROW)
+                    for d in dict.fromkeys((config.dq_delta, False))]}
+  chosen = {}
+  for kernel, choices in options.items():
+    fits = [c for c in choices
+            if config.replace(**c).smem_needs(head_dim, itemsize, **extras)[kernel]
+            + SMEM_RESERVE <= SMEM_BYTES]
+    chosen.update(fits[0] if fits else choices[-1])
+  config = config.replace(**chosen)
+  config.check_smem(head_dim, itemsize, **extras)
+  return config
