@@ -486,16 +486,28 @@ def test_dense_calls_take_three_dkv_warpgroups():
 
 def test_persistent_dkv_where_key_tiles_differ():
   """The dK/dV kernel runs persistent CTAs at head dim 64 where its key tiles differ in work
-  (causal, windowed, packed) and lowers so; a grid where every query sees every key (equal tiles,
-  with or without GQA), at head dim 128 and with a bias or mask."""
+  (causal, windowed, packed) and lowers so, and at head dim 128 where they differ and are few
+  (tuning.FEW_KEY_TILES) without segment ids; a grid where every query sees every key (equal
+  tiles, with or without GQA), for many tiles at 128, and with a bias or mask."""
+  many = 1 + tuning.FEW_KEY_TILES // (1024 // 128)   # rows of 1024 keys: 8 tiles each
+  assert tuning.dkv_key_tiles(128, many, 1, 1024) > tuning.FEW_KEY_TILES
+  assert tuning.dkv_key_tiles(128, many - 1, 1, 1024) == tuning.FEW_KEY_TILES
   cases_ = ((dict(is_causal=True), True), (dict(local_window_size=(8, 8)), True),
             (dict(kv_heads=2, is_causal=True), True), (dict(kv_heads=2), False), (dict(), False),
             (dict(shape=(2, 200, 4, 128)), False),
+            (dict(shape=(2, 200, 4, 128), is_causal=True), True),
+            (dict(shape=(2, 200, 4, 128), kv_heads=2, local_window_size=(8, 8)), True),
+            (dict(shape=(many - 1, 1024, 1, 128), kv_heads=1, is_causal=True), True),
+            (dict(shape=(many, 1024, 1, 128), kv_heads=1, is_causal=True), False),
+            (dict(shape=(2, 200, 4, 256), is_causal=True), False),
             (dict(is_causal=True, mask=jnp.ones((1, 1, 200, 200), bool)), False))
   for kwargs, persistent in cases_:
     kwargs = dict(dict(shape=(2, 200, 4, 64), kv_heads=4), **kwargs)
     spec, ops = _spec_ops(**kwargs)
     assert mosaic.default_config(spec, ops).dkv_persistent == persistent, kwargs
+  spec, ops = _spec_ops(shape=(2, 256, 4, 128), kv_heads=4, is_causal=True)
+  packed = ops._replace(q_seg=jnp.zeros((2, 256), jnp.int32), kv_seg=jnp.zeros((2, 256), jnp.int32))
+  assert not mosaic.default_config(spec, packed).dkv_persistent   # 1.15-1.20x packed at 128
   spec, ops = _spec_ops(shape=(2, 256, 4, 64), kv_heads=4, is_causal=True)
   packed = ops._replace(q_seg=jnp.zeros((2, 256), jnp.int32), kv_seg=jnp.zeros((2, 256), jnp.int32))
   assert mosaic.default_config(spec, packed).dkv_persistent
@@ -509,7 +521,8 @@ def test_persistent_dkv_where_key_tiles_differ():
 def test_packed_calls_take_two_query_warpgroups():
   """With segment ids the dQ kernel takes two warpgroups (128-row CTAs line up with documents), and
   at head dim 128 the forward too, three without; at 64 the persistent three-warpgroup forward
-  stays."""
+  stays. (At 128 the few key tiles of this call also make the unpacked dK/dV kernel persistent,
+  tuning._FEW, which packed rows are not.)"""
   for H, packed_wgs in ((128, (2, 2)), (64, (3, 2))):
     spec, ops = _spec_ops(shape=(2, 256, 4, H), kv_heads=2, is_causal=True)
     packed = ops._replace(q_seg=jnp.zeros((2, 256), jnp.int32),
@@ -517,7 +530,8 @@ def test_packed_calls_take_two_query_warpgroups():
     plain, config = mosaic.default_config(spec, ops), mosaic.default_config(spec, packed)
     assert (plain.fwd_wgs, plain.dq_wgs) == (3, 3)
     assert (config.fwd_wgs, config.dq_wgs) == packed_wgs, H
-    assert config.replace(fwd_wgs=plain.fwd_wgs, dq_wgs=plain.dq_wgs) == plain
+    assert plain.dkv_persistent and config.dkv_persistent == (H == 64)
+    assert config.replace(fwd_wgs=plain.fwd_wgs, dq_wgs=plain.dq_wgs, dkv_persistent=True) == plain
     config.check_smem(H, 2)
 
 
@@ -589,6 +603,9 @@ GPU_CASES = {
     "bias_fp32_mask_h128": dict(B=2, T=256, S=200, N=4, K=2, H=128, bias=(2, 4, 256, 200),
                                 bias_dtype=jnp.float32, mask=(2, 1, 256, 200),
                                 sparse_blocks=(64, 0.5)),
+    # A mask at head dim 256 fits beside the table's tiles (a bias with it does not).
+    "block_mask_h256_window": dict(B=1, T=320, S=384, N=2, K=1, H=256, window=(200, 100),
+                                   mask=(1, 2, 320, 384), sparse_blocks=(64, 0.5)),
     # Head dim 256 (32-row streamed blocks in the backward, dK and dV in a pass each).
     "h256_gqa_lens": dict(B=2, T=300, S=333, N=4, K=2, H=256, is_causal=True,
                           q_lens=(300, 217), kv_lens=(333, 190)),

@@ -73,12 +73,15 @@ def default_config(spec: AttentionSpec, ops: Operands) -> tuning.TuningConfig:
   """The table's config for this call (`tuning.table_config`): its head dim, the bias and mask
   tiles' room, whether every query sees every key (no causal or window mask, no segment ids:
   equal dK/dV tiles, no persistent dK/dV kernel), and with it no GQA (whose dK/dV CTAs each walk
-  a group of query heads: three warpgroups measured 0.96x there), and whether it has segment ids.
-  ValueError when the tiles do not fit."""
+  a group of query heads: three warpgroups measured 0.96x there), whether it has segment ids, and
+  how many key tiles the dK/dV kernel has (few: persistent at head dim 128 too). ValueError when
+  the tiles do not fit."""
   full = not spec.is_causal and spec.window is None and ops.q_seg is None
-  return tuning.table_config(ops.q.shape[-1], jnp.dtype(ops.q.dtype).itemsize, full=full,
-                             dense=full and ops.k.shape[2] == ops.q.shape[2],
-                             packed=ops.q_seg is not None, **_extras(ops))
+  H, (B, S, K, _) = ops.q.shape[-1], ops.k.shape
+  return tuning.table_config(H, jnp.dtype(ops.q.dtype).itemsize, full=full,
+                             dense=full and K == ops.q.shape[2], packed=ops.q_seg is not None,
+                             key_tiles=tuning.dkv_key_tiles(H, B, K, S) if H in tuning.TABLE
+                             else None, **_extras(ops))
 
 
 def _ds_dtype(ops: Operands):

@@ -240,21 +240,40 @@ _DENSE = {64: dict(dkv_wgs=3)}
 # three stay).
 _PACKED = {64: dict(dq_wgs=2), 128: dict(fwd_wgs=2, dq_wgs=2)}
 
+# Where the dK/dV key tiles differ in work (causal or window masks) and are few, the last wave of
+# a grid leaves SMs idle, and a persistent dK/dV kernel evens it out at head dim 128 too. H200,
+# one process, 3 reps, fwd+bwd time against the grid, gradients bitwise equal (2026-11-26): 0.85x
+# at B4 T1024 N32 K8 causal (256 key tiles of 128 keys), 0.94x at B8 T512 N16 (512), 0.97x at B4
+# T2048 N16 and 0.99x at B8 T2048 N32 K8 (1,024); with more tiles 1.00x at B16 T1024 N16 (2,048)
+# and B4 T4096 N16, 1.03x at B1 T16384 N16; packed rows 1.15-1.20x (docs/hopper_kernel.md), so
+# not with segment ids.
+FEW_KEY_TILES = 1024
+_FEW = {128: dict(dkv_persistent=True)}
+
+
+def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
+  """How many key tiles (one dK/dV CTA's keys each) the table's dK/dV kernel has."""
+  dkv = TABLE[head_dim]
+  return batch * kv_heads * -(-kv_len // (dkv.dkv_wgs * dkv.dkv.block_kv))
+
 
 def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense: bool = False,
-                 packed: bool = False, **extras) -> TuningConfig:
+                 packed: bool = False, key_tiles: int | None = None, **extras) -> TuningConfig:
   """The table's config for a head dim (full: the call masks no (query, key) pair by position or
   segment: `_FULL`'s changes; dense: full, and each kv head has one query head: `_DENSE`'s too;
-  packed: it has segment ids, `_PACKED`'s); with `extras` (bias / mask tiles: see
+  packed: it has segment ids, `_PACKED`'s; key_tiles (`dkv_key_tiles`) at most FEW_KEY_TILES,
+  neither full nor packed: `_FEW`'s); with `extras` (bias / mask tiles: see
   `smem_needs`), each kernel's first tiling of the table's, `_BESIDE` and `_NARROW` that fits
   shared memory beside them (ValueError when one kernel has none)."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
   if not extras:
+    few = (key_tiles is not None and key_tiles <= FEW_KEY_TILES and not (full or dense or packed))
     changes = {**(_FULL.get(head_dim, {}) if full or dense else {}),
                **(_DENSE.get(head_dim, {}) if dense else {}),
-               **(_PACKED.get(head_dim, {}) if packed else {})}
+               **(_PACKED.get(head_dim, {}) if packed else {}),
+               **(_FEW.get(head_dim, {}) if few else {})}
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False)
