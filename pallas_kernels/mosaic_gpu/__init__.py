@@ -14,9 +14,9 @@ block multiples (padded), a logits soft cap, attention sinks, segment ids (packe
 (with its gradient) and boolean mask operands, streamed by TMA beside K/V (their all-False blocks
 neither streamed nor computed: block ranges and a compacted block order per CTA). Everything
 else -- other numerics presets, fp32, other head dims, a bias or mask whose tiles do not fit
-shared memory even beside 32-key blocks (head dim 256: an fp32 bias, a bias with a mask) -- is implementation="pallas_gpu"
-(implementation=None picks it; naming this backend for such a call raises ValueError with the
-reason).
+shared memory even beside 32-key blocks (head dim 256: an fp32 bias, a bias with a mask) -- is
+implementation="pallas_gpu" (implementation=None picks it; naming this backend for such a call
+raises ValueError with the reason).
 """
 from __future__ import annotations
 
@@ -77,11 +77,10 @@ def default_config(spec: AttentionSpec, ops: Operands) -> tuning.TuningConfig:
   how many key tiles the dK/dV kernel has (few: persistent at head dim 128 too). ValueError when
   the tiles do not fit."""
   full = not spec.is_causal and spec.window is None and ops.q_seg is None
-  H, (B, S, K, _) = ops.q.shape[-1], ops.k.shape
+  B, S, K, H = ops.k.shape
   return tuning.table_config(H, jnp.dtype(ops.q.dtype).itemsize, full=full,
                              dense=full and K == ops.q.shape[2], packed=ops.q_seg is not None,
-                             key_tiles=tuning.dkv_key_tiles(H, B, K, S) if H in tuning.TABLE
-                             else None, **_extras(ops))
+                             kv_shape=(B, K, S), **_extras(ops))
 
 
 def _ds_dtype(ops: Operands):

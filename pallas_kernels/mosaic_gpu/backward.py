@@ -11,9 +11,10 @@ dK/dV  one CTA per (batch, kv head, W * block_kv key rows; W = TuningConfig.dkv_
        blocks that see the CTA's keys. The tile is computed transposed (S^T = K Q^T, FA3's
        SwapAB), so P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers.
        Persistent (TuningConfig.dkv_persistent, the table's at head dim 64 unless every query
-       sees every key, and at 128 where such tiles are few, tuning._FEW): one CTA per SM takes the key tiles in zigzag rounds, key CTA 0 (the
-       heaviest under a causal mask) first; each compute warpgroup loads its next tile's K and V
-       into a second buffer during this one, and the producer's slots run on across tiles.
+       sees every key, and at 128 where such tiles are few, tuning._FEW): one CTA per SM takes
+       the key tiles in zigzag rounds, key CTA 0 (the heaviest under a causal mask) first; each
+       compute warpgroup loads its next tile's K and V into a second buffer during this one, and
+       the producer's slots run on across tiles.
 dQ     one CTA per (batch, query head, W * block_q query rows; W = TuningConfig.dq_wgs compute
        warpgroups, 3 at head dims 64 and 128 as in the forward, 2 with a bias's dS or a mask),
        like the forward: Q, dO, LSE and delta (or O, to compute it) resident, K and V streamed;

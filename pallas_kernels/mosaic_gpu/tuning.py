@@ -258,18 +258,21 @@ def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
 
 
 def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense: bool = False,
-                 packed: bool = False, key_tiles: int | None = None, **extras) -> TuningConfig:
+                 packed: bool = False, kv_shape: tuple[int, int, int] | None = None,
+                 **extras) -> TuningConfig:
   """The table's config for a head dim (full: the call masks no (query, key) pair by position or
   segment: `_FULL`'s changes; dense: full, and each kv head has one query head: `_DENSE`'s too;
-  packed: it has segment ids, `_PACKED`'s; key_tiles (`dkv_key_tiles`) at most FEW_KEY_TILES,
-  neither full nor packed: `_FEW`'s); with `extras` (bias / mask tiles: see
-  `smem_needs`), each kernel's first tiling of the table's, `_BESIDE` and `_NARROW` that fits
-  shared memory beside them (ValueError when one kernel has none)."""
+  packed: it has segment ids, `_PACKED`'s; kv_shape (batch, kv heads, kv length) giving at most
+  FEW_KEY_TILES dK/dV key tiles (`dkv_key_tiles`), neither full nor packed: `_FEW`'s); with
+  `extras` (bias / mask tiles: see `smem_needs`), each kernel's first tiling of the table's,
+  `_BESIDE` and `_NARROW` that fits shared memory beside them (ValueError when one kernel has
+  none)."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
   if not extras:
-    few = (key_tiles is not None and key_tiles <= FEW_KEY_TILES and not (full or dense or packed))
+    few = (kv_shape is not None and not (full or dense or packed)
+           and dkv_key_tiles(head_dim, *kv_shape) <= FEW_KEY_TILES)
     changes = {**(_FULL.get(head_dim, {}) if full or dense else {}),
                **(_DENSE.get(head_dim, {}) if dense else {}),
                **(_PACKED.get(head_dim, {}) if packed else {}),
