@@ -1,8 +1,8 @@
-"""What packed sequences, the soft cap, sinks, bias and masks cost, forward+backward, in one process.
+"""What packed sequences, the soft cap, sinks, bias and masks cost, fwd+bwd, in one process.
 
-    PYTHONPATH=. python benchmarks/features.py              # on a GPU: the Hopper kernel, pallas_gpu,
-                                                            # cuDNN and tokamax (when importable)
-    PYTHONPATH=. python benchmarks/features.py --smoke      # tiny shapes, interpret mode, CPU
+    PYTHONPATH=. python benchmarks/features.py          # on a GPU: the Hopper kernel, pallas_gpu,
+                                                        # cuDNN and tokamax (when importable)
+    PYTHONPATH=. python benchmarks/features.py --smoke  # tiny shapes, interpret mode, CPU
 
 Packed: one row of T = 8192 tokens (N16 H128, causal, segment ids) holding 8 documents of 1024, 64
 of 128, or one of 8192, against the same documents unpacked (a batch of rows, no segment ids; for

@@ -35,7 +35,7 @@ from flax import nnx  # noqa: E402
 from train import attention as attn_lib  # noqa: E402
 from train import jax_cache  # noqa: E402
 from train.config import get_config  # noqa: E402
-from train.metrics import peak_tflops  # noqa: E402
+from train.metrics import mfu, peak_tflops, percent  # noqa: E402
 from train.model import abstract_model, count_params, flops_per_token  # noqa: E402
 from train.sharding import make_mesh  # noqa: E402
 from train.step import make_training  # noqa: E402
@@ -145,7 +145,7 @@ def markdown(rows: list[dict], header: dict) -> str:
       continue
     vs = f"{r['tokens_per_s'] / base:.3f}x" if base else "-"
     lines.append(f"| {r['arm']} | {r['attention']} | {r['tokens_per_s']:,.0f} | "
-                 f"{r['step_ms']:.1f} | {100 * r['mfu']:.1f}% | {vs} | {r['compile_s']:.1f} | "
+                 f"{r['step_ms']:.1f} | {percent(r['mfu'])} | {vs} | {r['compile_s']:.1f} | "
                  f"{_gib(r.get('step_memory_gib'))} |")
   return "\n".join(lines) + "\n"
 
@@ -202,9 +202,9 @@ def main(argv=None) -> int:
     print(f"[{arm}] {row['attention_detail']} ...", flush=True)
     try:
       row.update(run_arm(cfg, args.steps, args.warmup, mesh, tokens))
-      row["mfu"] = row["tokens_per_s"] * fpt / (peak * 1e12 * n_dev)
+      row["mfu"] = mfu(row["tokens_per_s"], fpt, peak, n_dev)
       print(f"[{arm}] {row['tokens_per_s']:,.0f} tokens/s, {row['step_ms']:.1f} ms/step, "
-            f"MFU {100 * row['mfu']:.1f}%, compile {row['compile_s']:.1f}s", flush=True)
+            f"MFU {percent(row['mfu'])}, compile {row['compile_s']:.1f}s", flush=True)
     except Exception as e:  # one failing arm must not lose the others' numbers
       row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
       traceback.print_exc()

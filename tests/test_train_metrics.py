@@ -1,7 +1,10 @@
 """train.metrics: metrics.jsonl and TensorBoard hold each step once across a crash and a resume."""
 
-from train.metrics import (MetricsLogger, _event_files, _event_records, read_metrics,
-                           read_tensorboard)
+import jax
+import pytest
+
+from train.metrics import (MetricsLogger, _event_files, _event_records, mfu, peak_tflops, percent,
+                           read_metrics, read_tensorboard)
 
 
 def _log(out, steps, start=0, scale=1.0):
@@ -52,3 +55,17 @@ def test_a_disabled_logger_writes_nothing(tmp_path):
   logger.write({"step": 0, "loss": 1.0})
   logger.close()
   assert list(tmp_path.iterdir()) == []
+
+
+def test_no_mfu_on_a_cpu_unless_a_peak_is_given():
+  """A CPU gets no MFU by default (a nominal peak once printed 79.9% for the main job); a given
+  peak gives tokens/s x FLOP/token over the devices' peak."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the default peak is measured on an accelerator")
+  peak, note = peak_tflops(None)
+  assert peak is None and "--peak-tflops" in note
+  assert mfu(5000.0, 7e8, peak, 1) is None and percent(None) == "-"
+  peak, note = peak_tflops(200.0)
+  assert peak == 200.0 and "--peak-tflops" in note
+  assert mfu(5000.0, 7e8, peak, 2) == pytest.approx(5000.0 * 7e8 / (200e12 * 2))
+  assert percent(0.4567) == "45.7%"

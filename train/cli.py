@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
   a("--time-limit", type=float, help="stop after this many seconds of training with a checkpoint; "
                                      "the same command resumes (fixed-budget runs)")
   a("--peak-tflops", type=float,
-    help="per-device peak for MFU (default: measured on GPU, nominal on CPU)")
+    help="per-device peak for MFU (default: measured on GPU; on CPU no MFU)")
   a("--no-progress", dest="progress", action="store_false", help="no progress bars")
   a("--no-tensorboard", dest="tensorboard", action="store_false")
   a("--distributed", action="store_true",

@@ -23,7 +23,7 @@ from . import data as data_lib
 from . import jax_cache
 from .checkpoint import Checkpointer
 from .config import TrainConfig, check_dir
-from .metrics import MetricsLogger, peak_tflops, plot_loss, to_python
+from .metrics import MetricsLogger, mfu, peak_tflops, percent, plot_loss, to_python
 # abstract_model and init_params are imported from here by reproduction/gradients.py.
 from .model import abstract_model, count_params, flops_per_token  # noqa: F401
 from .monitors import make_monitor_fn
@@ -173,7 +173,7 @@ class _Run:
   sampler: Callable
   schedule: Callable  # step -> learning rate
   flops_per_token: float
-  peak: float  # TFLOP/s per device, for MFU
+  peak: float | None  # TFLOP/s per device, for MFU (None: no MFU)
   peak_note: str
   ckpt: Checkpointer
   metrics: MetricsLogger
@@ -401,10 +401,12 @@ def _write_record(run: _Run, state: RunState, step: int, loss: float, loss_avg: 
   post = {"loss": f"{loss:.3f}"}
   if tok_s is not None:
     rec["tokens_per_s"] = tok_s
-    rec["mfu"] = tok_s * run.flops_per_token / (run.peak * 1e12 * jax.device_count())
     state.tokens_per_s.append(tok_s)
-    state.mfu.append(rec["mfu"])
-    post.update({"tok/s": f"{tok_s:,.0f}", "MFU": f"{100 * rec['mfu']:.1f}%"})
+    post["tok/s"] = f"{tok_s:,.0f}"
+    rec["mfu"] = mfu(tok_s, run.flops_per_token, run.peak, jax.device_count())
+    if rec["mfu"] is not None:
+      state.mfu.append(rec["mfu"])
+      post["MFU"] = percent(rec["mfu"])
   rec.update(extra)
   rec["time_s"] = time.time() - run.t_start
   run.metrics.write(rec)
@@ -515,7 +517,7 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
     (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if summary["tokens_per_s"]:
       run.log(f"train: median {summary['tokens_per_s']:,.0f} tokens/s, MFU "
-              f"{100 * summary['mfu']:.1f}% ({run.peak_note})")
+              f"{percent(summary['mfu'])} (peak: {run.peak_note})")
     # None when the first step stopped the run (or a checkpoint from before they were kept).
     if state.first_loss is not None and state.last_loss is not None:
       run.log(f"train: done in {summary['wall_s']:.0f}s; loss {state.first_loss:.3f} -> "

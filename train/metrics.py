@@ -102,11 +102,6 @@ def plot_loss(out_dir: Path, title: str = "") -> Path | None:
   return path
 
 
-# Rough CPU figure used only to put an MFU on the progress bar of CPU runs: measured ~0.05 TFLOP/s
-# per core for f32/bf16 XLA matmuls on the 2-core development machine.
-CPU_NOMINAL_TFLOPS_PER_CORE = 0.05
-
-
 def measure_matmul_tflops(n: int = 8192, iters: int = 10) -> float:
   """Measured bf16 matmul throughput of one device, TFLOP/s (the MFU ceiling on accelerators)."""
   a = jnp.ones((n, n), jnp.bfloat16)
@@ -119,17 +114,26 @@ def measure_matmul_tflops(n: int = 8192, iters: int = 10) -> float:
   return 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e12
 
 
-def peak_tflops(flag: float | None) -> tuple[float, str]:
-  """Per-device peak for MFU and a phrase saying where it came from."""
+def peak_tflops(flag: float | None) -> tuple[float | None, str]:
+  """Per-device peak for MFU and a phrase saying where it came from; on a CPU without `flag`,
+  None: no MFU (a CPU's bf16 matmuls say little of what a training step can reach)."""
   if flag:
     return flag, f"{flag:g} TFLOP/s per device from --peak-tflops"
   if jax.default_backend() == "cpu":
-    cores = os.cpu_count() or 1
-    value = CPU_NOMINAL_TFLOPS_PER_CORE * cores / max(1, jax.local_device_count())
-    return value, f"{value:g} TFLOP/s per device, a nominal CPU figure (not measured)"
+    return None, "none on CPU (no MFU; --peak-tflops sets one)"
   value = measure_matmul_tflops()
   return value, (f"{value:.0f} TFLOP/s per device, measured bf16 8192^3 matmul ceiling on "
                  f"{jax.devices()[0].device_kind}")
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None,
+        devices: int) -> float | None:
+  """Model FLOP utilisation (a fraction) against `peak` TFLOP/s per device; None without one."""
+  return None if peak is None else tokens_per_s * flops_per_token / (peak * 1e12 * devices)
+
+
+def percent(fraction: float | None) -> str:
+  return "-" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def to_python(tree):

@@ -82,10 +82,10 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
   """rest: the output refs of `part`'s gradients (_PASSES: dK and dV, or one of them), then the
   scratch; with packed operands `into` is the [B, Tp, 3, N, H] gradient (slot 0 holds dQ) whose
   slots 1 and 2 take dK and dV in place, and there are no output refs. refs.bias and refs.mask,
-  when present, are transposed: [Bx, Nx, Sp, Tp]. dq_acc: None, or (config.fused_dq) the fp32 [B, Tp, N, H] dQ accumulator (zeros on entry) that each step adds
-  its dS K into with a TMA reduce-add: FlashAttention-3's backward, no dQ kernel. ctas: 0 for one
-  CTA per key tile (grid (B, K, key CTAs)), else the number of persistent CTAs
-  (`common.key_tiles`)."""
+  when present, are transposed: [Bx, Nx, Sp, Tp]. dq_acc: None, or (config.fused_dq) the fp32
+  [B, Tp, N, H] dQ accumulator (zeros on entry) that each step adds its dS K into with a TMA
+  reduce-add: FlashAttention-3's backward, no dQ kernel. ctas: 0 for one CTA per key tile (grid
+  (B, K, key CTAs)), else the number of persistent CTAs (`common.key_tiles`)."""
   *outs, scratch = rest
   names = _PASSES[part]
   if into is not None:
