@@ -516,8 +516,9 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
     summary["loss_plot"] = str(plot) if plot else None
     (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if summary["tokens_per_s"]:
-      run.log(f"train: median {summary['tokens_per_s']:,.0f} tokens/s, MFU "
-              f"{percent(summary['mfu'])} (peak: {run.peak_note})")
+      utilisation = ("no MFU" if summary["mfu"] is None else f"MFU {percent(summary['mfu'])}")
+      run.log(f"train: median {summary['tokens_per_s']:,.0f} tokens/s, {utilisation} "
+              f"({run.peak_note})")
     # None when the first step stopped the run (or a checkpoint from before they were kept).
     if state.first_loss is not None and state.last_loss is not None:
       run.log(f"train: done in {summary['wall_s']:.0f}s; loss {state.first_loss:.3f} -> "

@@ -120,7 +120,7 @@ def peak_tflops(flag: float | None) -> tuple[float | None, str]:
   if flag:
     return flag, f"{flag:g} TFLOP/s per device from --peak-tflops"
   if jax.default_backend() == "cpu":
-    return None, "none on CPU (no MFU; --peak-tflops sets one)"
+    return None, "no peak on a CPU; --peak-tflops sets one"
   value = measure_matmul_tflops()
   return value, (f"{value:.0f} TFLOP/s per device, measured bf16 8192^3 matmul ceiling on "
                  f"{jax.devices()[0].device_kind}")
