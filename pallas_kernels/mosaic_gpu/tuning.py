@@ -23,6 +23,11 @@ SMEM_RESERVE = 4 * 1024   # barriers and alignment, beyond the tiles counted in 
 HEAD_DIMS = (64, 128, 256)  # head dims the kernels cover (rows tiled 128 bytes wide)
 
 
+def fits_smem(nbytes: int) -> bool:
+  """Whether a CTA's tiles of `nbytes` fit Hopper's shared memory beside the reserve."""
+  return nbytes + SMEM_RESERVE <= SMEM_BYTES
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
   """One kernel's tiling: block_q query rows x block_kv key rows per step, `stages` slots."""
@@ -155,7 +160,7 @@ class TuningConfig:
     """Why a kernel's shared memory would not fit (227 KB per CTA on Hopper), or None
     (`smem_needs`' arguments)."""
     for kernel, nbytes in self.smem_needs(head_dim, itemsize, **extras).items():
-      if nbytes + SMEM_RESERVE > SMEM_BYTES:
+      if not fits_smem(nbytes):
         return (f"{kernel} tiling {getattr(self, kernel)} needs {nbytes} bytes of shared memory "
                 f"at head dim {head_dim}; Hopper has {SMEM_BYTES}")
     return None
@@ -289,8 +294,7 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   chosen = {}
   for kernel, choices in options.items():
     fits = [c for c in choices
-            if config.replace(**c).smem_needs(head_dim, itemsize, **extras)[kernel]
-            + SMEM_RESERVE <= SMEM_BYTES]
+            if fits_smem(config.replace(**c).smem_needs(head_dim, itemsize, **extras)[kernel])]
     chosen.update(fits[0] if fits else choices[-1])
   config = config.replace(**chosen)
   config.check_smem(head_dim, itemsize, **extras)
