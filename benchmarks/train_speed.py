@@ -55,7 +55,7 @@ ARMS = {
 
 
 def arm_config(base, arm: str, *, batch_size: int | None = None, seq: int | None = None,
-               numerics: str = "fast", fsdp: bool = False):
+               numerics: str = "fast", fsdp: bool = False, remat: bool = False):
   """The config an arm trains: `base` with the arm's attention, one micro-batch per step and a
   global batch of batch_size sequences per device (default 16 for contexts of 1024 and more, else
   the config's) of seq tokens (default the config's context)."""
@@ -64,7 +64,7 @@ def arm_config(base, arm: str, *, batch_size: int | None = None, seq: int | None
   return base.replace(batch_size=per_dev * jax.device_count(), grad_accum=1, fsdp=fsdp,
                       model=dict(block_size=seq,
                                  numerics=numerics if ARMS[arm]["attention"] == "auto" else "fast",
-                                 **ARMS[arm]))
+                                 **{"remat": remat, **ARMS[arm]}))
 
 
 def tokens_for(cfg) -> np.ndarray:
@@ -165,6 +165,8 @@ def main(argv=None) -> int:
                  help=f"comma-separated, from {', '.join(ARMS)}")
   p.add_argument("--numerics", default="fast")
   p.add_argument("--fsdp", action="store_true")
+  p.add_argument("--remat", action="store_true",
+                 help="every arm recomputes its blocks in the backward (train --remat)")
   p.add_argument("--peak-tflops", type=float, default=None)
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
   p.add_argument("--tag", default="", help="suffix of the result files' names (e.g. remat)")
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
   device = jax.devices()[0].device_kind
   abstract = nnx.state(abstract_model(base.model), nnx.Param)
   config_of = lambda arm: arm_config(base, arm, batch_size=args.batch_size, seq=args.seq,
-                                     numerics=args.numerics, fsdp=args.fsdp)
+                                     numerics=args.numerics, fsdp=args.fsdp, remat=args.remat)
   shape = config_of("ours")   # every arm trains the same batch shape on the same tokens
   batch, seq, tokens = shape.batch_size, shape.model.block_size, tokens_for(shape)
   rows = []
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
             "config": args.config, "params_m": count_params(abstract) / 1e6, "batch": batch,
             "seq": seq, "steps": args.steps, "warmup": args.warmup, "jax": jax.__version__,
             "peak_tflops": peak, "peak_note": peak_note, "peak_memory_gb": peak_memory_gb(),
-            "numerics": args.numerics, "fsdp": args.fsdp}
+            "numerics": args.numerics, "fsdp": args.fsdp, "remat": args.remat}
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   slug = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_") + (f"_x{n_dev}" if n_dev > 1 else "")

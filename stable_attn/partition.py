@@ -1,21 +1,38 @@
 """Attention that partitions itself under jax.sharding: over batch and heads, never over sequence.
 
 XLA cannot split a Pallas call: inside a jit over sharded arrays it would gather q, k and v onto
-every device. `partitioned(forward, backward)` wraps a backend's two passes in
-`jax.experimental.custom_partitioning`, so that each device runs the kernels on its own batch rows
-and heads. Every rule here is derived from the operand table (`stable_attn.spec`): an array is
-split along its "batch" axis like the query's batch and along its "heads" / "kv_heads" axis like
-the query's heads; its other axes ("query", "key", "head_dim") stay whole; a broadcast dim of size
-1 is replicated (the gradient of such a bias is then summed over the devices). The backward's own
+every device. `partitioned(forward, backward)` makes each device run the kernels on its own batch
+rows and heads, in one of three ways:
+
+- Auto mesh axes (a `Mesh(...)`, or arrays placed by jit's in_shardings): the operands' shardings
+  are known only when XLA partitions the program, so both passes are
+  `jax.experimental.custom_partitioning` ops; XLA asks for each one's per-device program then.
+  That program is traced and lowered on its own, and lowering refuses a jaxpr with ref effects:
+  the Hopper kernels' in-place writes (the packed QKV gradient, the fused dQ accumulator) keep
+  their refs inside a `pl.run_state` (pallas_kernels.mosaic_gpu.common.in_place), never a
+  `jax.new_ref` whose effect would leave the function. Each call site's program is lowered apart
+  (XLA calls the partitioner per op), so a model's layers compile their kernels once each.
+- Explicit mesh axes (`jax.make_mesh`'s default; jax.set_mesh): the types say how every operand is
+  split, so the call runs under `jax.shard_map` at trace time -- no partitioner callback, every
+  layer shares one jitted kernel call, and each gradient is resharded back to its operand's
+  sharding. A mesh that mixes Explicit and Auto axes takes the first way inside
+  `jax.sharding.auto_axes`.
+- One device, or inside a caller's `shard_map` (Pallas needs `check_vma=False` there): the kernels
+  run directly. There each device sees its own heads as heads 0, 1, ..., so max_adjust="safe"
+  takes their per-row offsets (tile.safe_offset is a function of the head index): an equally good
+  rounding, not bitwise the one-device call's where heads are split.
+
+Every rule is derived from the operand table (`stable_attn.spec`): an array is split along its
+"batch" axis like the query's batch and along its "heads" / "kv_heads" axis like the query's
+heads; its other axes ("query", "key", "head_dim") stay whole; a broadcast dim of size 1 is
+replicated (the gradient of such a bias is then summed over the devices). The backward's own
 inputs (O residual, dO: ROW_AXES; LSE, dLSE: LSE_AXES) and every output follow the same rule, so
 adding an operand is one table row.
 
 Sequence (T, S) or head-dim sharding of q, k or v raises ValueError: the kernels need whole rows
 (with Auto axes it is raised while XLA partitions the program, wrapped in its JaxRuntimeError;
-with Explicit axes at trace time). Explicit axes are made Auto around the kernels
-(`jax.sharding.auto_axes`), the results keep the inputs' shardings. A single-device program runs
-the kernels directly; so does `shard_map` (Pallas needs `check_vma=False` there). Under
-`jax.vmap` the vmapped axis joins the batch (custom_partitioning has no batching rule of its own).
+with Explicit axes at trace time). Under `jax.vmap` the vmapped axis joins the batch
+(custom_partitioning has no batching rule of its own).
 """
 from __future__ import annotations
 
@@ -189,6 +206,11 @@ def _register(cp, partition, shardings, *, pick: int, backward: bool):
           _rule(layout, value_types, len(result_types), backward=backward))
 
 
+def _forward_specs(axes: _Axes, specs=None):
+  """The forward's outputs' specs (O, O residual, LSE); `specs` (the operands') are not needed."""
+  return [P(*(axes.of(a) for a in out_axes)) for out_axes in _FORWARD_OUTPUTS]
+
+
 def partitioned(forward: Callable, backward: Callable, when: Callable = lambda spec: True):
   """(forward, backward) with make_flash_attention's signatures, partitioned over batch and heads
   for the specs where when(spec) holds (and run as given for the others)."""
@@ -203,13 +225,24 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
     grads = backward(spec, config, layout.ops(arrays[:n]), o_res, lse, do, dlse)
     return tuple(g for g in grads if g is not None)
 
+  def bwd_local(spec, config, layout, axes: _Axes, grad_specs):
+    """One device's backward: where an operand is broadcast over a split axis (its gradient's spec
+    keeps that dim whole), each device holds a partial sum, summed over the devices here."""
+    def local(*arrays):
+      grads = list(bwd_flat(spec, config, layout, *arrays))
+      for i, (row, kept) in enumerate(zip(layout.grad_rows(), grad_specs)):
+        for axis, dim_spec in zip(row.axes, kept):
+          if axes.of(axis) is not None and dim_spec is None:
+            grads[i] = lax.psum(grads[i], axes.of(axis))
+      return tuple(grads)
+    return local
+
   fwd_cp = custom_partitioning(fwd_flat, static_argnums=(0, 1, 2))
   bwd_cp = custom_partitioning(bwd_flat, static_argnums=(0, 1, 2))
 
   def fwd_shardings(spec, config, layout, mesh, args):
     axes = _axes(mesh, layout, args)
-    outs = [P(*(axes.of(a) for a in out_axes)) for out_axes in _FORWARD_OUTPUTS]
-    return _named(mesh, _arg_specs(layout, args, axes)), _named(mesh, outs)
+    return _named(mesh, _arg_specs(layout, args, axes)), _named(mesh, _forward_specs(axes))
 
   def fwd_partition(spec, config, layout, mesh, args, result_shape):
     in_shardings, out_shardings = fwd_shardings(spec, config, layout, mesh, args)
@@ -219,23 +252,11 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
   def bwd_shardings(spec, config, layout, mesh, args):
     axes = _axes(mesh, layout, args[:len(layout.names)])
     specs = _arg_specs(layout, args, axes)
-    by_name = dict(zip(layout.names, specs))
-    outs = [by_name[row.name] for row in layout.grad_rows()]   # each gradient like its operand
-    return axes, _named(mesh, specs), _named(mesh, outs)
+    return axes, _named(mesh, specs), _named(mesh, _grad_specs(layout, specs))
 
   def bwd_partition(spec, config, layout, mesh, args, result_shape):
     axes, in_shardings, out_shardings = bwd_shardings(spec, config, layout, mesh, args)
-    grad_rows = layout.grad_rows()
-
-    def local(*arrays):
-      grads = list(bwd_flat(spec, config, layout, *arrays))
-      # Where an operand is broadcast over a sharded axis, each device holds a partial sum.
-      for i, (row, sharding) in enumerate(zip(grad_rows, out_shardings)):
-        for axis, kept in zip(row.axes, sharding.spec):
-          if axes.of(axis) is not None and kept is None:
-            grads[i] = lax.psum(grads[i], axes.of(axis))
-      return tuple(grads)
-
+    local = bwd_local(spec, config, layout, axes, [s.spec for s in out_shardings])
     return mesh, _per_device(mesh, local), out_shardings, in_shardings
 
   _register(fwd_cp, fwd_partition, fwd_shardings, pick=1, backward=False)
@@ -245,31 +266,78 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
     if not when(spec):
       return forward(spec, config, ops)
     layout, arrays = _flat(ops)
-    call = lambda *a: _batched(lambda *b: fwd_cp(spec, config, layout, *b), layout, a,
-                               grads=False)
-    return _auto_axes(call, layout, arrays, lambda axes, specs: [
-        P(*(axes.of(a) for a in out_axes)) for out_axes in _FORWARD_OUTPUTS])
+    batched = lambda run: lambda *a: _batched(run, layout, a, grads=False)
+    mesh = _explicit_mesh(arrays)
+    if mesh is not None:
+      return _shard_mapped(lambda axes, specs: batched(functools.partial(fwd_flat, spec, config,
+                                                                         layout)),
+                           layout, arrays, mesh, _forward_specs)
+    call = batched(lambda *b: fwd_cp(spec, config, layout, *b))
+    return _auto_axes(call, layout, arrays, _forward_specs)
 
   def backward_partitioned(spec, config, ops, o_res, lse, do, dlse=None):
     if not when(spec):
       return backward(spec, config, ops, o_res, lse, do, dlse)
     layout, arrays = _flat(ops)
     layout = layout._replace(with_dlse=dlse is not None)
-    extra = [o_res, lse, do] + ([dlse] if dlse is not None else [])
-    grad_rows = layout.grad_rows()
-    call = lambda *a: _batched(lambda *b: bwd_cp(spec, config, layout, *b), layout, a,
-                               grads=True)
-    grads = _auto_axes(call, layout, arrays + extra, lambda axes, specs: [
-        specs[layout.names.index(row.name)] for row in grad_rows])
-    by_name = dict(zip([row.name for row in grad_rows], grads))
+    arrays = arrays + [o_res, lse, do] + ([dlse] if dlse is not None else [])
+    batched = lambda run: lambda *a: _batched(run, layout, a, grads=True)
+    mesh = _explicit_mesh(arrays)
+    if mesh is not None:
+      grads = _shard_mapped(
+          lambda axes, specs: batched(bwd_local(spec, config, layout, axes,
+                                                _grad_specs(layout, specs))),
+          layout, arrays, mesh, lambda axes, specs: _grad_specs(layout, specs), restore=True)
+    else:
+      call = batched(lambda *b: bwd_cp(spec, config, layout, *b))
+      grads = _auto_axes(call, layout, arrays, lambda axes, specs: [
+          specs[layout.names.index(row.name)] for row in layout.grad_rows()])
+    by_name = dict(zip([row.name for row in layout.grad_rows()], grads))
     return tuple(by_name.get(row.name) for row in layout.table.rows if row.grad)
 
   return forward_partitioned, backward_partitioned
 
 
+def _grad_specs(layout: _Layout, specs):
+  """Each gradient's spec: its operand's (a broadcast dim whole: summed over the devices)."""
+  by_name = dict(zip(layout.names, specs))
+  return [by_name[row.name] for row in layout.grad_rows()]
+
+
 # ---------------------------------------------------------------------------------------------
-# Explicit sharding: the types carry shardings that a Pallas call cannot take
+# Explicit sharding: the types say how the operands are split, so the call is split at trace time
 # ---------------------------------------------------------------------------------------------
+
+def _explicit_mesh(arrays):
+  """The mesh of the first operand's type where every one of its axes that splits anything is
+  Explicit (the types then say how every operand is split), else None."""
+  mesh = getattr(jax.typeof(arrays[0]).sharding, "mesh", None)
+  kinds = [kind for kind, size in zip(getattr(mesh, "axis_types", ()),
+                                      getattr(mesh, "axis_sizes", ())) if size > 1]
+  if kinds and all(kind == AxisType.Explicit for kind in kinds):
+    return mesh
+  return None
+
+
+def _shard_mapped(make_local: Callable, layout: _Layout, arrays, mesh, out_specs: Callable,
+                  restore: bool = False):
+  """make_local(axes, specs)(*shards), each device's call, under jax.shard_map over `mesh`: the
+  operands resharded to the table's specs first (a no-op where they already are), results split
+  by out_specs(axes, specs); with `restore`, each result resharded back to its operand's own
+  sharding (gradients). Sequence-split queries are refused here, at trace time."""
+  n_ops = len(layout.names)
+  types = [jax.typeof(x) for x in arrays]
+  axes = _axes(mesh, layout, types[:n_ops])
+  specs = _arg_specs(layout, types, axes)
+  arrays = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(arrays, specs)]
+  outs = jax.shard_map(make_local(axes, specs), mesh=mesh, in_specs=tuple(specs),
+                       out_specs=tuple(out_specs(axes, specs)), check_vma=False)(*arrays)
+  if not restore:
+    return outs
+  own = {name: NamedSharding(mesh, P(*_spec(t, t.ndim))) for name, t in zip(layout.names, types)}
+  return tuple(jax.sharding.reshard(g, own[row.name])
+               for row, g in zip(layout.grad_rows(), outs))
+
 
 def _per_device(mesh, fn: Callable) -> Callable:
   """fn, the per-device computation custom_partitioning traces at compile time, traced with the
@@ -290,10 +358,11 @@ def _per_device(mesh, fn: Callable) -> Callable:
 
 def _auto_axes(call: Callable, layout: _Layout, arrays, out_specs: Callable):
   """call(*arrays), with the mesh's Explicit axes made Auto inside it (where custom_partitioning
-  splits the kernels) when the operands' types carry shardings; a sequence-sharded query is
-  rejected here, at trace time. out_specs(axes, operand specs) -> result specs."""
-  sharding = jax.typeof(arrays[0]).sharding
-  mesh = getattr(sharding, "mesh", None)
+  splits the kernels) when the operands' types carry some (a mesh of Explicit and Auto axes); a
+  sequence-sharded query is rejected here, at trace time. out_specs(axes, operand specs) -> result
+  specs. auto_axes works in the context's mesh: without jax.set_mesh it is entered here, or the
+  types inside keep their Explicit shardings (and a Pallas kernel's refs with them)."""
+  mesh = getattr(jax.typeof(arrays[0]).sharding, "mesh", None)
   explicit = tuple(name for name, kind in zip(getattr(mesh, "axis_names", ()),
                                               getattr(mesh, "axis_types", ()))
                    if kind == AxisType.Explicit)
@@ -303,8 +372,12 @@ def _auto_axes(call: Callable, layout: _Layout, arrays, out_specs: Callable):
   types = [jax.typeof(x) for x in arrays[:n_ops]]
   axes = _axes(mesh, layout, types)
   specs = [P(*_spec(t, t.ndim)) for t in types]
-  return auto_axes(lambda *a: tuple(call(*a)), axes=explicit,
-                   out_sharding=tuple(out_specs(axes, specs)))(*arrays)
+  run = auto_axes(lambda *a: tuple(call(*a)), axes=explicit,
+                  out_sharding=tuple(out_specs(axes, specs)))
+  if jax.sharding.get_abstract_mesh().empty:
+    with jax.sharding.use_abstract_mesh(mesh):
+      return run(*arrays)
+  return run(*arrays)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -165,3 +165,24 @@ def test_profile_fused_needs_backward(capsys):
     profile_mosaic.main(["--fused"])
   assert exit_info.value.code == 2
   assert "--fused changes only the backward" in capsys.readouterr().err
+
+
+def test_scale_out_reads_losses_and_compares(tmp_path):
+  """benchmarks/scale_out.py: a run's losses by step from metrics.jsonl (a torn last line
+  skipped), their comparison with a reference, and the table rows it writes from both."""
+  from benchmarks import scale_out
+  rng = np.random.default_rng()
+  want = {s: float(x) for s, x in enumerate(10 - np.sort(rng.random(6)) * 3)}
+  got = {**want, 4: want[4] * (1 + 1e-6), 5: want[5] - 1e-3}
+  lines = [json.dumps({"step": s, "loss": x, "grad_norm": 1.0}) for s, x in got.items()]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 6, "lo')
+  assert scale_out.losses(tmp_path) == got
+  c = scale_out._compare(scale_out.losses(tmp_path), want)
+  assert (c["steps"], c["n"], c["equal"]) == ("0-5", 6, 4)
+  assert c["max_abs_diff"] == pytest.approx(1e-3) and c["max_rel_diff"] == pytest.approx(
+      1e-3 / want[5])
+  rows = [{"part": "dp", "gpus": 1, "ours_tokens_per_s": 100.0, "cudnn_tokens_per_s": 80.0},
+          {"part": "resume", "case": "kill -9 mid-training, resume on 4", "exit": 0, **c}]
+  table = scale_out.markdown(rows, "cpu", jax.__version__)
+  assert "| 1 | 100 | 80 | 1.250 |" in table
+  assert "| kill -9 mid-training, resume on 4 | 0 | 0-5 | 4/6 | 0.001 |" in table

@@ -250,9 +250,9 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   peak, peak_note = peak_tflops(opts.peak_tflops)
   log(f"train: {count_params(params) / 1e6:.2f}M parameters; {fpt / 1e6:.1f} MFLOP/token; "
       f"MFU peak: {peak_note}")
-  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(p_sh, b_sh2, b_sh2),
-                      out_shardings=rep)
-  monitor = jax.jit(make_monitor_fn(graphdef, mcfg), out_shardings=rep)
+  eval_step = jax.jit(attn_lib.on_mesh(mesh, make_eval_step(graphdef)),
+                      in_shardings=(p_sh, b_sh2, b_sh2), out_shardings=rep)
+  monitor = jax.jit(attn_lib.on_mesh(mesh, make_monitor_fn(graphdef, mcfg)), out_shardings=rep)
   mon_x = data_lib.val_batch(data, 0, seed=cfg.seed, batch_size=cfg.batch_size,
                              block_size=mcfg.block_size)[0][:min(MONITOR_ROWS, cfg.batch_size)]
 

@@ -12,6 +12,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from .attention import on_mesh
 from .config import TrainConfig
 from .model import GPT, abstract_model
 from .optim import make_optimizer
@@ -86,7 +87,8 @@ class Training:
 
 def make_training(cfg: TrainConfig, mesh: Mesh) -> Training:
   """Initialises parameters and optimizer state on their shardings over `mesh` (data parallel, or
-  FSDP with cfg.fsdp) and jits the train step with those shardings."""
+  FSDP with cfg.fsdp) and jits the train step with those shardings (its attention calls split
+  over the batch by train.attention.on_mesh)."""
   graphdef, abstract_params = nnx.split(abstract_model(cfg.model), nnx.Param)
   p_sh = param_shardings(abstract_params, mesh, cfg.fsdp)
   params = init_params(cfg, p_sh)
@@ -94,7 +96,7 @@ def make_training(cfg: TrainConfig, mesh: Mesh) -> Training:
   o_sh = optimizer_shardings(tx, jax.eval_shape(tx.init, params), p_sh, mesh)
   opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
   b_sh = batch_sharding(mesh, 3, 1)
-  step = jax.jit(make_train_step(graphdef, tx), in_shardings=(p_sh, o_sh, b_sh, b_sh),
+  step = jax.jit(on_mesh(mesh, make_train_step(graphdef, tx)), in_shardings=(p_sh, o_sh, b_sh, b_sh),
                  out_shardings=(p_sh, o_sh, replicated(mesh)), donate_argnums=(0, 1))
   return Training(graphdef=graphdef, tx=tx, params=params, opt_state=opt_state,
                   param_shardings=p_sh, opt_shardings=o_sh, batch_sharding=b_sh, train_step=step)

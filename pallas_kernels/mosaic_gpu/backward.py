@@ -363,24 +363,30 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
   barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=kv_bufs * wgs),
               plgpu.Barrier(num_arrivals=4 + beside, num_barriers=stages),
               plgpu.Barrier(num_arrivals=2, num_barriers=2) if split else None)
-  dq_acc = (jax.new_ref(jnp.zeros((B, call.pad.T, call.geo.N, H), f32)) if fused else None)
-  into = None if into is None else jax.new_ref(into)
-  grads_of = {}
-  for part in ("dk", "dv") if call.config.dkv_passes == 2 else ("dkv",):
-    names = _PASSES[part]
-    out_type = () if into is not None else tuple(
-        jax.ShapeDtypeStruct((B, Sp, K, H), dtype) for _ in names)
-    grads_of.update(zip(names, common.launch(
-        functools.partial(_dkv_kernel, call=call, part=part, ctas=ctas),
-        (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
-        name=f"stable_attn_{part}", out_type=out_type, compute_wgs=wgs,
-        grid=grid, grid_names=grid_names,
-        in_place=fused or into is not None,
-    )(x, grads, ranges, dq_acc, into)))
-  if into is not None:
-    return into[...]
-  dk, dv = grads_of["dk"], grads_of["dv"]
-  return (dk, dv) if not fused else (dk, dv, dq_acc[...])
+  kv_grad = jax.ShapeDtypeStruct((B, Sp, K, H), dtype)
+
+  def passes(dq_acc, into):
+    """Launches the dK/dV pass(es) -> (dK, dV), or () where they write `into` (refs or None)."""
+    grads_of = {}
+    for part in ("dk", "dv") if call.config.dkv_passes == 2 else ("dkv",):
+      names = _PASSES[part]
+      out_type = () if into is not None else (kv_grad,) * len(names)
+      grads_of.update(zip(names, common.launch(
+          functools.partial(_dkv_kernel, call=call, part=part, ctas=ctas),
+          (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
+          name=f"stable_attn_{part}", out_type=out_type, compute_wgs=wgs,
+          grid=grid, grid_names=grid_names,
+          in_place=dq_acc is not None or into is not None,
+      )(x, grads, ranges, dq_acc, into)))
+    return tuple(grads_of[name] for name in ("dk", "dv") if name in grads_of)
+
+  if not fused and into is None:
+    return passes(None, None)
+  # The fused dQ adds into a zeroed fp32 buffer; packed dK and dV go into the dQ kernel's output.
+  dq_acc = jnp.zeros((B, call.pad.T, call.geo.N, H), f32) if fused else None
+  (dq_acc, into), dkv = common.in_place(lambda refs: passes(*refs), (dq_acc, into),
+                                        () if into is not None else (kv_grad, kv_grad))
+  return into if into is not None else (*dkv, dq_acc)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -443,7 +443,7 @@ def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: 
   `BackwardInputs`; None leaves for absent ones), and kernel(*inputs as the same pytrees of refs,
   *output refs, scratch) gets them by name, then `scratch` (a tuple of SMEM / barrier types)
   allocated collectively for the warpgroups.
-  in_place: some inputs are jax.new_ref arrays the kernel writes (pl.kernel takes them;
+  in_place: some inputs are refs the kernel writes (`in_place` below; pl.kernel takes them,
   plgpu.kernel's vmap wrapper does not -- the API folds vmap into the batch before any kernel
   runs). Packed operands reach the kernel as views (`qkv_views`); out_views: None, or a function
   of the output refs (a tuple) giving the refs the kernel writes (views of them)."""
@@ -469,6 +469,26 @@ def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: 
                         kernel_name=name)(*flat)
 
   return run
+
+
+def in_place(run: Callable, initial, results=()):
+  """run(refs) -> arrays, with `refs` a pytree of refs initialised to `initial` (None leaves stay
+  None) that the kernels run launches write in place -> (the refs' final values, run's arrays,
+  shaped and typed like `results`, ShapeDtypeStructs).
+
+  The refs live inside a `pl.run_state`, not `jax.new_ref`: no ref effect leaves this function.
+  A new_ref's effect reaches the caller's jaxpr, which custom_partitioning cannot lower (each
+  device's program in stable_attn.partition: "Cannot lower jaxpr with effects"); run_state's
+  discharge makes the kernels' outputs alias their inputs, as jit does for a new_ref. run's
+  arrays leave through refs of their own: a whole-ref write is a rename once discharged (no
+  copy), and their zero initial values are dead code."""
+  def body(refs):
+    state, outs = refs
+    for ref, value in zip(outs, run(state)):
+      ref[...] = value
+
+  placeholders = tuple(jnp.zeros(r.shape, r.dtype) for r in results)
+  return pl.run_state(body)((initial, placeholders))
 
 
 def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = False, base=0):

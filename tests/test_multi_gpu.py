@@ -1,0 +1,188 @@
+"""Several GPUs (`-m gpu`, skipped with fewer than 2 Hopper GPUs): every entry point sharded.
+
+The Hopper kernels under jit over sharded inputs -- `dot_product_attention`,
+`dot_product_attention_qkvpacked` and the Flax adapter; meshes with Auto axes (custom_partitioning),
+with Explicit axes (shard_map at trace time) and the caller's own `shard_map`; split over the
+batch, over the heads and over both -- give the one-device call's values and gradients: O, dQ, dK,
+dV (dQKV) bitwise (each device runs the same kernels on its own rows and heads), dbias and dsinks
+within one rounding of the sum over the devices that a split axis makes (the order of that sum is
+all that changes). Every max_adjust mode, with segment ids, a bias broadcast over the batch, sinks
+and a soft cap.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu tests/test_multi_gpu.py
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import stable_attn
+import stable_attn.flax
+
+mosaic = pytest.importorskip("pallas_kernels.mosaic_gpu")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not mosaic.is_available() or jax.device_count() < 2,
+                       reason="needs 2 or more Hopper (sm_90) GPUs"),
+]
+
+IMPL = "pallas_mosaic_gpu"
+B, T, N, K, H = 4, 384, 8, 4, 128
+SPLITS = {"batch": ("data", None), "heads": (None, "model"), "both": ("data", "model")}
+ENTRIES = ("split", "packed", "flax")
+
+
+def _mesh(kind: str):
+  """2 x (devices / 2) over ("data", "model"): Auto axes (Mesh, what the trainer builds) or
+  Explicit (jax.make_mesh's default)."""
+  n = jax.device_count() // 2 * 2
+  shape, names = (2, n // 2), ("data", "model")
+  if kind == "explicit":
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * 2)
+  return Mesh(np.asarray(jax.devices()[:n]).reshape(shape), names)
+
+
+def _inputs(seed: int, entry: str):
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  kv_heads = N if entry == "packed" else K   # packed qkv: self-attention, N = K
+  x = dict(q=normal(B, T, N, H), k=normal(B, T, kv_heads, H), v=normal(B, T, kv_heads, H),
+           bias=normal(1, N, T, T),   # broadcast over the batch: its gradient sums over devices
+           sinks=jnp.asarray(rng.standard_normal(N), jnp.float32),
+           ids=jnp.asarray(np.cumsum(rng.random((B, T)) < 4 / T, axis=1), jnp.int32),
+           d_out=normal(B, T, N, H))
+  if entry == "packed":
+    x["qkv"] = jnp.stack([x.pop("q"), x.pop("k"), x.pop("v")], axis=2)
+  return x
+
+
+def _attention(entry: str, max_adjust: str):
+  """(arrays..., bias, sinks, ids) -> O through one entry point, every feature on."""
+  options = dict(is_causal=True, logits_soft_cap=30.0, implementation=IMPL,
+                 max_adjust=max_adjust)
+  if entry == "packed":
+    return lambda qkv, bias, sinks, ids: stable_attn.dot_product_attention_qkvpacked(
+        qkv, bias, sinks=sinks, q_segment_ids=ids, **options)
+  if entry == "flax":
+    return lambda q, k, v, bias, sinks, ids: stable_attn.flax.make_attention_fn(
+        sinks=sinks, **options)(q, k, v, bias=bias, q_segment_ids=ids, kv_segment_ids=ids)
+  return lambda q, k, v, bias, sinks, ids: stable_attn.dot_product_attention(
+      q, k, v, bias, sinks=sinks, q_segment_ids=ids, **options)
+
+
+def _vjp(attention):
+  """(args, dO) -> (O, gradients of every array argument but the ids)."""
+  def run(args, d_out):
+    o, pullback = jax.vjp(lambda *a: attention(*a, args[-1]), *args[:-1])
+    return o, pullback(d_out)
+  return jax.jit(run)
+
+
+def _specs(entry: str, split: str):
+  """PartitionSpecs of (arrays..., bias, sinks, ids) and dO for a split of batch / heads."""
+  b, n = SPLITS[split]
+  rows = P(b, None, n, None)
+  arrays = [P(b, None, None, n, None)] if entry == "packed" else [rows] * 3
+  return arrays + [P(None, n), P(n), P(b)], rows
+
+
+def _check(got, want, context, bitwise: bool = True):
+  """bitwise: O, dQ, dK, dV equal; else within bf16 rounding (relative Frobenius error)."""
+  (o, grads), (o_ref, grads_ref) = got, want
+  *exact, dbias, dsinks = grads
+  *exact_ref, dbias_ref, dsinks_ref = grads_ref
+  names = ("dq", "dk", "dv") if len(exact) == 3 else ("dqkv",)
+  for name, g, r in zip(("o",) + names, [o, *exact], [o_ref, *exact_ref]):
+    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+    if bitwise:
+      np.testing.assert_array_equal(g, r, err_msg=f"{name} {context}")
+    else:
+      error = np.linalg.norm(g - r) / np.linalg.norm(r)
+      assert error <= 5e-3, (name, context, error)
+  # Summed over the batch (and the devices that split it): the order of the sum differs. dbias is
+  # bf16 (one rounding: 2^-8 relative), dsinks fp32.
+  for name, g, r, tol in (("dbias", dbias, dbias_ref, 2 ** -7), ("dsinks", dsinks, dsinks_ref,
+                                                                  1e-5)):
+    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+    if bitwise:
+      scale = np.max(np.abs(r))
+      assert np.max(np.abs(g - r)) <= tol * scale, (name, context, np.max(np.abs(g - r)), scale)
+    else:   # through O's rounding (dsinks and dbias read delta = rowsum(dO * O))
+      error = np.linalg.norm(g - r) / np.linalg.norm(r)
+      assert error <= 1e-2, (name, context, error)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(entry: str, max_adjust: str, seed: int):
+  """The one-device call on device 0."""
+  x = _inputs(seed, entry)
+  args = [x[k] for k in (("qkv",) if entry == "packed" else ("q", "k", "v"))]
+  args += [x["bias"], x["sinks"], x["ids"]]
+  one = jax.devices()[0]
+  args, d_out = jax.device_put((args, x["d_out"]), one)
+  return jax.device_get(_vjp(_attention(entry, max_adjust))(args, d_out))
+
+
+def _sharded(entry: str, max_adjust: str, seed: int, mesh_kind: str, split: str):
+  x = _inputs(seed, entry)
+  args = [x[k] for k in (("qkv",) if entry == "packed" else ("q", "k", "v"))]
+  args += [x["bias"], x["sinks"], x["ids"]]
+  specs, d_spec = _specs(entry, split)
+  attention = _attention(entry, max_adjust)
+  mesh = _mesh("explicit" if mesh_kind == "explicit" else "auto")
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  args, d_out = [put(a, s) for a, s in zip(args, specs)], put(x["d_out"], d_spec)
+  if mesh_kind == "shard_map":   # the caller's own shard_map: the kernels run as on one device
+    per_device = jax.shard_map(attention, mesh=mesh, in_specs=tuple(specs), out_specs=d_spec,
+                               check_vma=False)
+    run = _vjp(per_device)
+    # dbias and dsinks of the per-device calls come back summed by shard_map's transpose.
+  else:
+    run = _vjp(attention)
+  context = jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext()
+  with context:
+    got = run(args, d_out)
+  return jax.device_get(got), got
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit", "shard_map"])
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_sharded_equals_one_device(entry, mesh_kind, split):
+  seed = int(np.random.default_rng().integers(1 << 16))
+  got, arrays = _sharded(entry, "safe", seed, mesh_kind, split)
+  # Inside the caller's shard_map each device sees its heads as heads 0, 1, ...: "safe" takes the
+  # per-row offsets of those (tile.safe_offset is a function of the head index), an equally good
+  # rounding but not the one-device call's; the library's own partitioning offsets global heads.
+  bitwise = not (mesh_kind == "shard_map" and SPLITS[split][1] is not None)
+  _check(got, _reference(entry, "safe", seed), (entry, mesh_kind, split, seed), bitwise)
+  # Each result keeps the sharding of what it is like: O like q, each gradient like its operand.
+  o, grads = arrays
+  b, n = SPLITS[split]
+  if mesh_kind != "shard_map":
+    assert o.sharding.spec[0] == b and (n is None or n in tuple(o.sharding.spec)), o.sharding
+
+
+@pytest.mark.parametrize("max_adjust", ["off", "paper"])
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_sharded_every_max_adjust(max_adjust, mesh_kind):
+  seed = int(np.random.default_rng().integers(1 << 16))
+  for entry in ("split", "packed"):
+    got, _ = _sharded(entry, max_adjust, seed, mesh_kind, "both")
+    _check(got, _reference(entry, max_adjust, seed), (entry, mesh_kind, max_adjust, seed))
+
+
+def test_sequence_split_is_refused():
+  mesh = _mesh("auto")
+  x = _inputs(0, "split")
+  q = jax.device_put(x["q"], NamedSharding(mesh, P("data", "model")))
+  with pytest.raises(Exception, match="partitions over batch and heads only"):
+    jax.block_until_ready(jax.jit(lambda q: stable_attn.dot_product_attention(
+        q, q[:, :, :K], q[:, :, :K], is_causal=True, implementation=IMPL))(q))

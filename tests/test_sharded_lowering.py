@@ -1,0 +1,133 @@
+"""The Hopper kernels sharded over several GPUs, lowered for CUDA on 4 CPU devices (`-m slow`).
+
+What the 4-GPU crash of the packed-QKV gradient needed to be seen on a CPU: the sharded programs
+lowered for CUDA with the Hopper backend (pallas_mosaic_gpu, taken as available: nothing runs),
+and under Auto mesh axes each custom_partitioning op's per-device program lowered too -- XLA does
+that only when it compiles, which here it cannot (tests/partition_callbacks.py does it by hand).
+
+- The API, q/k/v and packed qkv split over batch and heads, with segment ids, a bias broadcast
+  over the batch, sinks and a soft cap: on Auto axes a forward and a backward op whose per-device
+  programs lower to the Hopper kernels; on Explicit axes no such op (shard_map at trace time) and
+  one set of kernels in the program.
+- The trainer's GPT-2 step, data parallel and FSDP, packed and split: under train.attention.on_mesh
+  (what the trainer jits) no custom_partitioning op and one set of kernels for all layers; the same
+  step jitted plainly (the library partitioning itself: what crashed) lowers every per-device
+  program.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import json, sys
+sys.path.insert(0, {root!r})
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import stable_attn
+import pallas_kernels.mosaic_gpu as mosaic
+from tests.partition_callbacks import recorded, lower_partitions
+
+mosaic.is_available = lambda: True   # lowering for CUDA on this CPU: nothing runs
+KERNEL = "custom_call @mosaic_gpu"
+assert jax.device_count() == 4, jax.devices()
+cuda = lambda f, *args: f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+out = {{}}
+
+# --- the API ---------------------------------------------------------------------------------
+B, T, N, H = 4, 256, 4, 64
+def api_spec(a):   # operands as the caller split them: batch over data, heads over model
+  if a.ndim == 5:
+    return P("data", None, None, "model")
+  if a.ndim == 4 and a.shape[0] == B and a.shape[2] == N:
+    return P("data", None, "model")
+  return P()
+
+def loss(packed):
+  def f(x, bias, sinks, ids):
+    options = dict(is_causal=True, logits_soft_cap=30.0, sinks=sinks, q_segment_ids=ids,
+                   implementation="pallas_mosaic_gpu")
+    if packed:
+      o = stable_attn.dot_product_attention_qkvpacked(x, bias, **options)
+    else:
+      o = stable_attn.dot_product_attention(x, x, x, bias, **options)
+    return jnp.sum(o.astype(jnp.float32))
+  return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+for kind in ("auto", "explicit"):
+  axis = AxisType.Auto if kind == "auto" else AxisType.Explicit
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis, axis))
+  for packed in (False, True):
+    shape = (B, T, 3, N, H) if packed else (B, T, N, H)
+    arg = lambda s, dtype, spec: jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, spec))
+    args = (arg(shape, jnp.bfloat16, api_spec(jax.ShapeDtypeStruct(shape, jnp.bfloat16))),
+            arg((1, N, T, T), jnp.bfloat16, P(None, "model")), arg((N,), jnp.float32, P("model")),
+            arg((B, T), jnp.int32, P("data")))
+    with jax.set_mesh(mesh), recorded() as ops:
+      text = cuda(loss(packed), *args)
+    per_device = lower_partitions(ops, api_spec)
+    out[f"api_{{kind}}_{{'packed' if packed else 'split'}}"] = dict(
+        ops=len(ops), kernels=text.count(KERNEL), per_device=[t.count(KERNEL) for t in per_device])
+
+# --- the trainer -----------------------------------------------------------------------------
+from train.attention import on_mesh
+from train.config import get_config
+from train.step import make_train_step, make_training
+
+mesh = Mesh(np.asarray(jax.devices()), ("data",))
+train_spec = lambda a: P("data") if a.ndim >= 2 and a.shape[0] == 8 else P()
+for fsdp in (False, True):
+  for packed in (True, False):
+    cfg = get_config("tiny").replace(
+        batch_size=8, fsdp=fsdp,
+        model=dict(n_layer=2, n_head=2, n_embd=128, block_size=256, qkv_packed=packed))
+    training = make_training(cfg, mesh)
+    x = jax.ShapeDtypeStruct((1, 8, 256), jnp.int32, sharding=training.batch_sharding)
+    args = (training.params, training.opt_state, x, x)
+    with recorded() as ops:
+      text = cuda(training.train_step, *args)
+    plain = jax.jit(make_train_step(training.graphdef, training.tx))
+    with recorded() as plain_ops:
+      plain_text = cuda(plain, *args)
+    per_device = lower_partitions(plain_ops, train_spec)
+    out[f"train_{{'fsdp' if fsdp else 'dp'}}_{{'packed' if packed else 'split'}}"] = dict(
+        ops=len(ops), kernels=text.count(KERNEL), plain_ops=len(plain_ops),
+        plain_kernels=plain_text.count(KERNEL), per_device=[t.count(KERNEL) for t in per_device])
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_sharded_hopper_programs_lower_for_cuda():
+  pytest.importorskip("jax._src.custom_partitioning")
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT))], env=env,
+                        capture_output=True, text=True, cwd=ROOT, timeout=900)
+  if proc.returncode and "AttributeError" in proc.stderr and "jax._src" in proc.stderr:
+    pytest.skip(f"JAX's private partitioning API moved: {proc.stderr[-300:]}")
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = json.loads(proc.stdout.split("RESULT")[-1])
+  kernels = 3   # forward, dQ, dK/dV (head dim 64: one dK/dV pass)
+  for entry in ("split", "packed"):
+    auto, explicit = result[f"api_auto_{entry}"], result[f"api_explicit_{entry}"]
+    # Auto: a forward and a backward op, their per-device programs hold the kernels.
+    assert auto["ops"] == 2 and auto["kernels"] == 0, (entry, auto)
+    assert auto["per_device"] == [1, 2], (entry, auto)
+    # Explicit: shard_map at trace time, the kernels in the program itself.
+    assert explicit["ops"] == 0 and explicit["kernels"] == kernels, (entry, explicit)
+  for name, r in result.items():
+    if not name.startswith("train_"):
+      continue
+    # on_mesh: no op to partition, both layers share one set of kernels.
+    assert r["ops"] == 0 and r["kernels"] == kernels, (name, r)
+    # Plainly jitted: each layer's forward and backward is an op whose program lowers.
+    assert r["plain_ops"] == 2 * 2 and r["plain_kernels"] == 0, (name, r)
+    assert sorted(r["per_device"]) == [1, 1, 2, 2], (name, r)
