@@ -155,7 +155,7 @@ def attend(query, key, value, bias=None, mask=None, options: Optional["Options"]
   """dot_product_attention with its keyword arguments as one `Options` object."""
   options = Options() if options is None else options
   spec, ops, unbatched = canonicalize(query, key, value, bias, mask, options)
-  out, lse = backends.run(options.implementation, spec, ops, options.config)
+  out, lse = _run(options, spec, ops)
   return _results(options, ops, unbatched, out, lse)
 
 
@@ -181,8 +181,30 @@ def dot_product_attention_qkvpacked(qkv, bias=None, mask=None, **options):
   q, k, v = (qkv[..., i, :, :] for i in range(3))
   spec, ops, unbatched = canonicalize(q, k, v, bias, mask, opts)
   packed = qkv[None] if unbatched else qkv
-  out, lse = backends.run(opts.implementation, spec, ops, opts.config, qkv=packed)
+  out, lse = _run(opts, spec, ops, qkv=packed)
   return _results(opts, ops, unbatched, out, lse)
+
+
+def _run(options: Options, spec: AttentionSpec, ops, qkv=None):
+  """backends.run; where T, S or H is 0, what jax.nn returns there without running a kernel: an
+  empty output, or zeros when there are no keys (every row then has none: LSE -inf, or its sink's
+  logit)."""
+  B, T, N, H = ops.q.shape
+  S = ops.k.shape[1]
+  if min(T, S, H) > 0:
+    return backends.run(options.implementation, spec, ops, options.config, qkv=qkv)
+  if options.implementation is not None:
+    backends.load(options.implementation)   # an unknown name is still refused
+  if T and S and (options.return_residuals or options.return_residual):
+    # Every row has keys but no scores to weigh them: its log-sum-exp is that of the bias alone.
+    raise ValueError(f"head dim H=0 (query {ops.q.shape}) has no log-sum-exp to return: its rows "
+                     f"have keys but no scores; drop return_residual(s)")
+  if ops.sinks is not None:
+    lse = jnp.broadcast_to(ops.sinks.astype(jnp.float32)[None, :, None], (B, N, T))
+  else:
+    lse = jnp.full((B, N, T), -jnp.inf if spec.return_residuals else tile.EMPTY_ROW_LSE,
+                   jnp.float32)
+  return jnp.zeros((B, T, N, ops.v.shape[-1]), ops.q.dtype), lse
 
 
 def _results(options: Options, ops, unbatched: bool, out, lse):
@@ -229,7 +251,11 @@ dot_product_attention_qkvpacked.__signature__ = inspect.signature(dot_product_at
 # ---------------------------------------------------------------------------------------------
 
 def _as_4d(x, name, allow_3d):
-  x = jnp.asarray(x)
+  try:
+    x = jnp.asarray(x)
+  except (TypeError, ValueError):
+    raise ValueError(f"{name} must be an array [B, T|S, heads, H], got {type(x).__name__}") \
+        from None
   if x.ndim == 3 and allow_3d:
     return x[None]
   if x.ndim != 4:
@@ -336,7 +362,7 @@ def _window(local_window_size):
 
 def _qkv(query, key, value):
   """Checks q, k, v -> (q, k, v as 4-D, unbatched)."""
-  unbatched = jnp.ndim(query) == 3
+  unbatched = np.ndim(query) == 3   # np: no warning for a query that is not an array
   q = _as_4d(query, "query", True)
   k = _as_4d(key, "key", unbatched)
   v = _as_4d(value, "value", unbatched)
@@ -354,8 +380,6 @@ def _qkv(query, key, value):
   if k.dtype != q.dtype or v.dtype != q.dtype:
     raise ValueError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, "
                      f"{v.dtype}")
-  if min(T, k.shape[1], H) == 0:
-    raise ValueError(f"empty attention: query {q.shape}, key {k.shape}")
   return q, k, v, unbatched
 
 
@@ -370,19 +394,26 @@ def _spec(options: Options, head_dim: int) -> AttentionSpec:
     raise ValueError(f"beta must be a finite number >= 1, got {options.beta!r}")
   scale = options.scale
   if scale is None:
-    scale = 1.0 / float(np.sqrt(head_dim))
-  elif not np.isfinite(scale):
-    raise ValueError(f"scale must be finite, got {scale!r}")
+    scale = 1.0 / float(np.sqrt(max(head_dim, 1)))   # H = 0: nothing to scale (an empty output)
+  elif not _finite_number(scale):
+    raise ValueError(f"scale must be a finite number, got {scale!r}")
   return AttentionSpec(
       scale=float(scale), is_causal=bool(options.is_causal),
       window=_window(options.local_window_size), max_adjust=options.max_adjust,
       beta=float(options.beta), numerics=numerics_lib.resolve(options.numerics),
-      interpret=bool(options.interpret),
+      interpret=_flag(options.interpret, "interpret"),
       has_lengths=(options.query_seq_lengths is not None
                    or options.key_value_seq_lengths is not None),
       logits_soft_cap=_soft_cap(options.logits_soft_cap),
       return_residuals=bool(options.return_residuals),
       deterministic=_flag(options.deterministic, "deterministic"))
+
+
+def _finite_number(x) -> bool:
+  try:
+    return bool(np.isfinite(float(x)))
+  except (TypeError, ValueError):
+    return False
 
 
 def _flag(value, name: str) -> bool:
@@ -425,6 +456,11 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   S, K = k.shape[1], k.shape[2]
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
   spec = _spec(options, H)
+  if spec.window is not None:
+    # No query and key are max(T, S) or more positions apart, so a wider window is no limit on
+    # that side; clamped, position +- window stays within int32 (2**31 - 9 wrapped round to "no
+    # key at all" and returned zeros).
+    spec = dataclasses.replace(spec, window=tuple(min(w, max(T, S)) for w in spec.window))
   q_seg, kv_seg = _segment_ids(options, T, S)
   given = dict(bias=bias, mask=mask, q_lens=options.query_seq_lengths,
                kv_lens=options.key_value_seq_lengths, q_seg=q_seg, kv_seg=kv_seg,

@@ -48,6 +48,11 @@ k = jnp.ones((2, 10, 2, 16), jnp.float32) * 0.2
     (dict(return_residual=True, return_residuals=True), "return_residual .* return_residuals"),
     (dict(deterministic="yes"), "deterministic must be True or False"),
     (dict(deterministic=None), "deterministic must be True or False"),
+    (dict(interpret="yes"), "interpret must be True or False"),
+    (dict(scale="big"), "scale must be a finite number"),
+    (dict(scale=float("nan")), "scale must be a finite number"),
+    (dict(query=None), "query must be an array"),
+    (dict(key=None), "key must be an array"),
 ])
 def test_bad_input_raises_value_error(kwargs, match):
   args = dict(query=q, key=k, value=k)

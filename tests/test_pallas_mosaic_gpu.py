@@ -992,3 +992,18 @@ def test_safe_offsets_are_trace_time_constants():
   text = jax.jit(lambda o: mosaic._flash(spec, config, o)).trace(ops).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.log" not in text and "stablehlo.floor" not in text
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_window_wider_than_the_sequence_is_no_window(causal):
+  """A window wider than the sequence (2**31 - 9 once wrapped round int32 to "no key") gives the
+  call without a window, bitwise: api.canonicalize clamps it to max(T, S)."""
+  rng = np.random.default_rng()
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 300, 4, 64)), bf16) for _ in range(3))
+  run = lambda **kw: stable_attn.dot_product_attention(q, k, v, is_causal=causal,
+                                                       implementation=IMPL, **kw)
+  want = np.asarray(run(), np.float32)
+  for window in (2 ** 31 - 9, 10 ** 12, (2 ** 31 - 319, 0 if causal else 2 ** 31 - 319)):
+    np.testing.assert_array_equal(np.asarray(run(local_window_size=window), np.float32), want)
