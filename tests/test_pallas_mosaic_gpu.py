@@ -9,6 +9,7 @@ lowering, short of ptxas) and their block bookkeeping is checked in plain Python
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -201,7 +202,8 @@ def test_union_ranges_and_sections(wgs):
     q_len, kv_len = int(rng.integers(0, T + 1)), int(rng.integers(0, S + 1))
     causal = bool(rng.integers(2))
     window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 300, 2))
-    spec, _ = _spec_ops(is_causal=causal, local_window_size=window)
+    # The window as drawn: canonicalize would clamp it to the placeholder call's T = S = 128.
+    spec = dataclasses.replace(_spec_ops(is_causal=causal)[0], window=window)
     call = common.Call(spec, None, Padded(Tp, Sp, 64), None, None)
     for cta in (common.cta_rows(call, wgs, bq, i)[1] for i in range(blocks.cdiv(Tp, wgs * bq))):
       ranges = [common.kv_ranges_of(call, common.Ranges(), 0, 0, cta + w * bq, bq, bk, q_len,
@@ -239,7 +241,8 @@ def test_key_ranges_of_dkv_ctas(wgs):
     q_len, kv_len = int(rng.integers(0, T + 1)), int(rng.integers(0, S + 1))
     causal = bool(rng.integers(2))
     window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 300, 2))
-    spec, _ = _spec_ops(is_causal=causal, local_window_size=window)
+    # The window as drawn: canonicalize would clamp it to the placeholder call's T = S = 128.
+    spec = dataclasses.replace(_spec_ops(is_causal=causal)[0], window=window)
     call = common.Call(spec, None, Padded(Tp, Sp, 64), None, None)
     vis = np.asarray(tile.visible(np.arange(Tp), np.arange(Sp), q_len, kv_len, causal=causal,
                                   window=window))

@@ -3,6 +3,7 @@ CLI."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,9 +76,18 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
   # Same schedule, stopped after 3 steps, then resumed to 6 from the checkpoint.
   run(cfg.replace(max_steps=3), tmp_path / "resumed")
   assert [s for s, _ in losses(tmp_path / "resumed")] == [0, 1, 2]
+  # A kill while step 3's record was being appended left half of it (tests/test_train_faults.py
+  # cuts it at every byte): the resume drops it, says so in one line, and logs step 3 again.
+  with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:
+    f.write('{"step": 3, "loss": 10.1')
   summary = run(cfg, tmp_path / "resumed")
   assert summary["start_step"] == 3
   assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")  # bitwise equal
+  said = [line for line in (tmp_path / "resumed" / "train.log").read_text().splitlines()
+          if line.startswith("metrics:")]
+  assert said == [f"metrics: {tmp_path / 'resumed' / 'metrics.jsonl'}: dropped its last line, cut "
+                  f"short when the run before was killed (24 bytes: '{{\"step\": 3, \"loss\": "
+                  f"10.1')"], said
   # A finished run started again has nothing to do, and keeps the outputs of the run that trained.
   outputs = ("summary.json", "loss.png")
   written = {name: (tmp_path / "resumed" / name).read_bytes() for name in outputs}
@@ -193,7 +203,7 @@ def test_time_limit_checkpoints_and_the_same_run_resumes(tmp_path):
   summary = run(cfg, tmp_path)
   assert summary["start_step"] == 1 and not summary["time_limit_reached"]
   assert [s for s, _ in losses(tmp_path)] == list(range(5))
-  with pytest.raises(ValueError, match="time_limit"):
+  with pytest.raises(ValueError, match="--time-limit must be a positive number"):
     run(cfg, tmp_path / "other", time_limit=0)
 
 
@@ -230,12 +240,17 @@ def test_interrupt_checkpoints_and_resume_refusals(tmp_path, monkeypatch):
   assert [s for s, _ in losses(tmp_path)] == list(range(5))
 
 
-def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
+def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
   # A learning rate of 1e30 overflows the weights after one update: the next loss is NaN.
   cfg = micro(max_steps=6, ckpt_every=1, lr=1e30, min_lr=1e30, warmup_steps=0, grad_clip=0.0)
   with pytest.raises(TrainingStopped,
                      match=r"STOPPED at step \d+: loss nan.*last good checkpoint \(step \d\)"):
     run(cfg, tmp_path)
+  # No "done" line; the stop is in train.log once, and left to the caller to print last (the
+  # command line does, on stderr).
+  printed = capsys.readouterr().out
+  assert "train: done" not in printed and "STOPPED" not in printed, printed
+  assert (tmp_path / "train.log").read_text().count("STOPPED") == 1
   ckpts = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
   stopped_at = json.loads((tmp_path / "summary.json").read_text())["last_checkpoint"]
   assert ckpts and max(ckpts) == stopped_at and stopped_at < 6
@@ -334,7 +349,7 @@ def test_cli_choices_follow_stable_attn():
     (["--max-adjust", "sometimes"], "max_adjust='sometimes'"),
     (["--numerics", "fp8"], "numerics='fp8'"),
     (["--attention", "cudnn", "--max-adjust", "paper"], "does not apply"),
-    (["--max-steps", "0"], "max_steps must be positive"),
+    (["--max-steps", "0"], r"max_steps \(--max-steps\) must be positive"),
     (["--corpus", "owt"], "--corpus 'owt' is unknown"),
     (["--keep-checkpoints", "0"], r"keep_checkpoints \(--keep-checkpoints\) must be at least 1"),
 ])
@@ -392,15 +407,33 @@ def test_cli_runs_a_job_and_reports_unreadable_checkpoints_in_one_line(tmp_path,
   assert recs[0]["step"] == 0 and "loss" in recs[0]
   assert (out / "checkpoints" / "2").is_dir() and (out / "loss.png").exists()
   capsys.readouterr()
+  # Its array files cut short: python -m train ends in one line naming the directory, exit code 2;
+  # Orbax's tracebacks of the reads in flight (printed up to the interpreter's exit, thousands of
+  # lines for a model) go to checkpoint_errors.log.
+  pristine = tmp_path / "pristine"
+  shutil.copytree(out / "checkpoints", pristine)
+  from tests.test_train_checkpoint import _garble_meta, _truncate_arrays
+  _truncate_arrays(out / "checkpoints" / "2")
+  proc = subprocess.run([sys.executable, "-m", "train", *flags, "--max-steps", "4"], cwd=ROOT,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  lines = proc.stdout.splitlines()
+  assert proc.returncode == 2 and lines[-1].startswith(
+      f"{PROG}: error: no checkpoint in {out / 'checkpoints'} reads back (steps 2); the newest, 2: "
+      f"its arrays do not read ("), lines[-3:]
+  assert lines[-1].endswith(f"(tracebacks in {out / 'checkpoint_errors.log'})"), lines[-1]
+  assert not any("Traceback" in line or "exception" in line for line in lines), lines
+  assert "Traceback" in (out / "checkpoint_errors.log").read_text()
+  shutil.rmtree(out / "checkpoints")
+  shutil.copytree(pristine, out / "checkpoints")
   # No checkpoint reads back: one line naming the directory, exit code 2, nothing moved.
-  from tests.test_train_checkpoint import _garble_meta
   _garble_meta(out / "checkpoints" / "2")
   assert cli_main(flags + ["--max-steps", "4"]) == 2
   assert capsys.readouterr().err.splitlines() == [
       f"{PROG}: error: no checkpoint in {out / 'checkpoints'} reads back (steps 2); the newest, 2: "
       f"its JSON part {out / 'checkpoints' / '2' / 'meta'} does not read (JSONDecodeError: "
       f"Unterminated string starting at: line 1 column 18 (char 17)); move the directory away to "
-      f"start afresh"]
+      f"start afresh (tracebacks in {out / 'checkpoint_errors.log'})"]
   assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]
 
 

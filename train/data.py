@@ -107,6 +107,9 @@ def prepare(corpus: str = "default", out_dir: Path | None = None, *,
       "normalisation": "UTF-8 else latin-1; CRLF -> LF",
       "train_tokens": int(train.size),
       "val_tokens": int(val.size),
+      # Checked on every load: a cache cut short (or replaced) is refused, not trained on.
+      "train_sha256": corpus_lib.sha256_file(out_dir / "train.bin"),
+      "val_sha256": corpus_lib.sha256_file(out_dir / "val.bin"),
   }
   tmp = out_dir / f"meta.{os.getpid()}.tmp"
   tmp.write_text(json.dumps(meta, indent=2) + "\n")
@@ -140,8 +143,75 @@ class TokenData:
                          f"vocab_size {vocab_size}")
 
 
-def _memmap(path: Path) -> np.ndarray:
+def _memmap(path: Path, rebuild: str) -> np.ndarray:
+  """The tokens of a .bin file, memory-mapped; ValueError naming the file when it is empty or of an
+  odd size (not uint16 tokens: a file cut short, or another format). `rebuild` says how to make it
+  again."""
+  size = path.stat().st_size
+  if size == 0:
+    raise ValueError(f"{path} is empty (0 bytes, no tokens){rebuild}")
+  if size % 2:
+    raise ValueError(f"{path} has an odd size ({size:,} bytes), so it is not a file of uint16 "
+                     f"tokens (cut short, or another format){rebuild}")
   return np.memmap(path, dtype="<u2", mode="r")
+
+
+def _rebuild_hint(data_dir: Path, corpus: str | None) -> str:
+  """How to make a prepared corpus directory again, as the tail of an error message ("" when the
+  directory is not one of ours)."""
+  if corpus not in corpus_lib.CORPORA:
+    return ""
+  if data_dir == DEFAULT_DATA_DIR / corpus:
+    return f"; delete {data_dir} and the next run prepares it again (or --prepare-only)"
+  return (f"; prepare it again with --prepare-only --corpus {corpus} (it writes "
+          f"{DEFAULT_DATA_DIR / corpus}) or delete {data_dir}")
+
+
+def _read_meta(data_dir: Path) -> dict:
+  """DIR/meta.json ({} when absent); ValueError naming it when it is not a JSON object."""
+  path = data_dir / "meta.json"
+  if not path.exists():
+    return {}
+  # Our prepared directories are named after their corpus; for others, meta.json is optional.
+  rebuild = _rebuild_hint(data_dir, data_dir.name) or "; fix it or move it away"
+  try:
+    meta = json.loads(path.read_text())
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} does not parse as JSON ({e}){rebuild}") from None
+  if not isinstance(meta, dict):
+    raise ValueError(f"{path} is not a JSON object{rebuild}")
+  return meta
+
+
+def _check_against_meta(data_dir: Path, split: str, tokens: np.ndarray, meta: dict,
+                        rebuild: str) -> None:
+  """ValueError when a split's token count or sha256 differs from what meta.json recorded (a file
+  cut short or replaced after the prepare step). Directories without these fields (nanoGPT's
+  own, or prepared before checksums were kept) are checked as far as they go."""
+  path = data_dir / f"{split}.bin"
+  want = meta.get(f"{split}_tokens")
+  if isinstance(want, int) and tokens.size != want:
+    raise ValueError(f"{path} holds {tokens.size:,} tokens but {data_dir / 'meta.json'} records "
+                     f"{want:,} (cut short or replaced){rebuild}")
+  digest = meta.get(f"{split}_sha256")
+  if isinstance(digest, str) and corpus_lib.sha256_file(path) != digest:
+    raise ValueError(f"{path} does not match the sha256 in {data_dir / 'meta.json'} (damaged or "
+                     f"replaced){rebuild}")
+
+
+def _load_dir(path: Path) -> TokenData:
+  """A directory with train.bin (and val.bin, else the last 5% of train.bin is held out) and
+  usually meta.json, checked against each other."""
+  meta = _read_meta(path)
+  rebuild = _rebuild_hint(path, meta.get("corpus"))
+  train = _memmap(path / "train.bin", rebuild)
+  _check_against_meta(path, "train", train, meta, rebuild)
+  if (path / "val.bin").exists():
+    val = _memmap(path / "val.bin", rebuild)
+    _check_against_meta(path, "val", val, meta, rebuild)
+    return TokenData(train, val, str(path), meta)
+  tr, va = _split_tail(train, VAL_FRACTION)
+  return TokenData(tr, va, f"{path} (val = last {VAL_FRACTION:.0%} of train.bin)", meta)
 
 
 def _split_tail(ids: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -176,15 +246,9 @@ def load_data(path: str | os.PathLike | None = None, *, corpus: str = "default",
   if not path.exists():
     raise ValueError(f"--data {path}: no such file or directory")
   if path.is_dir() and (path / "train.bin").exists():
-    meta_path = path / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    train = _memmap(path / "train.bin")
-    if (path / "val.bin").exists():
-      return TokenData(train, _memmap(path / "val.bin"), str(path), meta)
-    tr, va = _split_tail(train, VAL_FRACTION)
-    return TokenData(tr, va, f"{path} (val = last {VAL_FRACTION:.0%} of train.bin)", meta)
+    return _load_dir(path)
   if path.is_file() and path.suffix == ".bin":
-    tr, va = _split_tail(_memmap(path), VAL_FRACTION)
+    tr, va = _split_tail(_memmap(path, ""), VAL_FRACTION)
     return TokenData(tr, va, f"{path} (val = last {VAL_FRACTION:.0%})")
   if path.is_dir() or path.suffix == ".txt":
     files = _text_files(path)

@@ -7,6 +7,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import resource
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -23,7 +25,8 @@ from . import data as data_lib
 from . import jax_cache
 from .checkpoint import Checkpointer
 from .config import TrainConfig, check_dir
-from .metrics import MetricsLogger, mfu, peak_tflops, percent, plot_loss, to_python
+from .metrics import (MetricsLogger, check_peak_tflops, mfu, peak_tflops, percent, plot_loss,
+                      to_python, write_atomically)
 # abstract_model and init_params are imported from here by reproduction/gradients.py.
 from .model import abstract_model, count_params, flops_per_token  # noqa: F401
 from .monitors import make_monitor_fn
@@ -42,6 +45,11 @@ class TrainingStopped(RuntimeError):
   def __init__(self, message: str, step: int | None = None, loss: float | None = None):
     super().__init__(message)
     self.step, self.loss = step, loss
+
+
+class OutOfMemory(RuntimeError):
+  """A jitted step asked XLA for more memory than the device has; the message is one line saying
+  how much, what the device holds and which flags lower it."""
 
 
 @dataclass
@@ -92,19 +100,32 @@ class _Log:
   def open(self, out_dir: Path) -> None:
     self.path = out_dir / "train.log"
     if self.enabled and self.held:
-      with open(self.path, "a") as f:
-        f.write("".join(msg + "\n" for msg in self.held))
+      _append(self.path, "".join(msg + "\n" for msg in self.held))
     self.held = []
 
-  def __call__(self, msg: str) -> None:
+  def __call__(self, msg: str, terminal: bool = True) -> None:
+    """`msg` to train.log, and to the terminal unless `terminal` is False (a message the command
+    line prints itself, last)."""
     if not self.enabled:
       return
-    tqdm.write(msg)
+    if terminal:
+      tqdm.write(msg)
     if self.path is None:
       self.held.append(msg)
       return
-    with open(self.path, "a") as f:
-      f.write(msg + "\n")
+    _append(self.path, msg + "\n")
+
+
+def _append(path: Path, text: str) -> None:
+  """Appends text to a log; a line left unfinished by a killed run is ended first, so that a kill
+  at any byte costs at most that line."""
+  with open(path, "ab+") as f:  # appends go to the end whatever the read position
+    end = f.seek(0, os.SEEK_END)
+    if end:
+      f.seek(end - 1)
+      if f.read(1) != b"\n":
+        text = "\n" + text
+    f.write(text.encode())
 
 
 def _due(step: int, every: int) -> bool:
@@ -116,7 +137,17 @@ def train(cfg: TrainConfig, opts: RunOptions) -> dict:
   DIR/summary.json).
 
   Per step: the evaluations due, one optimizer step, metrics, checkpoints (cf. nanoGPT's train.py).
+  OutOfMemory when a step does not fit the device.
   """
+  try:
+    return _train(cfg, opts)
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise OutOfMemory(_out_of_memory(cfg, e)) from e
+
+
+def _train(cfg: TrainConfig, opts: RunOptions) -> dict:
   run, params, opt_state, state = _set_up(cfg, opts)
   stopped, timed_out = None, False
   try:
@@ -146,6 +177,9 @@ def train(cfg: TrainConfig, opts: RunOptions) -> dict:
     run.metrics.write({"step": e.step, "loss": loss, "stopped": stopped})
   except KeyboardInterrupt:
     _save_interrupted(run, state, params, opt_state)
+    raise
+  except BaseException:
+    run.bar.close()  # now, not at exit: after the caller's one line, which must come last
     raise
   return _finish(run, state, params, stopped, timed_out)
 
@@ -220,8 +254,7 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   """Logs the configuration, loads the data, builds the state and the jitted functions on the mesh
   and resumes from the newest checkpoint; returns (run, params, opt_state, state)."""
   # Every input is checked before anything is written: a bad flag or --data leaves no out dir.
-  if opts.time_limit is not None and opts.time_limit <= 0:
-    raise ValueError(f"time_limit must be positive, got {opts.time_limit}")
+  check_options(opts)
   out_dir = Path(opts.out_dir)
   check_dir(out_dir, "--out-dir")
   main = jax.process_index() == 0
@@ -265,7 +298,8 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
     ckpt.close()
     raise
   # Records of steps from the checkpoint on are about to be redone: MetricsLogger drops them.
-  metrics = MetricsLogger(out_dir, start_step=start, enabled=main, tensorboard=opts.tensorboard)
+  metrics = MetricsLogger(out_dir, start_step=start, enabled=main, tensorboard=opts.tensorboard,
+                          log=log)
   bar = tqdm(total=cfg.max_steps, initial=start, disable=not (main and opts.progress),
              desc=opts.config_name, dynamic_ncols=True, unit="step")
   run = _Run(cfg=cfg, opts=opts, out_dir=out_dir, main=main, log=log, data=data, rows=rows,
@@ -276,6 +310,41 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
              flops_per_token=fpt, peak=peak, peak_note=peak_note, ckpt=ckpt, metrics=metrics,
              bar=bar, start=start, sample_key=sample_key)
   return run, params, opt_state, state
+
+
+def check_options(opts: RunOptions) -> None:
+  """ValueError naming the flag of a bad option (a NaN time limit was ignored; a negative peak
+  printed a negative MFU)."""
+  if opts.time_limit is not None and not (math.isfinite(opts.time_limit) and opts.time_limit > 0):
+    raise ValueError(f"--time-limit must be a positive number of seconds, got {opts.time_limit}")
+  check_peak_tflops(opts.peak_tflops)
+
+
+def _out_of_memory(cfg: TrainConfig, e: Exception) -> str:
+  """One line for an XLA allocation failure: what was asked, what the device holds, what to
+  change."""
+  xla = str(e).strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ").rstrip(".")
+  asked = re.search(r"(\d{4,}) bytes", xla)
+  if asked:
+    xla += f" ({int(asked.group(1)) / 2 ** 30:.1f} GiB)"
+  remat = "" if cfg.model.remat else ", or add --remat"
+  return (f"out of memory at --block-size {cfg.model.block_size}, --batch-size {cfg.batch_size}: "
+          f"{xla}; {_memory_available()}. Lower --block-size or --batch-size (raise --grad-accum "
+          f"to keep the tokens per step){remat}")
+
+
+def _memory_available() -> str:
+  """What the first device holds, in words."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() or {}
+  if "bytes_limit" in stats:
+    return f"the {device.device_kind} holds {stats['bytes_limit'] / 2 ** 30:.1f} GiB"
+  memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  text = f"this host has {memory / 2 ** 30:.1f} GiB"
+  limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+  if limit != resource.RLIM_INFINITY:
+    text += f", of which this process may use {limit / 2 ** 30:.1f} GiB (ulimit -v)"
+  return text
 
 
 def _make_out_dir(out_dir: Path) -> None:
@@ -310,6 +379,7 @@ def _resume(ckpt: Checkpointer, params, opt_state, cfg: TrainConfig, opts: RunOp
   """The arrays and bookkeeping of the newest checkpoint that reads back (newer, corrupt ones are
   set aside with a line each: Checkpointer.restore_latest), or else the fresh arrays given;
   returns (params, opt_state, state, start step, sample key)."""
+  ckpt.remove_partial_saves(warn=log)
   if ckpt.latest_step() is None:
     return params, opt_state, RunState(), 0, jax.random.PRNGKey(cfg.seed)
   if not opts.resume:
@@ -471,8 +541,7 @@ def _save_interrupted(run: _Run, state: RunState, params, opt_state) -> None:
 def _write_sample(run: _Run, step: int, text: str) -> None:
   if not run.main:
     return
-  with open(run.out_dir / "samples.txt", "a") as f:
-    f.write(f"===== step {step} =====\n{text}\n\n")
+  _append(run.out_dir / "samples.txt", f"===== step {step} =====\n{text}\n\n")
   run.log(f"sample at step {step}:\n{text}\n")
 
 
@@ -514,17 +583,18 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
     title = f"{run.opts.config_name}: {attn_lib.short_name(mcfg)}"
     plot = plot_loss(run.out_dir, title=title)
     summary["loss_plot"] = str(plot) if plot else None
-    (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomically(run.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if summary["tokens_per_s"]:
       utilisation = ("no MFU" if summary["mfu"] is None else f"MFU {percent(summary['mfu'])}")
       run.log(f"train: median {summary['tokens_per_s']:,.0f} tokens/s, {utilisation} "
               f"({run.peak_note})")
     # None when the first step stopped the run (or a checkpoint from before they were kept).
-    if state.first_loss is not None and state.last_loss is not None:
+    if stopped is None and state.first_loss is not None and state.last_loss is not None:
       run.log(f"train: done in {summary['wall_s']:.0f}s; loss {state.first_loss:.3f} -> "
               f"{state.last_loss:.3f}; outputs in {run.out_dir}")
   run.close()
   if stopped is not None:
-    run.log(stopped)
+    # The terminal gets it from the caller, once and last (the command line prints it).
+    run.log(stopped, terminal=False)
     raise TrainingStopped(stopped)
   return summary

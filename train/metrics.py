@@ -3,6 +3,7 @@ MFU."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -15,37 +16,99 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def write_atomically(path: Path, data: bytes | str, tmp: Path | None = None) -> None:
+  """Replaces `path` with `data` so that a kill at any byte leaves either the old file or the new
+  one, never a mix: written to `tmp` beside it (default .NAME.PID.tmp), flushed to disk, renamed
+  over it."""
+  path = Path(path)
+  tmp = tmp or path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  with open(tmp, "wb") as f:
+    f.write(data.encode() if isinstance(data, str) else data)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def parse_metrics(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
+  """(line, record) of every record in a metrics.jsonl, and the torn last line if there is one.
+
+  A kill (or a full disk) during an append leaves a last line cut short: that is returned apart,
+  for the caller to drop. A line that does not parse anywhere else was not made by an append:
+  ValueError naming the file and the line.
+  """
+  text = Path(path).read_bytes().decode("utf-8", errors="replace")
+  lines = text.split("\n")
+  # The last element is what follows the final newline: "" for a file of whole lines.
+  records, tail = [], lines[-1]
+  for number, line in enumerate(lines[:-1], 1):
+    if line.strip():
+      records.append((line, _record(line, path, number)))
+  if not tail.strip():
+    return records, None
+  try:
+    # A record whose newline alone was lost is whole.
+    return records + [(tail, _record(tail, path, len(lines)))], None
+  except ValueError:
+    return records, tail
+
+
+def _record(line: str, path: Path, number: int) -> dict:
+  try:
+    record = json.loads(line)
+  except ValueError as e:
+    raise ValueError(f"{path}, line {number}: not a JSON record ({e}); only the last line can be "
+                     f"cut short by a kill, so the file was changed otherwise: repair or move it "
+                     f"away") from None
+  if not isinstance(record, dict):
+    raise ValueError(f"{path}, line {number}: not a metrics record (a JSON object); repair or "
+                     f"move the file away")
+  return record
+
+
+def _step(record: dict) -> int:
+  step = record.get("step")
+  return step if isinstance(step, int) else -1  # a record without a step is kept by every resume
+
+
 class MetricsLogger:
   """Appends records to DIR/metrics.jsonl and mirrors scalars to TensorBoard (DIR/tb/).
 
   A run that starts at `start_step` (resumed from that checkpoint) first drops what a run killed
-  after that checkpoint logged of steps >= start_step, from both, since it logs them again.
+  after that checkpoint logged of steps >= start_step, from both, since it logs them again, and a
+  last line or event cut short by the kill (`log` says so in one line).
   """
 
   def __init__(self, out_dir: Path, *, start_step: int = 0, enabled: bool = True,
-               tensorboard: bool = True):
+               tensorboard: bool = True, log=print):
     self.path = Path(out_dir) / "metrics.jsonl"
     self.enabled = enabled
     self.tb = None
     if not enabled:
       return
-    self._truncate_from(start_step)
+    self._truncate_from(start_step, log)
     if tensorboard:
       tb_dir = Path(out_dir) / "tb"
-      purge_tensorboard(tb_dir, start_step)
+      purge_tensorboard(tb_dir, start_step, log=log)
       self.tb = _EventFile(tb_dir, start_step)
 
-  def _truncate_from(self, step: int) -> None:
-    """Drop records of steps >= step from metrics.jsonl."""
+  def _truncate_from(self, step: int, log) -> None:
+    """Drop records of steps >= step, and a torn last line, from metrics.jsonl."""
     if not self.path.exists():
       return
-    keep = [line for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", -1) < step]
-    self.path.write_text("".join(line + "\n" for line in keep))
+    records, torn = parse_metrics(self.path)
+    if torn is not None:
+      shown = torn if len(torn) <= 60 else torn[:60] + "..."
+      log(f"metrics: {self.path}: dropped its last line, cut short when the run before was killed "
+          f"({len(torn.encode())} bytes: {shown!r})")
+    kept = "".join(line + "\n" for line, record in records if _step(record) < step)
+    # Also rewritten when only the last newline is missing: the next record would join its line.
+    if kept.encode() != self.path.read_bytes():
+      write_atomically(self.path, kept)
 
   def write(self, record: dict) -> None:
     if not self.enabled:
       return
+    # One write of one line: a kill leaves at most this line cut short, which the next run drops.
     with open(self.path, "a") as f:
       f.write(json.dumps(record, allow_nan=True) + "\n")
     if self.tb is not None:
@@ -65,10 +128,12 @@ class MetricsLogger:
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
+  """The records of DIR/metrics.jsonl, without a last line cut short (a run being written, or
+  killed)."""
   path = Path(out_dir) / "metrics.jsonl"
   if not path.exists():
     return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  return [record for _, record in parse_metrics(path)[0]]
 
 
 def plot_loss(out_dir: Path, title: str = "") -> Path | None:
@@ -97,8 +162,10 @@ def plot_loss(out_dir: Path, title: str = "") -> Path | None:
     ax.legend()
   fig.tight_layout()
   path = Path(out_dir) / "loss.png"
-  fig.savefig(path)
+  png = io.BytesIO()
+  fig.savefig(png, format="png")
   plt.close(fig)
+  write_atomically(path, png.getvalue())
   return path
 
 
@@ -114,10 +181,17 @@ def measure_matmul_tflops(n: int = 8192, iters: int = 10) -> float:
   return 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e12
 
 
+def check_peak_tflops(flag: float | None) -> None:
+  """ValueError unless --peak-tflops is absent or a positive number (-1 printed MFU -12.2%)."""
+  if flag is not None and not (math.isfinite(flag) and flag > 0):
+    raise ValueError(f"--peak-tflops must be a positive number of TFLOP/s per device, got {flag}")
+
+
 def peak_tflops(flag: float | None) -> tuple[float | None, str]:
   """Per-device peak for MFU and a phrase saying where it came from; on a CPU without `flag`,
   None: no MFU (a CPU's bf16 matmuls say little of what a training step can reach)."""
-  if flag:
+  check_peak_tflops(flag)
+  if flag is not None:
     return flag, f"{flag:g} TFLOP/s per device from --peak-tflops"
   if jax.default_backend() == "cpu":
     return None, "no peak on a CPU; --peak-tflops sets one"
@@ -216,9 +290,10 @@ def read_tensorboard(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
   return out
 
 
-def purge_tensorboard(tb_dir: Path, step: int) -> int:
+def purge_tensorboard(tb_dir: Path, step: int, log=print) -> int:
   """Removes the summaries of steps >= step from the event files in tb_dir (a run killed after its
-  last checkpoint logged them; the resumed run logs them again). Returns how many were removed."""
+  last checkpoint logged them; the resumed run logs them again), and a tail cut short by the kill
+  (`log` says so in one line). Returns how many summaries were removed."""
   removed = 0
   for path in _event_files(tb_dir):
     kept, dropped, size = [], 0, 0
@@ -228,10 +303,13 @@ def purge_tensorboard(tb_dir: Path, step: int) -> int:
         dropped += 1
       else:
         kept.append(raw)
-    if dropped or size != path.stat().st_size:  # also drops a tail cut short by the kill
+    torn = path.stat().st_size - size
+    if torn:
+      log(f"metrics: {path}: dropped its last {torn} bytes, an event cut short when the run "
+          f"before was killed")
+    if dropped or torn:
       # A name without "tfevents": neither TensorBoard nor _event_files reads a half-written copy.
-      tmp = path.with_name(".purging-" + path.name.replace("tfevents", "tmp"))
-      tmp.write_bytes(b"".join(kept))
-      os.replace(tmp, path)
+      write_atomically(path, b"".join(kept),
+                       tmp=path.with_name(".purging-" + path.name.replace("tfevents", "tmp")))
       removed += dropped
   return removed
