@@ -87,20 +87,24 @@ def _tail(path: Path, n: int = 15) -> str:
 # dp, fsdp: benchmarks/train_speed.py on subsets of the GPUs
 # ---------------------------------------------------------------------------------------------
 
-def _speed(r: Runner, name: str, devices, config: str, arms: str, extra=(), timeout=420):
-  """One train_speed.py process -> its JSON ({"header", "rows"}) or None."""
-  out = r.out / name
-  args = [ROOT / "benchmarks" / "train_speed.py", "--config", config, "--arms", arms,
-          "--out", out, "--compilation-cache", r.out / "cache" / name, *extra]
-  return _speed_args(r, name, args, devices, timeout)
+def _speed_args(r: Runner, name: str, config: str, arms: str, extra=(), cache: str = ""):
+  """A train_speed.py command writing under out/<name>, with its own persistent cache (or the
+  one named `cache`: a warm compile)."""
+  return [ROOT / "benchmarks" / "train_speed.py", "--config", config, "--arms", arms,
+          "--out", r.out / name, "--compilation-cache", r.out / "cache" / (cache or name), *extra]
 
 
-def _speed_args(r: Runner, name: str, args, devices, timeout):
-  code = r.run(name, args, devices, timeout)
+def _result(r: Runner, name: str):
+  """The JSON ({"header", "rows"}) that the train_speed.py process `name` wrote, or None."""
   found = sorted((r.out / name).glob("train_speed_*.json"))
-  if code != 0 and not found:
-    return None
   return json.loads(found[-1].read_text()) if found else None
+
+
+def _speed(r: Runner, name: str, devices, config: str, arms: str, extra=(), cache: str = "",
+           timeout=420):
+  """One train_speed.py process on `devices` -> its JSON or None."""
+  r.run(name, _speed_args(r, name, config, arms, extra, cache), devices, timeout)
+  return _result(r, name)
 
 
 def _rows(result) -> dict:
@@ -113,28 +117,21 @@ def part_dp(r: Runner, counts, steps: int) -> list[dict]:
   config = "tiny" if r.smoke else "gpt2"
   arms = "ours" if r.smoke else "ours,cudnn"
   common = ["--steps", steps, "--warmup", 3]
-  results = {}
   # The smaller counts run side by side on disjoint GPUs (each compares its arms in-process).
   small = [n for n in counts if n < max(counts)]
-  procs, first = {}, 0
-  for n in small:
-    name = f"dp_x{n}"
-    procs[name] = r.start(name, [ROOT / "benchmarks" / "train_speed.py", "--config", config,
-                                 "--arms", arms, "--out", r.out / name, "--compilation-cache",
-                                 r.out / "cache" / name, *common], range(first, first + n))
-    first += n
   if sum(small) > r.gpus:
     raise ValueError(f"{small} GPUs side by side need {sum(small)} > {r.gpus}")
-  r.wait(procs, 600)
+  procs, first = {}, 0
   for n in small:
-    found = sorted((r.out / f"dp_x{n}").glob("train_speed_*.json"))
-    results[n] = json.loads(found[-1].read_text()) if found else None
+    procs[f"dp_x{n}"] = r.start(f"dp_x{n}", _speed_args(r, f"dp_x{n}", config, arms, common),
+                                range(first, first + n))
+    first += n
+  r.wait(procs, 600)
+  results = {n: _result(r, f"dp_x{n}") for n in small}
   n = max(counts)
   results[n] = _speed(r, f"dp_x{n}", range(n), config, arms, common)
-  warm = _speed_args(r, "dp_warm", [ROOT / "benchmarks" / "train_speed.py", "--config", config,
-                                    "--arms", "ours", "--out", r.out / "dp_warm",
-                                    "--compilation-cache", r.out / "cache" / f"dp_x{n}",
-                                    "--steps", 3, "--warmup", 1], range(n), 300)
+  warm = _speed(r, "dp_warm", range(n), config, "ours", ["--steps", 3, "--warmup", 1],
+                cache=f"dp_x{n}", timeout=300)
   one = _rows(results.get(1))
   rows = []
   for n in counts:

@@ -109,14 +109,10 @@ def visible_gpus() -> list[str]:
 
 
 def last_record(out_dir: Path) -> dict | None:
-    path = Path(out_dir) / "metrics.jsonl"
-    if not path.exists():
-        return None
-    last = None
-    for line in path.read_text().splitlines():
-        if line.strip():
-            last = json.loads(line)
-    return last
+    """The newest whole record of a run's metrics.jsonl (a line being written is left out)."""
+    from train.metrics import read_metrics
+    records = read_metrics(Path(out_dir))
+    return records[-1] if records else None
 
 
 def _progress_line(runs: list[Run], t0: float) -> str:
@@ -201,9 +197,9 @@ def branch(run: Run, trunk_dir: Path, step: int) -> bool:
                          f"{trunk_dir / 'stdout.log'}")
     run.out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copytree(source, ckpts / str(step))
-    lines = (trunk_dir / "metrics.jsonl").read_text().splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", -1) < step]
-    (run.out_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    from train.metrics import read_metrics
+    kept = [r for r in read_metrics(trunk_dir) if r.get("step", -1) < step]
+    (run.out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     (run.out_dir / BRANCH_FILE).write_text(json.dumps({"trunk": str(trunk_dir), "step": step}))
     return True
 
@@ -233,10 +229,8 @@ def _failed(statuses: dict[Run, int]) -> list[Run]:
 
 def read_run(out_dir: Path) -> dict:
     """Steps/losses, monitor records and the outcome of one run directory."""
-    records = []
-    path = Path(out_dir) / "metrics.jsonl"
-    if path.exists():
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from train.metrics import read_metrics
+    records = read_metrics(Path(out_dir))
     train = [r for r in records if r.get("loss") is not None and "stopped" not in r
              and "loss_avg" in r]
     monitors = [r for r in records if "spec_wq" in r]

@@ -36,6 +36,7 @@ with Explicit axes at trace time). Under `jax.vmap` the vmapped axis joins the b
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Callable, NamedTuple
@@ -282,16 +283,16 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
     layout = layout._replace(with_dlse=dlse is not None)
     arrays = arrays + [o_res, lse, do] + ([dlse] if dlse is not None else [])
     batched = lambda run: lambda *a: _batched(run, layout, a, grads=True)
+    grad_specs = lambda axes, specs: _grad_specs(layout, specs)
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
       grads = _shard_mapped(
           lambda axes, specs: batched(bwd_local(spec, config, layout, axes,
-                                                _grad_specs(layout, specs))),
-          layout, arrays, mesh, lambda axes, specs: _grad_specs(layout, specs), restore=True)
+                                                grad_specs(axes, specs))),
+          layout, arrays, mesh, grad_specs, restore=True)
     else:
       call = batched(lambda *b: bwd_cp(spec, config, layout, *b))
-      grads = _auto_axes(call, layout, arrays, lambda axes, specs: [
-          specs[layout.names.index(row.name)] for row in layout.grad_rows()])
+      grads = _auto_axes(call, layout, arrays, grad_specs)
     by_name = dict(zip([row.name for row in layout.grad_rows()], grads))
     return tuple(by_name.get(row.name) for row in layout.table.rows if row.grad)
 
@@ -374,10 +375,10 @@ def _auto_axes(call: Callable, layout: _Layout, arrays, out_specs: Callable):
   specs = [P(*_spec(t, t.ndim)) for t in types]
   run = auto_axes(lambda *a: tuple(call(*a)), axes=explicit,
                   out_sharding=tuple(out_specs(axes, specs)))
-  if jax.sharding.get_abstract_mesh().empty:
-    with jax.sharding.use_abstract_mesh(mesh):
-      return run(*arrays)
-  return run(*arrays)
+  context = (jax.sharding.use_abstract_mesh(mesh) if jax.sharding.get_abstract_mesh().empty
+             else contextlib.nullcontext())
+  with context:
+    return run(*arrays)
 
 
 # ---------------------------------------------------------------------------------------------
