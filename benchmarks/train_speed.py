@@ -11,8 +11,9 @@ JSON to benchmarks/results/ naming the device, and prints the table last.
 Arms: ours = stable_attn (implementation chosen by stable_attn: the Pallas kernel on GPU, the
 blockwise reference elsewhere; --max-adjust safe), ours_off = the same without the max adjustment,
 cudnn = jax.nn.dot_product_attention(implementation="cudnn") (GPU only), xla = jax.nn's XLA
-attention. MFU = tokens/s x (6N + 12 L T d) / (devices x peak), peak = the measured bf16 matmul
-ceiling on GPU (or --peak-tflops).
+attention. MFU = tokens/s x (6N + 12 L T d) / (devices x peak), peak = the datasheet's dense bf16
+peak of the device kind (train.metrics.peak_tflops: measured where the kind is not in its table;
+--peak-tflops sets one).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stable_attn import backends
+from stable_attn import backends, context
 from stable_attn import numerics as numerics_lib
 from stable_attn.backends import IMPLEMENTATIONS, default_implementation
 from stable_attn.numerics import Numerics
@@ -52,6 +52,7 @@ class Options:
   deterministic: bool = False
   return_residual: bool = False
   return_residuals: bool = False
+  context_layout: str = "contiguous"
 
   @classmethod
   def of(cls, arguments: dict) -> "Options":
@@ -79,6 +80,7 @@ def dot_product_attention(
     deterministic: bool = False,
     return_residual: bool = False,
     return_residuals: bool = False,
+    context_layout: str = "contiguous",
 ):
   """Scaled dot-product attention with the max adjustment; a drop-in for jax.nn's.
 
@@ -136,6 +138,16 @@ def dot_product_attention(
       differentiable, so that attention over several key blocks can be combined (ring /
       context-parallel attention). At most one of return_residual and return_residuals may be set
       (ValueError otherwise: the two residuals differ in layout, dtype and differentiability).
+    context_layout: how a sequence sharded over n devices (context parallelism: q, k, v split
+      over their T / S dim on a mesh; each device computes its queries against every key) is
+      ordered. "contiguous": device d holds positions [d T/n, (d+1) T/n). "zigzag": the
+      sequence cut into 2n chunks, device d holds chunks d and 2n-1-d, so that every device does
+      equal causal work; `stable_attn.context.zigzag(x, n)` puts tokens, positions and segment
+      ids in that order once, and O and the log-sum-exp come back in it. Positions, lengths,
+      causal and window masks are the natural order's; on a call not sharded over its sequence
+      (n = 1) both orders are the natural one. "zigzag" takes no bias or mask, and runs on the
+      GPU kernels (pallas_mosaic_gpu, pallas_gpu), which partition themselves (ValueError
+      elsewhere: XLA would partition the others as if the order were natural).
 
   Returns:
     [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
@@ -406,7 +418,14 @@ def _spec(options: Options, head_dim: int) -> AttentionSpec:
                    or options.key_value_seq_lengths is not None),
       logits_soft_cap=_soft_cap(options.logits_soft_cap),
       return_residuals=bool(options.return_residuals),
-      deterministic=_flag(options.deterministic, "deterministic"))
+      deterministic=_flag(options.deterministic, "deterministic"),
+      context_layout=_context_layout(options.context_layout))
+
+
+def _context_layout(layout) -> str:
+  if not isinstance(layout, str) or layout not in context.LAYOUTS:
+    raise ValueError(f"context_layout must be one of {context.LAYOUTS}, got {layout!r}")
+  return layout
 
 
 def _finite_number(x) -> bool:
@@ -462,6 +481,9 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
     # key at all" and returned zeros).
     spec = dataclasses.replace(spec, window=tuple(min(w, max(T, S)) for w in spec.window))
   q_seg, kv_seg = _segment_ids(options, T, S)
+  if spec.context_layout == "zigzag" and (bias is not None or mask is not None):
+    raise ValueError("context_layout='zigzag' takes no bias or mask (their key columns would need "
+                     "the zigzag order too); use segment ids, windows and lengths, or 'contiguous'")
   given = dict(bias=bias, mask=mask, q_lens=options.query_seq_lengths,
                kv_lens=options.key_value_seq_lengths, q_seg=q_seg, kv_seg=kv_seg,
                sinks=options.sinks)

@@ -6,7 +6,9 @@ A backend is a module with three functions (the `Backend` protocol):
     is_available() -> bool                     # can it compile for the default JAX backend?
     covers(spec, ops) -> str | None            # None if it runs this call, else why not
 
-A backend may also have `attention_qkvpacked(spec, ops, qkv, config=None)`, the same call with
+A backend whose kernels partition themselves over a sequence-sharded call (context parallel,
+stable_attn.partition) says so with `CONTEXT_PARALLEL = True`. A backend may also have
+`attention_qkvpacked(spec, ops, qkv, config=None)`, the same call with
 ops.q, ops.k, ops.v the slices of qkv [B, T, 3, N, H], which it reads in place (as
 `PackedOperands`): what `dot_product_attention_qkvpacked` runs where it exists.
 
@@ -90,11 +92,21 @@ def choose(spec: AttentionSpec, ops: Operands) -> Choice:
     if reason is not None:
       passed_over[reg.name] = reason
       continue
-    reason = load(reg.name).covers(spec, ops)
+    reason = _covers(load(reg.name), spec, ops)
     if reason is None:
       return Choice(reg.name, passed_over)
     passed_over[reg.name] = reason
-  raise AssertionError(f"no backend covers this call: {passed_over}")  # reference covers all
+  # The reference covers every call but a zigzag one (which only a self-partitioning kernel runs).
+  raise ValueError(f"no available backend runs this call: {passed_over}")
+
+
+def _covers(backend: Backend, spec: AttentionSpec, ops: Operands) -> Optional[str]:
+  """backend.covers, and a zigzag context_layout only where the backend partitions itself
+  (`CONTEXT_PARALLEL = True`): XLA partitions the others, as if the order were natural."""
+  if spec.context_layout == "zigzag" and not getattr(backend, "CONTEXT_PARALLEL", False):
+    return ("context_layout='zigzag': this backend is partitioned by XLA, which knows nothing of "
+            "the order; the GPU kernels (pallas_mosaic_gpu, pallas_gpu) run it")
+  return backend.covers(spec, ops)
 
 
 def default_implementation() -> str:
@@ -112,7 +124,7 @@ def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, confi
       raise ValueError("config needs an explicit implementation (it belongs to one backend)")
     implementation = choose(spec, ops).name
   backend = load(implementation)
-  reason = backend.covers(spec, ops)
+  reason = _covers(backend, spec, ops)
   if reason is not None:
     raise ValueError(f"implementation={implementation!r} does not cover this call: {reason}")
   if qkv is not None and hasattr(backend, "attention_qkvpacked"):

@@ -116,10 +116,12 @@ def _clamp_subrange(lo, hi, flo, fhi):
 
 
 def kv_sections(q_start, block_q: int, block_k: int, num_kv_blocks, *, causal: bool, window,
-                q_len, kv_len, has_mask: bool, segments=None):
+                q_len, kv_len, has_mask: bool, segments=None, shift=0):
   """(lo, flo, fhi, hi): the key blocks [lo, hi) that query rows [q_start, +block_q) visit, and
   inside them [flo, fhi), the blocks all those rows see whole. `segments`: the query block's
-  (lo, flo, fhi, hi) from `segment_sections` (per="query"), intersected in."""
+  (lo, flo, fhi, hi) from `segment_sections` (per="query"), intersected in. shift: the rows stand
+  at q + shift among the keys (tile.visible); the ranges are computed in key coordinates."""
+  q_start, q_len = q_start + shift, q_len + shift
   lo, hi = kv_block_range(q_start, block_q, block_k, num_kv_blocks, causal=causal, window=window,
                           kv_len=kv_len)
   flo, fhi = full_kv_range(q_start, block_q, block_k, lo, hi, causal=causal, window=window,
@@ -128,10 +130,12 @@ def kv_sections(q_start, block_q: int, block_k: int, num_kv_blocks, *, causal: b
 
 
 def q_sections(k_start, block_k: int, block_q: int, num_q_blocks, *, causal: bool, window, q_len,
-               kv_len, has_mask: bool, segments=None):
+               kv_len, has_mask: bool, segments=None, shift=0):
   """(lo, flo, fhi, hi): the query blocks that see key columns [k_start, +block_k), and inside
   them the blocks whose rows all see the whole key block. `segments`: the key block's
-  (lo, flo, fhi, hi) from `segment_sections` (per="key"), intersected in."""
+  (lo, flo, fhi, hi) from `segment_sections` (per="key"), intersected in. shift: as in
+  `kv_sections`; here the keys move the other way, into the rows' coordinates."""
+  k_start, kv_len = k_start - shift, kv_len - shift
   lo, hi = q_block_range(k_start, block_k, block_q, num_q_blocks, causal=causal, window=window,
                          q_len=q_len)
   flo, fhi = full_q_range(k_start, block_k, block_q, lo, hi, causal=causal, window=window,

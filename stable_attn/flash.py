@@ -39,12 +39,14 @@ def public_lse(lse: jax.Array, spec: AttentionSpec) -> jax.Array:
 
 
 def make_flash_attention(forward: Forward, backward: Backward,
-                         partition: Union[bool, Callable[[AttentionSpec], bool]] = False):
+                         partition: Union[bool, Callable[[AttentionSpec], bool]] = False, *,
+                         context_parallel: bool = False):
   """Returns attention(spec, config, ops) -> (O, LSE), differentiable in q, k, v and bias.
 
   With `partition` (True, or a predicate of the spec), both passes partition themselves under
   jax.sharding over batch and heads (`stable_attn.partition`): for kernels XLA cannot split (Pallas
-  calls). Pure-jnp passes leave it off and let XLA partition them.
+  calls). Pure-jnp passes leave it off and let XLA partition them. With `context_parallel` (the
+  passes take the q_shift operand) a sequence-sharded call runs context parallel.
 
   The LSE output ([B, N, T] fp32, natural log; rows without keys: see `public_lse`) is
   differentiable too when spec.return_residuals is set: its cotangent enters the backward as
@@ -53,7 +55,7 @@ def make_flash_attention(forward: Forward, backward: Backward,
 
   if partition:
     when = partition if callable(partition) else (lambda spec: True)
-    forward, backward = partitioned(forward, backward, when)
+    forward, backward = partitioned(forward, backward, when, sequence=context_parallel)
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
   def attention(spec, config, ops):

@@ -1,8 +1,9 @@
-"""Attention that partitions itself under jax.sharding: over batch and heads, never over sequence.
+"""Attention that partitions itself under jax.sharding: over batch, heads and (context parallel)
+the sequence.
 
 XLA cannot split a Pallas call: inside a jit over sharded arrays it would gather q, k and v onto
 every device. `partitioned(forward, backward)` makes each device run the kernels on its own batch
-rows and heads, in one of three ways:
+rows, heads and queries, in one of three ways:
 
 - Auto mesh axes (a `Mesh(...)`, or arrays placed by jit's in_shardings): the operands' shardings
   are known only when XLA partitions the program, so both passes are
@@ -23,21 +24,31 @@ rows and heads, in one of three ways:
   rounding, not bitwise the one-device call's where heads are split.
 
 Every rule is derived from the operand table (`stable_attn.spec`): an array is split along its
-"batch" axis like the query's batch and along its "heads" / "kv_heads" axis like the query's
-heads; its other axes ("query", "key", "head_dim") stay whole; a broadcast dim of size 1 is
-replicated (the gradient of such a bias is then summed over the devices). The backward's own
-inputs (O residual, dO: ROW_AXES; LSE, dLSE: LSE_AXES) and every output follow the same rule, so
-adding an operand is one table row.
+"batch" axis like the query's batch, along its "heads" / "kv_heads" axis like the query's heads
+and along its "query" axis like the query's sequence; "key" and "head_dim" stay whole; a
+broadcast dim of size 1 is replicated (the gradient of such a bias is then summed over the
+devices). The backward's own inputs (O residual, dO: ROW_AXES; LSE, dLSE: LSE_AXES) and every
+output follow the same rule, so adding an operand is one table row.
 
-Sequence (T, S) or head-dim sharding of q, k or v raises ValueError: the kernels need whole rows
-(with Auto axes it is raised while XLA partitions the program, wrapped in its JaxRuntimeError;
-with Explicit axes at trace time). Under `jax.vmap` the vmapped axis joins the batch
-(custom_partitioning has no batching rule of its own).
+Context parallelism (backends built with `context_parallel`, whose kernels take the q_shift
+operand: the GPU ones). Where q's sequence is split over mesh axes, each device holds T / n of
+the queries and XLA all-gathers K and V (and the key segment ids, and a bias's or mask's key
+columns) to every device, as the specs ask: the "allgather" strategy. A device runs its kernels
+once per run of consecutive positions it holds (one run, or two in the zigzag order of
+`stable_attn.context`), each with q_shift = the run's first global position, so causal and window
+masks, lengths and "safe" offsets are the unsharded call's: O, LSE and dQ equal it bitwise. dK
+and dV are each device's queries' share for every key: summed in fp32 over the devices and cut
+back to each device's keys (a reduce-scatter); each share is rounded to the input dtype by its
+kernel first, so they are within bf16 rounding of the one-device call, not bitwise. A packed qkv
+is split on each device (its K and V gathered). The TPU kernels have no q_shift: there a
+sequence-sharded call raises ValueError, as does head-dim sharding everywhere (with Auto axes
+while XLA partitions the program, wrapped in its JaxRuntimeError; with Explicit axes at trace
+time). Under `jax.vmap` the vmapped axis joins the batch (custom_partitioning has no batching
+rule of its own).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -48,7 +59,9 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, 
                                                   custom_partitioning)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, auto_axes
 
-from stable_attn.spec import LSE_AXES, PARTITIONABLE, ROW_AXES, Operand, OperandTable
+from stable_attn import context
+from stable_attn.spec import (LSE_AXES, PARTITIONABLE, ROW_AXES, Operand, OperandTable, is_packed,
+                              unpack)
 
 # The backward's inputs after the operands, in order: O residual, LSE, dO, dLSE (when given).
 _BACKWARD_INPUTS = (Operand("o_res", ROW_AXES, "input"), Operand("lse", LSE_AXES, "float32"),
@@ -58,10 +71,12 @@ _FORWARD_OUTPUTS = (ROW_AXES, ROW_AXES, LSE_AXES)
 
 
 class _Layout(NamedTuple):
-  """Static: the operand table, the operands present (in table order), whether dLSE is passed."""
+  """Static: the operand table, the operands present (in table order), whether dLSE is passed,
+  whether the backend's kernels take a q_shift (may run context parallel)."""
   table: OperandTable
   names: tuple
   with_dlse: bool = False
+  sequence: bool = False
 
   def rows(self, n_arrays: int | None = None):
     """Table rows of the operands, then of the backward's inputs, for n_arrays arrays."""
@@ -101,9 +116,14 @@ def _broadcast_dim(row: Operand, dim: int, shape, sizes) -> bool:
 class _Axes(NamedTuple):
   batch: object   # mesh axis name(s) of the batch dim, or None
   heads: object   # mesh axis name(s) of the query-head dim, or None
+  seq: object = None   # mesh axis name(s) of the query's sequence dim (context parallel), or None
+  seq_devices: int = 1  # how many devices split it
 
   def of(self, axis: str):
-    return {"batch": self.batch, "heads": self.heads, "kv_heads": self.heads}.get(axis)
+    """The mesh axes an operand's `axis` is split over on each device. Keys stay whole: a
+    context-parallel device sees every key (XLA all-gathers K and V before the kernels)."""
+    return {"batch": self.batch, "heads": self.heads, "kv_heads": self.heads,
+            "query": self.seq}.get(axis)
 
 
 def _spec(arg, ndim: int):
@@ -119,22 +139,26 @@ def _axis_size(mesh, axes) -> int:
 
 
 def _axes(mesh, layout: _Layout, args) -> _Axes:
-  """The mesh axes of the query's batch and heads; ValueError where q, k or v are split along an
-  axis the kernels need whole, or the heads cannot follow the query's."""
+  """The mesh axes of the query's batch, heads and (context parallel) sequence; ValueError where
+  q, k or v are split along an axis the kernels need whole, or the heads cannot follow the
+  query's."""
   shapes = dict(zip(layout.names, args))
   inputs = [name for name in ("q", "k", "v", "qkv") if name in shapes]
+  splittable = PARTITIONABLE + (("query", "key") if layout.sequence else ())
   for name in inputs:
     row = layout.table[name]
     spec = _spec(shapes[name], len(row.axes))
-    split = [(a, s) for a, s in zip(row.axes, spec) if s is not None and a not in PARTITIONABLE]
+    split = [(a, s) for a, s in zip(row.axes, spec) if s is not None and a not in splittable]
     if split:
       what = {"q": "query", "k": "key", "v": "value", "qkv": "packed qkv"}[name]
-      raise ValueError(f"stable_attn.dot_product_attention partitions over batch and heads only; "
-                       f"the {what} is sharded as {P(*spec)} (its {split[0][0]} dim over "
-                       f"{split[0][1]}). Reshard it to P(batch_axes, ..., head_axes, None) first")
+      over = ("batch, heads and the sequence (context parallel)" if layout.sequence else
+              "batch and heads only (this backend has no context parallelism)")
+      raise ValueError(f"stable_attn.dot_product_attention partitions over {over}; the {what} is "
+                       f"sharded as {P(*spec)} (its {split[0][0]} dim over {split[0][1]}). "
+                       f"Reshard it to P(batch_axes, ..., head_axes, None) first")
   row = layout.table[inputs[0]]   # q, or the packed qkv
   q_spec = dict(zip(row.axes, _spec(shapes[inputs[0]], len(row.axes))))
-  n = q_spec["heads"]
+  n, seq = q_spec["heads"], q_spec["query"]
   shards = _axis_size(mesh, n)
   sizes = _sizes([layout.table[name] for name in inputs], [shapes[x].shape for x in inputs])
   N, K = sizes["heads"], sizes.get("kv_heads", sizes["heads"])
@@ -142,7 +166,11 @@ def _axes(mesh, layout: _Layout, args) -> _Axes:
     raise ValueError(f"the query heads are sharded {shards} ways over {n}, which must divide both "
                      f"N={N} query heads and K={K} key/value heads (each device keeps whole GQA "
                      f"groups); shard fewer ways or replicate the heads")
-  return _Axes(q_spec["batch"], n)
+  if seq is not None and sizes["query"] % _axis_size(mesh, seq):
+    raise ValueError(f"the query's sequence is sharded {_axis_size(mesh, seq)} ways over {seq}, "
+                     f"which must divide its length T={sizes['query']} (context parallel: each "
+                     f"device holds T / devices consecutive positions)")
+  return _Axes(q_spec["batch"], n, seq, _axis_size(mesh, seq))
 
 
 def _partition_spec(row: Operand, shape, sizes, axes: _Axes) -> P:
@@ -185,8 +213,10 @@ def _rule(layout: _Layout, value_types, n_results: int, backward: bool):
   else:
     results = [ArrayMapping(*(factors[a] for a in axes)) for axes in _FORWARD_OUTPUTS]
   assert len(results) == n_results
-  # The factors the kernels need whole, in order of first appearance (as Shardy requires).
-  whole = [factors[a] for row in rows for a in row.axes if a not in PARTITIONABLE]
+  # The factors the kernels need whole, in order of first appearance (as Shardy requires); the
+  # query's sequence may be split where the kernels run context parallel.
+  splittable = PARTITIONABLE + (("query",) if layout.sequence else ())
+  whole = [factors[a] for row in rows for a in row.axes if a not in splittable]
   return SdyShardingRule(tuple(mappings), tuple(results),
                          need_replication_factors=tuple(dict.fromkeys(whole)),
                          **({"grp": G} if G > 1 else {}))
@@ -212,25 +242,31 @@ def _forward_specs(axes: _Axes, specs=None):
   return [P(*(axes.of(a) for a in out_axes)) for out_axes in _FORWARD_OUTPUTS]
 
 
-def partitioned(forward: Callable, backward: Callable, when: Callable = lambda spec: True):
+def partitioned(forward: Callable, backward: Callable, when: Callable = lambda spec: True, *,
+                sequence: bool = False):
   """(forward, backward) with make_flash_attention's signatures, partitioned over batch and heads
-  for the specs where when(spec) holds (and run as given for the others)."""
+  for the specs where when(spec) holds (and run as given for the others); with `sequence` (the
+  kernels take a q_shift) over the query's sequence too, context parallel."""
 
-  def fwd_flat(spec, config, layout, *arrays):
-    return tuple(forward(spec, config, layout.ops(arrays)))
+  def fwd_local(spec, config, layout, axes: _Axes):
+    """One device's forward."""
+    def local(*arrays):
+      return _context_forward(forward, spec, config, axes, layout.ops(arrays))
+    return local
 
-  def bwd_flat(spec, config, layout, *arrays):
+  def bwd_flat(spec, config, layout, axes: _Axes, *arrays):
     n = len(layout.names)
     o_res, lse, do = arrays[n:n + 3]
     dlse = arrays[n + 3] if layout.with_dlse else None
-    grads = backward(spec, config, layout.ops(arrays[:n]), o_res, lse, do, dlse)
+    grads = _context_backward(backward, spec, config, axes, layout.ops(arrays[:n]), o_res, lse,
+                              do, dlse)
     return tuple(g for g in grads if g is not None)
 
   def bwd_local(spec, config, layout, axes: _Axes, grad_specs):
     """One device's backward: where an operand is broadcast over a split axis (its gradient's spec
     keeps that dim whole), each device holds a partial sum, summed over the devices here."""
     def local(*arrays):
-      grads = list(bwd_flat(spec, config, layout, *arrays))
+      grads = list(bwd_flat(spec, config, layout, axes, *arrays))
       for i, (row, kept) in enumerate(zip(layout.grad_rows(), grad_specs)):
         for axis, dim_spec in zip(row.axes, kept):
           if axes.of(axis) is not None and dim_spec is None:
@@ -238,8 +274,13 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
       return tuple(grads)
     return local
 
-  fwd_cp = custom_partitioning(fwd_flat, static_argnums=(0, 1, 2))
-  bwd_cp = custom_partitioning(bwd_flat, static_argnums=(0, 1, 2))
+  # What XLA traces where it does not partition (one device): axes that split nothing.
+  fwd_cp = custom_partitioning(lambda spec, config, layout, *arrays:
+                               fwd_local(spec, config, layout, _Axes(None, None))(*arrays),
+                               static_argnums=(0, 1, 2))
+  bwd_cp = custom_partitioning(lambda spec, config, layout, *arrays:
+                               bwd_flat(spec, config, layout, _Axes(None, None), *arrays),
+                               static_argnums=(0, 1, 2))
 
   def fwd_shardings(spec, config, layout, mesh, args):
     axes = _axes(mesh, layout, args)
@@ -247,13 +288,13 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
 
   def fwd_partition(spec, config, layout, mesh, args, result_shape):
     in_shardings, out_shardings = fwd_shardings(spec, config, layout, mesh, args)
-    return mesh, _per_device(mesh, functools.partial(fwd_flat, spec, config, layout)), \
-        out_shardings, in_shardings
+    local = fwd_local(spec, config, layout, _axes(mesh, layout, args))
+    return mesh, _per_device(mesh, local), out_shardings, in_shardings
 
   def bwd_shardings(spec, config, layout, mesh, args):
     axes = _axes(mesh, layout, args[:len(layout.names)])
     specs = _arg_specs(layout, args, axes)
-    return axes, _named(mesh, specs), _named(mesh, _grad_specs(layout, specs))
+    return axes, _named(mesh, specs), _named(mesh, _grad_specs(layout, specs, axes))
 
   def bwd_partition(spec, config, layout, mesh, args, result_shape):
     axes, in_shardings, out_shardings = bwd_shardings(spec, config, layout, mesh, args)
@@ -267,11 +308,11 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
     if not when(spec):
       return forward(spec, config, ops)
     layout, arrays = _flat(ops)
+    layout = layout._replace(sequence=sequence)
     batched = lambda run: lambda *a: _batched(run, layout, a, grads=False)
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
-      return _shard_mapped(lambda axes, specs: batched(functools.partial(fwd_flat, spec, config,
-                                                                         layout)),
+      return _shard_mapped(lambda axes, specs: batched(fwd_local(spec, config, layout, axes)),
                            layout, arrays, mesh, _forward_specs)
     call = batched(lambda *b: fwd_cp(spec, config, layout, *b))
     return _auto_axes(call, layout, arrays, _forward_specs)
@@ -280,10 +321,10 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
     if not when(spec):
       return backward(spec, config, ops, o_res, lse, do, dlse)
     layout, arrays = _flat(ops)
-    layout = layout._replace(with_dlse=dlse is not None)
+    layout = layout._replace(with_dlse=dlse is not None, sequence=sequence)
     arrays = arrays + [o_res, lse, do] + ([dlse] if dlse is not None else [])
     batched = lambda run: lambda *a: _batched(run, layout, a, grads=True)
-    grad_specs = lambda axes, specs: _grad_specs(layout, specs)
+    grad_specs = lambda axes, specs: _grad_specs(layout, specs, axes)
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
       grads = _shard_mapped(
@@ -299,10 +340,101 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
   return forward_partitioned, backward_partitioned
 
 
-def _grad_specs(layout: _Layout, specs):
-  """Each gradient's spec: its operand's (a broadcast dim whole: summed over the devices)."""
+def _grad_specs(layout: _Layout, specs, axes: _Axes):
+  """Each gradient's spec: its operand's (a broadcast dim whole: summed over the devices), but
+  split over the sequence's devices along the keys of a key-only operand (dK, dV:
+  `_context_backward` scatters them)."""
   by_name = dict(zip(layout.names, specs))
-  return [by_name[row.name] for row in layout.grad_rows()]
+  out = []
+  for row in layout.grad_rows():
+    spec = by_name[row.name]
+    if axes.seq is not None and "key" in row.axes and "query" not in row.axes:
+      spec = P(*(axes.seq if a == "key" else d for a, d in zip(row.axes, spec)))
+    out.append(spec)
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallel: each device holds T / n of the queries and sees every key
+# ---------------------------------------------------------------------------------------------
+
+def _context_calls(spec, axes: _Axes, ops):
+  """One device's kernel calls of a sequence-sharded call: for each run of consecutive positions
+  it holds (stable_attn.context: one contiguous run, or two under the zigzag order), that run's
+  rows (start, stop) and its operands -- its queries, q_shift (the global position of its first
+  row), its own rows' query lengths and "safe" offsets -- and every key in natural order (XLA
+  gathered K and V to each device as the specs ask; a packed q, k, v becomes split operands, K and
+  V gathered here). Not sequence-sharded: the one call as it is."""
+  if axes.seq is None:
+    return [((None, None), ops)]
+  T = (ops.qkv if is_packed(ops) else ops.q).shape[1]
+  n = axes.seq_devices
+  if _zigzag(spec, axes) and T % 2:
+    raise ValueError(f"context_layout='zigzag' over {n} devices needs a sequence length divisible "
+                     f"by {2 * n} (two equal chunks on each device), got {T * n}")
+  device = lax.axis_index(axes.seq).astype(jnp.int32)
+  if is_packed(ops):
+    kv = lax.all_gather(ops.qkv[:, :, 1:], axes.seq, axis=1, tiled=True)
+    ops = unpack(ops)._replace(k=kv[:, :, 0], v=kv[:, :, 1])
+  offsets = ops.offset
+  if _zigzag(spec, axes):
+    # The keys came in the caller's zigzag order; each run's offsets are at its global positions.
+    natural = lambda x: None if x is None else context.unzigzag(x, n)
+    ops = ops._replace(k=natural(ops.k), v=natural(ops.v), kv_seg=natural(ops.kv_seg))
+    if offsets is not None:
+      offsets = lax.all_gather(offsets, axes.seq, axis=1, tiled=True)
+  calls = []
+  for chunk in context.device_chunks(spec.context_layout, T, n, device):
+    rows, size = slice(chunk.start, chunk.stop), chunk.stop - chunk.start
+    offset = offsets
+    if offsets is not None:
+      offset = (lax.dynamic_slice_in_dim(offsets, chunk.shift, size, axis=1)
+                if _zigzag(spec, axes) else offsets[:, rows])
+    calls.append(((chunk.start, chunk.stop), ops._replace(
+        q=ops.q[:, rows], q_seg=None if ops.q_seg is None else ops.q_seg[:, rows], offset=offset,
+        q_lens=jnp.clip(ops.q_lens - chunk.shift, 0, size),
+        q_shift=jnp.full_like(ops.q_lens, chunk.shift))))
+  return calls
+
+
+def _zigzag(spec, axes: _Axes) -> bool:
+  return spec.context_layout == "zigzag" and axes.seq_devices > 1
+
+
+def _context_forward(forward: Callable, spec, config, axes: _Axes, ops):
+  """(O, O residual, LSE) of one device: its runs' kernel calls, joined along the queries."""
+  outs = [forward(spec, config, run_ops) for _, run_ops in _context_calls(spec, axes, ops)]
+  if len(outs) == 1:
+    return tuple(outs[0])
+  return tuple(jnp.concatenate(parts, axis=axis)
+               for parts, axis in zip(zip(*outs), (1, 1, 2)))
+
+
+def _context_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res, lse, do, dlse):
+  """One device's gradients of its own operands: each run's backward on its rows; dK and dV hold
+  the device's queries' share for every key, summed in fp32 over the runs and the devices and
+  each device's keys kept (a reduce-scatter, in the caller's key order); a packed call's dq, dk,
+  dv stacked into its dqkv."""
+  if axes.seq is None:
+    return backward(spec, config, ops, o_res, lse, do, dlse)
+  calls = _context_calls(spec, axes, ops)
+  rows = lambda x, a, b, axis: None if x is None else lax.slice_in_dim(x, a, b, axis=axis)
+  runs = [backward(spec, config, run_ops, rows(o_res, a, b, 1), rows(lse, a, b, 2),
+                   rows(do, a, b, 1), rows(dlse, a, b, 2))
+          for (a, b), run_ops in calls]
+  if len(runs) > 1 and any(g is not None for run in runs for g in run[3:]):
+    raise AssertionError("a zigzag call has no bias (refused by canonicalize)")
+  dq = jnp.concatenate([run[0] for run in runs], axis=1)
+  keys = lambda i: sum(run[i].astype(jnp.float32) for run in runs)
+  dk, dv = keys(1), keys(2)
+  if _zigzag(spec, axes):
+    dk, dv = context.zigzag(dk, axes.seq_devices), context.zigzag(dv, axes.seq_devices)
+  scatter = lambda g, like: lax.psum_scatter(g, axes.seq, scatter_dimension=1,
+                                             tiled=True).astype(like.dtype)
+  dk, dv = scatter(dk, runs[0][1]), scatter(dv, runs[0][2])
+  if is_packed(ops):
+    return (jnp.stack([dq, dk, dv], axis=2), *runs[0][3:])
+  return (dq, dk, dv, *runs[0][3:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +457,8 @@ def _shard_mapped(make_local: Callable, layout: _Layout, arrays, mesh, out_specs
   """make_local(axes, specs)(*shards), each device's call, under jax.shard_map over `mesh`: the
   operands resharded to the table's specs first (a no-op where they already are), results split
   by out_specs(axes, specs); with `restore`, each result resharded back to its operand's own
-  sharding (gradients). Sequence-split queries are refused here, at trace time."""
+  sharding (gradients). Inputs split where the kernels cannot take them are refused here, at trace
+  time."""
   n_ops = len(layout.names)
   types = [jax.typeof(x) for x in arrays]
   axes = _axes(mesh, layout, types[:n_ops])
@@ -360,9 +493,9 @@ def _per_device(mesh, fn: Callable) -> Callable:
 def _auto_axes(call: Callable, layout: _Layout, arrays, out_specs: Callable):
   """call(*arrays), with the mesh's Explicit axes made Auto inside it (where custom_partitioning
   splits the kernels) when the operands' types carry some (a mesh of Explicit and Auto axes); a
-  sequence-sharded query is rejected here, at trace time. out_specs(axes, operand specs) -> result
-  specs. auto_axes works in the context's mesh: without jax.set_mesh it is entered here, or the
-  types inside keep their Explicit shardings (and a Pallas kernel's refs with them)."""
+  query sharded where the kernels cannot take it is rejected here, at trace time. out_specs(axes,
+  operand specs) -> result specs. auto_axes works in the context's mesh: without jax.set_mesh it
+  is entered here, or the types inside keep their Explicit shardings (and a Pallas kernel's refs with them)."""
   mesh = getattr(jax.typeof(arrays[0]).sharding, "mesh", None)
   explicit = tuple(name for name, kind in zip(getattr(mesh, "axis_names", ()),
                                               getattr(mesh, "axis_types", ()))

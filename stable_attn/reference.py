@@ -245,15 +245,22 @@ def _visited(lo, hi, ranges):
   return blocks.within_segments(lo, hi, None if ranges is None else tuple(ranges))
 
 
-def _tile_scores(spec: AttentionSpec, dt, q_blk, k_blk, b_blk, m_blk, q_pos, k_pos, q_len, kv_len):
+def _tile_scores(spec: AttentionSpec, dt, q_blk, k_blk, b_blk, m_blk, q_pos, k_pos, lens):
+  q_len, kv_len, shift = lens
   ok = tile.visible(q_pos, k_pos, q_len, kv_len, causal=spec.is_causal, window=spec.window,
-                    mask=m_blk)
+                    mask=m_blk, shift=shift)
   return tile.scores(tile.matmul(q_blk, k_blk, transpose_b=True), ok, scale=spec.scale,
                      bias=b_blk, dt=dt, round_fn=_ROUND, soft_cap=spec.logits_soft_cap)
 
 
 def _axis(x):
   return None if x is None else 0
+
+
+def _lens(x: Operands):
+  """Each batch row's (query length, key length, q_shift): what positions the masks compare."""
+  shift = jnp.zeros_like(x.q_lens) if x.q_shift is None else x.q_shift
+  return x.q_lens, x.kv_lens, shift
 
 
 def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
@@ -263,11 +270,11 @@ def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
   geo, pad, x = lay.geo, lay.pad, lay.x
   num_kv = pad.S // bk
 
-  def one_block(q_blk, k_all, v_all, bias_rows, mask_rows, q_len, kv_len, ranges, offset, sink,
-                q_start):
+  def one_block(q_blk, k_all, v_all, bias_rows, mask_rows, lens, ranges, offset, sink, q_start):
     q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
-    lo, hi = _visited(*blocks.kv_block_range(q_start, bq, bk, num_kv, causal=spec.is_causal,
-                                             window=spec.window, kv_len=kv_len), ranges)
+    lo, hi = _visited(*blocks.kv_block_range(q_start + lens[2], bq, bk, num_kv,
+                                             causal=spec.is_causal, window=spec.window,
+                                             kv_len=lens[1]), ranges)
 
     def body(j, carry):
       acc, stats = carry
@@ -275,7 +282,7 @@ def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
       v_blk = lax.dynamic_slice_in_dim(v_all, k_start, bk)
       s = _tile_scores(spec, dt, q_blk, lax.dynamic_slice_in_dim(k_all, k_start, bk),
                        _slice(bias_rows, k_start, bk, 1), _slice(mask_rows, k_start, bk, 1),
-                       q_pos, k_start + jnp.arange(bk, dtype=jnp.int32), q_len, kv_len)
+                       q_pos, k_start + jnp.arange(bk, dtype=jnp.int32), lens)
       p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
                                      beta=spec.beta, offset=offset, round_fn=_ROUND)
       pv = tile.matmul(p, v_blk.astype(dt.p))
@@ -291,11 +298,11 @@ def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
   offsets = None if x.offset is None else x.offset.reshape(geo.N, nq, bq)
   b_ax, m_ax, r_ax = _axis(lay.bias), _axis(lay.mask), _axis(lay.kv_ranges)
   o_ax, s_ax = _axis(offsets), _axis(x.sinks)
-  fn = jax.vmap(one_block, (0, None, None, b_ax, m_ax, None, None, r_ax, o_ax, None, 0))  # q blocks
-  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, None, None, None, o_ax, s_ax, None))          # heads
-  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, r_ax, None, None, None))                # batch
+  fn = jax.vmap(one_block, (0, None, None, b_ax, m_ax, None, r_ax, o_ax, None, 0))  # q blocks
+  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, None, None, o_ax, s_ax, None))          # heads
+  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, r_ax, None, None, None))             # batch
   o, o_res, lse = fn(lay.q.reshape(geo.B, geo.N, nq, bq, geo.H), lay.k, lay.v, rows(lay.bias),
-                     rows(lay.mask), x.q_lens, x.kv_lens, lay.kv_ranges, offsets, x.sinks, starts)
+                     rows(lay.mask), _lens(x), lay.kv_ranges, offsets, x.sinks, starts)
   to_btnh = lambda a: unpad(jnp.swapaxes(a.reshape(geo.B, geo.N, pad.T, geo.H), 1, 2), ROW_AXES,
                             geo)
   return to_btnh(o), to_btnh(o_res), unpad(lse.reshape(geo.B, geo.N, pad.T), LSE_AXES, geo)
@@ -315,17 +322,18 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
   q, k, v, bias, mask = lay.q, lay.k, lay.v, lay.bias, lay.mask
 
   def tile_grads(q_blk, k_blk, v_blk, do_blk, lse_blk, delta_blk, b_blk, m_blk, q_pos, k_pos,
-                 q_len, kv_len):
-    s = _tile_scores(spec, dt, q_blk, k_blk, b_blk, m_blk, q_pos, k_pos, q_len, kv_len)
+                 lens):
+    s = _tile_scores(spec, dt, q_blk, k_blk, b_blk, m_blk, q_pos, k_pos, lens)
     dp = tile.matmul(do_blk, v_blk, transpose_b=True)
     return tile.backward_tile(s, lse_blk, dp, delta_blk, in_dtype=in_dtype, round_fn=_ROUND)
 
   # dQ (and dS for dbias): each query block loops over its visible key blocks.
-  def dq_block(q_blk, k_all, v_all, do_blk, lse_blk, delta_blk, bias_rows, mask_rows, q_len,
-               kv_len, ranges, q_start):
+  def dq_block(q_blk, k_all, v_all, do_blk, lse_blk, delta_blk, bias_rows, mask_rows, lens,
+               ranges, q_start):
     q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
-    lo, hi = _visited(*blocks.kv_block_range(q_start, bq, bk, pad.S // bk, causal=spec.is_causal,
-                                             window=spec.window, kv_len=kv_len), ranges)
+    lo, hi = _visited(*blocks.kv_block_range(q_start + lens[2], bq, bk, pad.S // bk,
+                                             causal=spec.is_causal, window=spec.window,
+                                             kv_len=lens[1]), ranges)
 
     def body(j, carry):
       dq, ds_rows = carry
@@ -334,7 +342,7 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
       g = tile_grads(q_blk, k_blk, lax.dynamic_slice_in_dim(v_all, k_start, bk), do_blk,
                      lse_blk, delta_blk, _slice(bias_rows, k_start, bk, 1),
                      _slice(mask_rows, k_start, bk, 1), q_pos,
-                     k_start + jnp.arange(bk, dtype=jnp.int32), q_len, kv_len)
+                     k_start + jnp.arange(bk, dtype=jnp.int32), lens)
       dq = dq + tile.matmul(g.ds_op, k_blk) * spec.scale
       if ds_rows is not None:
         ds_rows = lax.dynamic_update_slice_in_dim(ds_rows, g.ds, k_start, 1)
@@ -344,11 +352,12 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
     return lax.fori_loop(lo, hi, body, (jnp.zeros((bq, geo.H), jnp.float32), ds_rows))
 
   # dK, dV: each key block loops over the query blocks that see it.
-  def dkv_block(k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_cols, mask_cols, q_len,
-                kv_len, ranges, k_start):
+  def dkv_block(k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_cols, mask_cols, lens,
+                ranges, k_start):
     k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
-    lo, hi = _visited(*blocks.q_block_range(k_start, bk, bq, pad.T // bq, causal=spec.is_causal,
-                                            window=spec.window, q_len=q_len), ranges)
+    lo, hi = _visited(*blocks.q_block_range(k_start - lens[2], bk, bq, pad.T // bq,
+                                            causal=spec.is_causal, window=spec.window,
+                                            q_len=lens[0]), ranges)
 
     def body(i, carry):
       dk, dv = carry
@@ -358,7 +367,7 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
       g = tile_grads(q_blk, k_blk, v_blk, do_blk, lax.dynamic_slice_in_dim(lse_all, q_start, bq),
                      lax.dynamic_slice_in_dim(delta_all, q_start, bq),
                      _slice(bias_cols, q_start, bq, 0), _slice(mask_cols, q_start, bq, 0),
-                     q_start + jnp.arange(bq, dtype=jnp.int32), k_pos, q_len, kv_len)
+                     q_start + jnp.arange(bq, dtype=jnp.int32), k_pos, lens)
       dv = dv + tile.matmul(g.p, do_blk, transpose_a=True)
       dk = dk + tile.matmul(g.ds_op, q_blk, transpose_a=True) * spec.scale
       return dk, dv
@@ -373,21 +382,21 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
   row_blocks = lambda a: None if a is None else a.reshape(geo.B, geo.N, nq, bq, *a.shape[3:])
 
   r_ax = _axis(lay.kv_ranges)
-  fn = jax.vmap(dq_block, (0, None, None, 0, 0, 0, b_ax, m_ax, None, None, r_ax, 0))
-  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None, None))
-  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, 0, r_ax, None))
+  fn = jax.vmap(dq_block, (0, None, None, 0, 0, 0, b_ax, m_ax, None, r_ax, 0))
+  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None))
+  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, r_ax, None))
   dq, ds = fn(row_blocks(q), k, v, row_blocks(do_h), row_blocks(lse), row_blocks(delta),
-              row_blocks(bias), row_blocks(mask), x.q_lens, x.kv_lens, lay.kv_ranges, q_starts)
+              row_blocks(bias), row_blocks(mask), _lens(x), lay.kv_ranges, q_starts)
 
   col_blocks = lambda a: None if a is None else jnp.moveaxis(
       a.reshape(geo.B, geo.N, pad.T, nk, bk), 3, 2)                           # [B,N,nk,Tp,bk]
   r_ax = _axis(lay.q_ranges)
-  fn = jax.vmap(dkv_block, (0, 0, None, None, None, None, b_ax, m_ax, None, None, r_ax, 0))
-  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None, None))
-  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, 0, r_ax, None))
+  fn = jax.vmap(dkv_block, (0, 0, None, None, None, None, b_ax, m_ax, None, r_ax, 0))
+  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None))
+  fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, r_ax, None))
   kv_blocks = lambda a: a.reshape(geo.B, geo.N, nk, bk, geo.H)
   dk, dv = fn(kv_blocks(k), kv_blocks(v), q, do_h, lse, delta, col_blocks(bias),
-              col_blocks(mask), x.q_lens, x.kv_lens, lay.q_ranges, k_starts)
+              col_blocks(mask), _lens(x), lay.q_ranges, k_starts)
 
   to_btnh = lambda a, length_axes: unpad(jnp.swapaxes(a, 1, 2), length_axes, geo)
   dq = to_btnh(dq.reshape(geo.B, geo.N, pad.T, geo.H), ROW_AXES).astype(in_dtype)

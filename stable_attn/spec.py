@@ -50,6 +50,8 @@ class AttentionSpec:
   return_residuals: bool = False            # the caller also wants the (differentiable) LSE
   # The backward must sum each gradient in a fixed order (no reduce-adds in CTA order).
   deterministic: bool = False
+  # How a sequence sharded over devices is ordered (stable_attn.context): "contiguous" | "zigzag".
+  context_layout: str = "contiguous"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +164,11 @@ OPERANDS = OperandTable([
     # position). An operand rather than recomputed in every kernel: one definition, and a
     # partitioned call gets each shard's global rows.
     Operand("offset", ("heads", "query"), "float32", optional=True),
+    # Where a batch row's queries stand among its keys: causal and window masks compare key k with
+    # query t + q_shift (lengths still count the call's own rows). Absent: 0. Built by
+    # stable_attn.partition for a sequence-sharded (context-parallel) call: each device's first
+    # global query position, its keys being the whole sequence.
+    Operand("q_shift", ("batch",), "int", optional=True),
     # Attention sinks: one logit per query head joining every row's denominator without a value
     # (gpt-oss / splash). Differentiable; its gradient needs only delta (flash.py).
     Operand("sinks", ("heads",), "float", optional=True, arg="sinks"),

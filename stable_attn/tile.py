@@ -209,7 +209,7 @@ def scores(qk, ok=None, *, scale: float, bias=None, dt: Dtypes, round_fn: RoundF
 
 
 def visible(q_pos, k_pos, q_len, kv_len, *, causal: bool, window, mask=None, q_seg=None,
-            kv_seg=None):
+            kv_seg=None, shift=0):
   """Which scores take part: bool [bq, bk] from int32 positions, either q_pos [bq] and k_pos [bk]
   or both already broadcast to the tile's shape (either orientation; Mosaic GPU makes them with
   a layout-aware iota). Segment ids q_seg / kv_seg (int32, shaped like the positions, or None)
@@ -217,9 +217,14 @@ def visible(q_pos, k_pos, q_len, kv_len, *, causal: bool, window, mask=None, q_s
 
   Semantics of jax.nn.dot_product_attention: causal keeps k <= q (top-left aligned when T != S),
   window (left, right) keeps q - left <= k <= q + right, lengths mask padding at the end.
+  shift (the q_shift operand; int32 scalar): the queries stand at q + shift among the keys (a
+  context-parallel shard's first global position). Measured in key coordinates, the query
+  positions and q_len move together, so q < q_len still counts the call's own rows.
   """
   rows_cols = lambda a, b: (a[:, None], b[None, :]) if a.ndim == 1 else (a, b)
   q, k = rows_cols(q_pos, k_pos)
+  if not (isinstance(shift, int) and shift == 0):
+    q, q_len = q + shift, q_len + shift
   ok = (q < q_len) & (k < kv_len)
   if causal:
     ok = ok & (k <= q)

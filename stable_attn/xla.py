@@ -31,9 +31,9 @@ def xla_attention(spec: AttentionSpec, ops: Operands):
   k_pos = jnp.arange(S, dtype=jnp.int32)
   round_fn = tile.round_exact
 
-  def one_head(q_h, k_h, v_h, bias_h, mask_h, q_len, kv_len, offset, sink):
+  def one_head(q_h, k_h, v_h, bias_h, mask_h, q_len, kv_len, shift, offset, sink):
     ok = tile.visible(q_pos, k_pos, q_len, kv_len, causal=spec.is_causal, window=spec.window,
-                      mask=mask_h)
+                      mask=mask_h, shift=shift)
     s = tile.scores(tile.matmul(q_h, k_h, transpose_b=True), ok, scale=spec.scale, bias=bias_h,
                     dt=dt, round_fn=round_fn, soft_cap=spec.logits_soft_cap)
     p, alpha, stats = tile.rescale(tile.init_stats(T, dt), s, dt=dt, max_adjust=spec.max_adjust,
@@ -47,9 +47,10 @@ def xla_attention(spec: AttentionSpec, ops: Operands):
   m_ax = None if mask is None else 0
   o_ax = None if ops.offset is None else 0
   s_ax = None if ops.sinks is None else 0
-  fn = jax.vmap(one_head, (0, 0, 0, b_ax, m_ax, None, None, o_ax, s_ax))
-  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, None, None))
-  o, lse = fn(q, k, v, bias, mask, ops.q_lens, ops.kv_lens, ops.offset, ops.sinks)
+  shift = jnp.zeros_like(ops.q_lens) if ops.q_shift is None else ops.q_shift
+  fn = jax.vmap(one_head, (0, 0, 0, b_ax, m_ax, None, None, None, o_ax, s_ax))
+  fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, 0, None, None))
+  o, lse = fn(q, k, v, bias, mask, ops.q_lens, ops.kv_lens, shift, ops.offset, ops.sinks)
   return jnp.swapaxes(o, 1, 2), public_lse(lse, spec)
 
 

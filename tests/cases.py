@@ -8,6 +8,11 @@ by relative Frobenius error with dtype-appropriate tolerances.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import chex
 import jax
@@ -190,3 +195,18 @@ def lower_vjp_for_cuda(flash, ops) -> str:
     return jax.jit(f).trace(ops).lower(lowering_platforms=("cuda",)).as_text()
   except NotImplementedError as e:
     pytest.skip(f"no CUDA lowering here: {e}")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_on_cpu_devices(script: str, devices: int = 8, timeout: float = 600) -> dict:
+  """Runs `script` (Python source that prints "RESULT" + a JSON object last) in a subprocess with
+  `devices` virtual CPU devices (XLA's host platform; the repo root is its working directory) and
+  returns that object; the subprocess's failure fails the test with the end of its stderr."""
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+         "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                        cwd=ROOT, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.split("RESULT")[-1])

@@ -193,21 +193,25 @@ def test_deterministic_refuses_the_fused_backward():
 def test_union_ranges_and_sections(wgs):
   """For random shapes and masks: each warpgroup computes exactly its own visible blocks (masked
   where needed), skips the rest of the union, and the union holds every warpgroup's blocks. With
-  3 warpgroups T is padded to 2 * block_q only, and the last CTA's rows before 0 are idle."""
+  3 warpgroups T is padded to 2 * block_q only, and the last CTA's rows before 0 are idle. Half
+  the draws shift the rows among the keys (q_shift: a context-parallel device's)."""
   rng = np.random.default_rng(wgs)
   for _ in range(200):
     bq, bk = 64, int(rng.choice([64, 128]))
     T, S = (int(x) * 64 for x in rng.integers(1, 12, 2))
     Tp, Sp = blocks.cdiv(T, 2 * bq) * 2 * bq, blocks.cdiv(S, bk) * bk
     q_len, kv_len = int(rng.integers(0, T + 1)), int(rng.integers(0, S + 1))
+    # Half the draws shifted (a context-parallel device's rows stand later among the keys).
+    shift = int(rng.integers(0, S)) if rng.integers(2) else 0
+    lens = common.Lengths(q_len, kv_len, shift)
     causal = bool(rng.integers(2))
     window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 300, 2))
     # The window as drawn: canonicalize would clamp it to the placeholder call's T = S = 128.
     spec = dataclasses.replace(_spec_ops(is_causal=causal)[0], window=window)
     call = common.Call(spec, None, Padded(Tp, Sp, 64), None, None)
     for cta in (common.cta_rows(call, wgs, bq, i)[1] for i in range(blocks.cdiv(Tp, wgs * bq))):
-      ranges = [common.kv_ranges_of(call, common.Ranges(), 0, 0, cta + w * bq, bq, bk, q_len,
-                                    kv_len, wgs=wgs) for w in range(wgs)]
+      ranges = [common.kv_ranges_of(call, common.Ranges(), 0, 0, cta + w * bq, bq, bk, lens,
+                                    wgs=wgs) for w in range(wgs)]
       lo, hi = (int(x) for x in common.union_range(*ranges))
       for w in range(wgs):
         a, b, c, d = (int(x) for x in common.clamp_ranges(ranges[w], lo, hi))
@@ -219,7 +223,7 @@ def test_union_ranges_and_sections(wgs):
           assert set(kinds.values()) <= {"skip"}, (cta, w)
           continue
         vis = np.asarray(tile.visible(cta + w * bq + np.arange(bq), np.arange(Sp), q_len, kv_len,
-                                      causal=causal, window=window))
+                                      causal=causal, window=window, shift=shift))
         for j in range(Sp // bk):
           block = vis[:, j * bk:(j + 1) * bk]
           if block.any():
@@ -239,18 +243,21 @@ def test_key_ranges_of_dkv_ctas(wgs):
     T, S = (int(x) * 64 for x in rng.integers(1, 12, 2))
     Tp, Sp = blocks.cdiv(T, bq) * bq, blocks.cdiv(S, 2 * bk) * 2 * bk
     q_len, kv_len = int(rng.integers(0, T + 1)), int(rng.integers(0, S + 1))
+    # Half the draws shifted (a context-parallel device's rows stand later among the keys).
+    shift = int(rng.integers(0, S)) if rng.integers(2) else 0
+    lens = common.Lengths(q_len, kv_len, shift)
     causal = bool(rng.integers(2))
     window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 300, 2))
     # The window as drawn: canonicalize would clamp it to the placeholder call's T = S = 128.
     spec = dataclasses.replace(_spec_ops(is_causal=causal)[0], window=window)
     call = common.Call(spec, None, Padded(Tp, Sp, 64), None, None)
     vis = np.asarray(tile.visible(np.arange(Tp), np.arange(Sp), q_len, kv_len, causal=causal,
-                                  window=window))
+                                  window=window, shift=shift))
     for cta in range(blocks.cdiv(Sp, wgs * bk)):
       for w in range(wgs):
         k_start = cta * wgs * bk + w * bk
         a, b, c, d = (int(x) for x in common.q_ranges_of(call, common.Ranges(), 0, 0, k_start, bk,
-                                                         bq, q_len, kv_len, wgs=wgs))
+                                                         bq, lens, wgs=wgs))
         if k_start >= Sp:
           assert a == b == c == d == 0, (cta, w)
           continue

@@ -3,16 +3,11 @@
 On 8 CPU devices (a subprocess with --xla_force_host_platform_device_count=8), the pallas_gpu
 kernels in interpret mode: q/k/v sharded over ("data", "model") on batch and heads (with a bias,
 sinks, segment ids and lengths) compile without any all-gather or all-to-all and give the unsharded
-values and gradients, with Auto and with Explicit mesh axes. Sequence-sharded inputs and head counts
-the mesh does not divide raise errors that say so.
+values and gradients, with Auto and with Explicit mesh axes. Head-dim-sharded inputs and head counts
+the mesh does not divide raise errors that say so (sequence-sharded ones run context parallel:
+tests/test_context_parallel.py).
 """
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +15,7 @@ import numpy as np
 import pytest
 
 import stable_attn
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.cases import ROOT, run_on_cpu_devices
 
 SCRIPT = r"""
 import json, sys
@@ -71,8 +65,8 @@ for mode in ("auto", "explicit"):
         scale=[float(jnp.max(jnp.abs(jnp.asarray(b, jnp.float32)))) for b in jax.tree.leaves(ref)],
         specs=[str(a.sharding.spec) for a in jax.tree.leaves(got[1])])
   errors = {{}}
-  bad = {{"sequence": (put(q, "data", "model"),) + sharded[1:],
-         "head_dim": (put(q, "data", None, None, "model"),) + sharded[1:]}}
+  # (A sequence-sharded q runs context parallel: tests/test_context_parallel.py.)
+  bad = {{"head_dim": (put(q, "data", None, None, "model"),) + sharded[1:]}}
   mesh8 = jax.make_mesh((1, 8), ("data", "model"), axis_types=(kind, kind))
   put8 = lambda x, *spec: jax.device_put(x, NamedSharding(mesh8, P(*spec)))
   # 8 query heads over 8 devices, but the 4 kv heads cannot follow them
@@ -95,13 +89,8 @@ print("RESULT" + json.dumps(out))
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["pallas_gpu"])
 def test_sharded_over_batch_and_heads(impl):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
   seed = int(np.random.default_rng().integers(1 << 16))
-  proc = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT), impl=impl, seed=seed)],
-                        env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  result = json.loads(proc.stdout.split("RESULT")[-1])
+  result = run_on_cpu_devices(SCRIPT.format(root=str(ROOT), impl=impl, seed=seed), timeout=900)
   for mode in ("auto", "explicit"):
     for max_adjust in ("safe", "off"):
       r = result[f"{mode}_{max_adjust}"]
@@ -114,12 +103,11 @@ def test_sharded_over_batch_and_heads(impl):
       assert "'data'" in q_spec and "'model'" in q_spec and "'model'" in k_spec
       assert "'model'" in bias_spec and "'model'" in sinks_spec
     errors = result[f"{mode}_errors"]
-    for name in ("sequence", "head_dim"):
-      assert errors[name] is not None, (mode, name)
-      assert "partitions over batch and heads only" in errors[name][1], errors[name]
+    assert errors["head_dim"] is not None, mode
+    assert "partitions over batch, heads and the sequence" in errors["head_dim"][1], errors
     assert "must divide both N=8 query heads and K=4" in errors["heads_8_ways"][1]
   # Explicit sharding is seen at trace time: a plain ValueError, before anything compiles.
-  assert result["explicit_errors"]["sequence"][0] == "ValueError"
+  assert result["explicit_errors"]["head_dim"][0] == "ValueError"
 
 
 def test_vmap_with_broadcast_bias():

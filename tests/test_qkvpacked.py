@@ -9,12 +9,6 @@ with -m gpu; the model's packed and split attention in tests/test_train_model.py
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +19,8 @@ from stable_attn.api import Options, canonicalize
 from stable_attn.layout import Geometry
 from stable_attn.reference import exact_attention
 from stable_attn.spec import OPERANDS, PACKED_OPERANDS, QKV_AXES, pack, unpack
+from tests.cases import ROOT, run_on_cpu_devices
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _inputs(rng, B=2, T=72, N=4, H=32, dtype=jnp.bfloat16):
@@ -162,13 +156,8 @@ def test_packed_operands_are_partitioned():
   """On 8 CPU devices, qkv sharded over batch and heads: each device's kernels see their own
   [B/2, T, 3, N/4, H] block, nothing is gathered, the packed gradient keeps qkv's sharding, and
   values and gradients are the unsharded ones (up to the loss sum's order)."""
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
   seed = int(np.random.default_rng().integers(1 << 16))
-  proc = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT), seed=seed)], env=env,
-                        capture_output=True, text=True, cwd=ROOT, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  result = json.loads(proc.stdout.split("RESULT")[-1])
+  result = run_on_cpu_devices(SCRIPT.format(root=str(ROOT), seed=seed))
   assert result["gathers"] == [], result
   assert [2, 40, 3, 2, 32] in result["seen"], result
   assert "'data'" in result["spec"] and "'model'" in result["spec"], result

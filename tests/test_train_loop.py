@@ -3,6 +3,7 @@ CLI."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -274,6 +275,30 @@ def test_spike_detection():
   assert early.loss_ema == pytest.approx(0.95 * 4.0 + 0.05 * 9.0)
 
 
+def test_the_schedule_line_says_where_a_run_does_not_leave_its_warm_up():
+  """Issue 48: `--config gpt2 --max-steps 80` logged "warm-up 2000, cosine to 6e-05 at 80" while the
+  lr stayed in the warm-up, reaching 2.4e-05."""
+  from train.optim import describe_schedule, lr_schedule
+  gpt2 = get_config("gpt2")
+  line, warning = describe_schedule(gpt2.replace(max_steps=80))
+  assert line == ("lr 0.0006 (warm-up 2000 steps, longer than this run's 80: the lr only reaches "
+                  "2.4e-05; --warmup-steps sets it)")
+  assert float(lr_schedule(gpt2.replace(max_steps=80))(79)) == pytest.approx(2.4e-5, rel=0.01)
+  assert warning == ("the warm-up (2000 steps) is longer than this run (80 steps): the lr rises to "
+                     "2.4e-05 at most, not to --lr 0.0006, and no cosine follows; --warmup-steps "
+                     "sets it")
+  assert describe_schedule(gpt2.replace(max_steps=2000))[0] == (
+      "lr 0.0006 (warm-up 2000 steps, as long as this run: no cosine follows; --warmup-steps sets "
+      "it)")
+  ends_early = gpt2.replace(max_steps=3000, lr_decay_steps=1500)
+  line, warning = describe_schedule(ends_early)
+  assert "then 6e-05 from step 2001: --lr-decay-steps 1500 ends the cosine within" in line, line
+  assert float(lr_schedule(ends_early)(2001)) == pytest.approx(6e-5) and warning
+  for cfg in (gpt2, gpt2.replace(max_steps=2002), micro(warmup_steps=0, max_steps=1)):
+    assert describe_schedule(cfg) == (f"lr {cfg.lr:g} (warm-up {cfg.warmup_steps}, cosine to "
+                                      f"{cfg.min_lr:g} at {cfg.decay_steps})", None)
+
+
 SHARDED = """
 import json, sys
 sys.path.insert(0, {root!r})
@@ -435,6 +460,98 @@ def test_cli_runs_a_job_and_reports_unreadable_checkpoints_in_one_line(tmp_path,
       f"Unterminated string starting at: line 1 column 18 (char 17)); move the directory away to "
       f"start afresh (tracebacks in {out / 'checkpoint_errors.log'})"]
   assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]
+
+
+def test_deterministic_sets_xla_flags_and_refuses_cudnn(tmp_path, monkeypatch, capsys):
+  """--deterministic appends XLA's flag to XLA_FLAGS (last, so that it wins over an earlier
+  `=false`); with jax.nn's cuDNN attention, which fails under it, exit code 2 naming both flags,
+  before anything is written."""
+  from train.cli import DETERMINISTIC_XLA_FLAG as FLAG, deterministic_xla_flags
+  assert FLAG == "--xla_gpu_deterministic_ops=true"
+  assert deterministic_xla_flags(None) == deterministic_xla_flags("  ") == FLAG
+  assert deterministic_xla_flags("--xla_gpu_deterministic_ops=false") == (
+      f"--xla_gpu_deterministic_ops=false {FLAG}")
+  assert deterministic_xla_flags(f"--xla_foo=1 {FLAG}") == f"--xla_foo=1 {FLAG}"
+  monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+  out = tmp_path / "out"
+  assert cli_main(["--attention", "cudnn", "--deterministic", "--data", ALICE, "--out-dir",
+                   str(out), "--no-progress"]) == 2
+  err = capsys.readouterr().err.splitlines()
+  assert len(err) == 1 and err[0].startswith(f"{PROG}: error: --attention cudnn cannot run under "
+                                             f"--deterministic"), err
+  assert os.environ["XLA_FLAGS"] == f"--xla_foo=1 {FLAG}" and not out.exists()
+  assert "bitwise-reproducible steps on GPUs" in build_parser().format_help()
+
+
+DETERMINISTIC_FIRST = """
+import sys
+import train.cli as cli
+# The flags --deterministic sets, swapped for one that CPU XLA shows: 3 devices if XLA read them,
+# that is if nothing before main's write started a JAX backend.
+cli.deterministic_xla_flags = lambda flags: "--xla_force_host_platform_device_count=3"
+cli._run = lambda args, cfg, opts: print("DEVICES", __import__("jax").device_count())
+sys.exit(cli.main(["--deterministic", "--no-compilation-cache"]))
+"""
+
+
+def test_deterministic_sets_xla_flags_before_jax_starts(tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "-c", DETERMINISTIC_FIRST], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and "DEVICES 3" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_python_m_train_without_tensorboardx_says_so_once_and_trains_on(tmp_path):
+  """One `python -m train` run (one, to keep the suite fast) for the lines of issues 48 and 44:
+  tensorboardX made unimportable (a package of that name that fails as a missing one does) gives
+  one line before the model is built, and the run trains on without tb/; a warm-up longer than the
+  run is kept (each step's lr is the long run's) and the log says so; against a peak far too low,
+  the first MFU above 100% gets one warning naming the peak, and the closing line calls it wrong;
+  --deterministic is logged, with the CPU's line."""
+  blocker = tmp_path / "blocker" / "tensorboardX"
+  blocker.mkdir(parents=True)
+  (blocker / "__init__.py").write_text(
+      "raise ModuleNotFoundError(\"No module named 'tensorboardX'\", name='tensorboardX')\n")
+  out = tmp_path / "out"
+  proc = subprocess.run(
+      [sys.executable, "-m", "train", "--config", "tiny", "--block-size", "32", "--batch-size",
+       "2", "--attention", "jax_xla", "--data", ALICE, "--max-steps", "3", "--log-every", "1",
+       "--eval-every", "0", "--monitor-every", "0", "--sample-tokens", "0", "--no-progress",
+       "--no-compilation-cache", "--deterministic", "--peak-tflops", "1e-9", "--out-dir",
+       str(out)],
+      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+      env={**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": f"{tmp_path / 'blocker'}{os.pathsep}{ROOT}"})
+  lines = proc.stdout.splitlines()
+  assert proc.returncode == 0, lines[-20:]
+  said = ("tensorboard: tensorboardX is not installed; metrics go to metrics.jsonl only "
+          "(--no-tensorboard silences this)")
+  assert lines.count(said) == 1 and (out / "train.log").read_text().count(said) == 1, lines
+  assert lines.index(said) < next(i for i, l in enumerate(lines) if "M parameters;" in l)
+  records = read_metrics(out)
+  assert [r["step"] for r in records] == [0, 1, 2] and not list(out.glob("tb/*tfevents*"))
+  # tiny's 20 warm-up steps, not scaled to the 3 of this run.
+  assert [r["lr"] for r in records] == pytest.approx([3e-3 * (s + 1) / 21 for s in range(3)])
+  assert any("; 3 steps; lr 0.003 (warm-up 20 steps, longer than this run's 3: the lr only reaches "
+             "0.00043; --warmup-steps sets it); AdamW" in line for line in lines), lines
+  warned = [line for line in lines if line.startswith("train: warning: ")]
+  assert len(warned) == 2, warned   # the warm-up's, then the first of two MFUs above 100%
+  assert warned[0] == ("train: warning: the warm-up (20 steps) is longer than this run (3 steps): "
+                       "the lr rises to 0.00043 at most, not to --lr 0.003, and no cosine follows; "
+                       "--warmup-steps sets it")
+  peak = "1e-09 TFLOP/s per device from --peak-tflops"
+  assert re.fullmatch(rf"train: warning: MFU [\d.]+% at step 1 is above 100%, so the peak it "
+                      rf"divides by \({re.escape(peak)}\) must be wrong; --peak-tflops sets one",
+                      warned[1]), warned[1]
+  (closing,) = [line for line in lines if line.startswith("train: median ")]
+  assert closing.endswith(f"% (above 100%, so the peak it divides by ({peak}) must be wrong; "
+                          f"--peak-tflops sets one)"), closing
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["mfu"] > 1 and (summary["mfu_peak"], summary["peak_tflops"]) == (peak, 1e-9)
+  assert any("; FSDP False; data parallel; deterministic True; " in line for line in lines), lines
+  assert ("train: --deterministic applies to GPUs (XLA's deterministic reductions); CPU XLA is "
+          "deterministic already") in lines
 
 
 def _free_port() -> int:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextvars
 import functools
+from typing import NamedTuple
 
 import jax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 import stable_attn
 
@@ -68,8 +69,11 @@ def _ours(implementation: str, max_adjust: str = "safe", numerics: str = "fast",
   # Pallas kernels (every implementation named pallas*) cannot compile for the CPU; there they run
   # in interpret mode (tests, smoke runs).
   interpret = implementation.startswith("pallas") and jax.default_backend() == "cpu"
+  # Under a context-parallel on_mesh the sequence arrives in the zigzag order.
+  layout = "zigzag" if context_devices() > 1 else "contiguous"
   return dict(is_causal=True, implementation=None if implementation == "auto" else implementation,
-              max_adjust=max_adjust, beta=beta, numerics=numerics, interpret=interpret)
+              max_adjust=max_adjust, beta=beta, numerics=numerics, interpret=interpret,
+              context_layout=layout)
 
 
 def resolved_implementation(mcfg) -> str:
@@ -104,25 +108,40 @@ def short_name(mcfg) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Several devices: each device attends over its own rows of the batch
+# Several devices: each device attends over its own rows of the batch (and, context parallel, its
+# share of each sequence)
 # ---------------------------------------------------------------------------------------------
+
+class _Placement(NamedTuple):
+  mesh: Mesh
+  context: int  # devices each sequence is split over (the 'context' axis); 1: natural order
+
 
 _MESH = contextvars.ContextVar("train_attention_mesh", default=None)
 
 
-def on_mesh(mesh, fn):
+def on_mesh(mesh, fn, *, split_sequence: bool = True):
   """fn, whose attention calls run on each device's rows of the batch under jax.shard_map over
-  `mesh` (a jax.sharding.Mesh whose every axis splits the batch: the trainer's data axis) while
-  it is traced. What the trainer jits (train, eval and monitor steps) is wrapped in it.
+  `mesh` (a jax.sharding.Mesh: the trainer's) while it is traced. What the trainer jits (train,
+  eval and monitor steps) is wrapped in it.
+
+  Context parallel (the mesh has a 'context' axis, split_sequence): fn's sequences come split
+  over that axis in the zigzag order (train.data lays batches out so); the model asks
+  `context_devices()` for its positions and document ids, and the attention runs stable_attn's
+  context-parallel path (keys and values all-gathered over the axis) with the sequence's
+  sharding stated explicitly. split_sequence=False: fn's sequences are whole and in order (the
+  monitors), its rows split over every device.
 
   Why not leave it to stable_attn's own partitioning (custom_partitioning, which the same call
   takes under a plain jit): XLA lowers that op's per-device program anew at every call site, so
   a 12-layer model lowered and compiled its kernels 12 times over (the sharded GPT-2 step
-  compiled in 63 s against 20 s on one GPU); under shard_map the layers share one jitted kernel
-  call, as on one device."""
+  compiled in 63 s against 20 s on one GPU); under shard_map, or with Explicit shardings (which
+  stable_attn splits at trace time), the layers share one jitted kernel call, as on one device."""
+  context = mesh.shape.get("context", 1) if split_sequence else 1
+
   @functools.wraps(fn)
   def traced(*args, **kwargs):
-    token = _MESH.set(mesh)
+    token = _MESH.set(_Placement(mesh, context))
     try:
       return fn(*args, **kwargs)
     finally:
@@ -130,13 +149,67 @@ def on_mesh(mesh, fn):
   return traced
 
 
+def jit_on_mesh(mesh, fn, *, split_sequence: bool = True, **jit_kwargs):
+  """jax.jit(on_mesh(mesh, fn, split_sequence=...), **jit_kwargs). Context parallel, the result
+  traces, lowers and runs with `mesh` set (jax.set_mesh): the attention's Explicit shardings
+  (`_context_parallel`) are only built in a concrete mesh's context."""
+  jitted = jax.jit(on_mesh(mesh, fn, split_sequence=split_sequence), **jit_kwargs)
+  if not split_sequence or mesh.shape.get("context", 1) == 1:
+    return jitted
+  return _InMesh(jitted, mesh)
+
+
+class _InMesh:
+  """A jitted function called and lowered inside jax.set_mesh(mesh)."""
+
+  def __init__(self, jitted, mesh):
+    self.jitted, self.mesh = jitted, mesh
+
+  def __call__(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args, **kwargs)
+
+
+def context_devices() -> int:
+  """How many devices the sequences being traced are split over, in the zigzag order of
+  stable_attn.context (1: whole, natural order): the `context` of the enclosing on_mesh."""
+  placement = _MESH.get()
+  return 1 if placement is None else placement.context
+
+
 def _per_device(call, *arrays):
   """call(*arrays) -- each [B, ...] or None -- on each device's rows under the mesh of `on_mesh`;
   directly where there is none, one device, or a batch the mesh does not divide (the sampler's
-  single row: stable_attn partitions that call itself)."""
-  mesh = _MESH.get()
+  single row: stable_attn partitions that call itself). Context parallel: with the batch over
+  'data' and the sequence over 'context' made Explicit, stable_attn splits the call itself."""
+  placement = _MESH.get()
+  if placement is not None and placement.context > 1:
+    return _context_parallel(call, placement.mesh, *arrays)
+  mesh = None if placement is None else placement.mesh
   if mesh is None or mesh.size == 1 or arrays[0].shape[0] % mesh.size:
     return call(*arrays)
   rows = P(tuple(mesh.axis_names))
   return jax.shard_map(call, mesh=mesh, in_specs=tuple(None if a is None else rows for a in arrays),
                        out_specs=rows, check_vma=False)(*arrays)
+
+
+def _context_parallel(call, mesh, *arrays):
+  """call(*arrays) with each present array's [B, T] dims over ('data', 'context') as Explicit
+  types: stable_attn's Explicit route (a shard_map at trace time, keys and values all-gathered
+  over 'context') instead of a custom_partitioning op per layer."""
+  present = [i for i, a in enumerate(arrays) if a is not None]
+
+  def run(*given):
+    full = list(arrays)
+    for i, a in zip(present, given):
+      full[i] = a
+    return call(*full)
+
+  spec = P("data", "context")
+  explicit = jax.sharding.explicit_axes(run, axes=tuple(mesh.axis_names),
+                                        in_sharding=tuple(spec for _ in present))
+  return explicit(*(arrays[i] for i in present))

@@ -12,6 +12,7 @@ fetched, a step does not fit in memory), 2 bad flags or inputs, 3 stopped on a N
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,10 @@ DEFAULT_CONFIG = "tiny"
 # How the user invoked us: the package is `train` in a checkout, `stable_attn_train` when installed.
 PROG = "python -m train" if __package__ == "train" else "stable-attn-train"
 
+# What --deterministic adds to XLA_FLAGS: XLA's deterministic GPU ops, bitwise-reproducible steps
+# at about 0.8x the throughput on 4 H100s (issue 44). CPU XLA is deterministic without it.
+DETERMINISTIC_XLA_FLAG = "--xla_gpu_deterministic_ops=true"
+
 # flag -> TrainConfig field (None values mean "keep the config's")
 _TRAIN_FLAGS = {
     "max_steps": "max_steps", "batch_size": "batch_size", "grad_accum": "grad_accum", "lr": "lr",
@@ -32,6 +37,7 @@ _TRAIN_FLAGS = {
     "eval_batches": "eval_batches", "log_every": "log_every", "monitor_every": "monitor_every",
     "ckpt_every": "ckpt_every", "sample_every": "sample_every", "sample_tokens": "sample_tokens",
     "spike_factor": "spike_factor", "fsdp": "fsdp", "keep_checkpoints": "keep_checkpoints",
+    "context_parallel": "context_parallel",
 }
 _MODEL_FLAGS = {"attention": "attention", "max_adjust": "max_adjust", "numerics": "numerics",
                 "beta": "beta", "dtype": "dtype", "block_size": "block_size", "remat": "remat",
@@ -45,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
   a = p.add_argument
   a("--config", default=DEFAULT_CONFIG,
     help=f"one of {', '.join(CONFIGS)} (default {DEFAULT_CONFIG})")
-  a("--max-steps", type=int, help="optimizer steps to train (total, counting resumed ones)")
+  a("--max-steps", type=int,
+    help="optimizer steps to train (total, counting resumed ones); the warm-up is not shortened to "
+         "fit: a run no longer than --warmup-steps stays in it (the lr never reaches --lr; the log "
+         "warns)")
   a("--out-dir",
     help="outputs: metrics.jsonl, checkpoints/, loss.png, samples.txt (default out/<config>)")
   a("--data", help="directory with train.bin/val.bin, a .bin file, or .txt files (default: "
@@ -74,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
   a("--grad-accum", type=int, help="micro-steps per optimizer step")
   a("--lr", type=float)
   a("--min-lr", type=float)
-  a("--warmup-steps", type=int)
+  a("--warmup-steps", type=int,
+    help="steps of linear lr warm-up, kept as given in a shorter run (--max-steps), which then "
+         "never reaches --lr and has no cosine; the log warns")
   a("--lr-decay-steps", type=int,
     help="step at which the cosine reaches --min-lr (default --max-steps)")
   a("--weight-decay", type=float)
@@ -90,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
   a("--spike-factor", type=float, help="stop when loss > factor x running mean (0 disables)")
   a("--fsdp", action="store_true", default=None,
     help="shard parameters and optimizer state over devices")
+  a("--context-parallel", type=int, metavar="N",
+    help="split each sequence over N devices (context parallelism; a mesh of devices/N data x N "
+         "context; attention: ours, all-gathering keys and values; --config gpt2-long is meant "
+         "for it)")
   a("--resume", dest="resume", action="store_true", default=True,
     help="resume from DIR/checkpoints (default)")
   a("--no-resume", dest="resume", action="store_false",
@@ -97,9 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
   a("--time-limit", type=float, help="stop after this many seconds of training with a checkpoint; "
                                      "the same command resumes (fixed-budget runs)")
   a("--peak-tflops", type=float,
-    help="per-device peak for MFU (default: measured on GPU; on CPU no MFU)")
+    help="per-device peak for MFU, TFLOP/s (default: the datasheet's dense bf16 peak of the "
+         "device kind; a kind not in train/metrics.py's table is measured; on CPU no MFU)")
   a("--no-progress", dest="progress", action="store_false", help="no progress bars")
-  a("--no-tensorboard", dest="tensorboard", action="store_false")
+  a("--no-tensorboard", dest="tensorboard", action="store_false",
+    help="no tb/ event files (without tensorboardX installed, none are written either)")
+  a("--deterministic", action="store_true",
+    help="bitwise-reproducible steps on GPUs (XLA's deterministic reductions; about 0.8x "
+         "throughput on 4 H100s; jax.nn's cuDNN attention is refused under it)")
   a("--distributed", action="store_true",
     help="call jax.distributed.initialize() (auto-detected too)")
   a("--prepare-only", action="store_true", help="prepare the corpus and exit")
@@ -126,14 +146,39 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
   return cfg.replace(model=model, **train)
 
 
+def deterministic_xla_flags(flags: str | None) -> str:
+  """XLA_FLAGS (`flags`, None when unset) ending in DETERMINISTIC_XLA_FLAG, appended unless it is
+  last already: XLA takes the last of a flag given twice, so it wins over a `=false` before it."""
+  words = (flags or "").split()
+  if words[-1:] == [DETERMINISTIC_XLA_FLAG]:
+    return flags
+  return " ".join(words + [DETERMINISTIC_XLA_FLAG])
+
+
+def check_deterministic(cfg: TrainConfig) -> None:
+  """ValueError for --deterministic with jax.nn's cuDNN attention, which fails under XLA's
+  deterministic ops: XLA's std::out_of_range, which jax 0.11.2 raises from the first GPT-2 step on
+  an H100 as `IndexError: absl::container_internal::raw_hash_map<>::at`, after the compilation."""
+  if cfg.model.attention == "cudnn":
+    raise ValueError("--attention cudnn cannot run under --deterministic (jax.nn's cuDNN attention "
+                     "fails with std::out_of_range under XLA's deterministic ops); leave out one "
+                     "of the two, e.g. --attention auto")
+
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  if args.deterministic:
+    # XLA reads XLA_FLAGS when JAX starts its backend: before jax.distributed.initialize and the
+    # first jax.devices(), which nothing imported so far calls.
+    os.environ["XLA_FLAGS"] = deterministic_xla_flags(os.environ.get("XLA_FLAGS"))
   # Multi-host start-up has to precede any use of a JAX backend, including building the config.
   from .sharding import maybe_initialize_distributed
   maybe_initialize_distributed(force=args.distributed)
   try:
     cfg = build_config(args)
     opts = build_options(args)
+    if args.deterministic:
+      check_deterministic(cfg)
     if cfg.model.attention == "cudnn":
       import jax
       if jax.default_backend() != "gpu":
@@ -168,7 +213,8 @@ def build_options(args: argparse.Namespace):
   opts = RunOptions(out_dir=Path(args.out_dir or Path("out") / args.config),
                     config_name=args.config, data=args.data, resume=args.resume,
                     peak_tflops=args.peak_tflops, time_limit=args.time_limit,
-                    progress=args.progress, tensorboard=args.tensorboard, prompt=args.prompt)
+                    progress=args.progress, tensorboard=args.tensorboard, prompt=args.prompt,
+                    deterministic=args.deterministic)
   check_options(opts)
   return opts
 

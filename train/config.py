@@ -117,6 +117,10 @@ class TrainConfig:
   # on); 0 disables. A real explosion (loss 3 -> 7+) trips it; ordinary noise does not.
   spike_factor: float = 2.0
   fsdp: bool = False
+  # Context parallelism (--context-parallel N): each sequence split over N devices (a mesh of
+  # data x context: devices / N data-parallel groups of N), in the zigzag order of
+  # stable_attn.context, so every device does the same causal work. 1: data parallel only.
+  context_parallel: int = 1
 
   def __post_init__(self):
     for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):
@@ -152,6 +156,18 @@ class TrainConfig:
       # 0 would delete every checkpoint as it is written: the next run would restart from step 0.
       raise ValueError(f"{_named('keep_checkpoints')} must be at least 1, got "
                        f"{self.keep_checkpoints}")
+    if self.context_parallel < 1:
+      raise ValueError(f"{_named('context_parallel')} must be at least 1, got "
+                       f"{self.context_parallel}")
+    if self.context_parallel > 1:
+      if self.model.block_size % (2 * self.context_parallel):
+        raise ValueError(f"{_named('block_size')} {self.model.block_size} must be a multiple of "
+                         f"{2 * self.context_parallel} with --context-parallel "
+                         f"{self.context_parallel} (the zigzag order cuts each sequence into two "
+                         f"equal chunks per device)")
+      if self.model.attention in JAX_NN:
+        raise ValueError(f"--attention {self.model.attention} (jax.nn) refuses a sequence split "
+                         f"over devices; --context-parallel needs ours (auto, or a GPU kernel)")
     if self.spike_factor and self.spike_factor <= 1:
       raise ValueError(f"{_named('spike_factor')} must be > 1 (or 0 to disable), got "
                        f"{self.spike_factor}")
@@ -184,6 +200,11 @@ CONFIGS: dict[str, TrainConfig] = {
     "gpt2-medium": _gpt2(24, 16, 1024, batch_size=8, grad_accum=64, lr=3e-4, min_lr=3e-5),
     "gpt2-large": _gpt2(36, 20, 1280, batch_size=8, grad_accum=64, lr=2.5e-4, min_lr=2.5e-5),
     "gpt2-xl": _gpt2(48, 25, 1600, batch_size=4, grad_accum=128, lr=2e-4, min_lr=2e-5),
+    # Long context: GPT-2 124M over 32,768 positions (a learned table of that many rows: GPT-2's
+    # own architecture, so checkpoints, monitors and the loss curves compare with --config gpt2;
+    # RoPE would be another model). 524,288 tokens per step; meant for --context-parallel N on N
+    # GPUs (on one GPU, --batch-size 1 --grad-accum 16).
+    "gpt2-long": TrainConfig(model=ModelConfig(block_size=32768), batch_size=4, grad_accum=4),
     # The paper's failing run (paper.md, "Setup of the failing run"; its repo's train.py): GPT-2
     # small without biases, lr 1e-3 after 2000 warm-up steps, cosine to 1e-5 over 600k steps, no
     # weight decay, b2 0.95, clip 1.0, 524,288 tokens per step (32 x 16 x 1024), bf16 compute.

@@ -20,22 +20,25 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from stable_attn import context
+
 from . import attention as attn_lib
 from . import data as data_lib
 from . import jax_cache
 from .checkpoint import Checkpointer
 from .config import TrainConfig, check_dir
-from .metrics import (MetricsLogger, check_peak_tflops, mfu, peak_tflops, percent, plot_loss,
-                      to_python, write_atomically)
+from .metrics import (MetricsLogger, check_peak_tflops, mfu, mfu_warning, peak_tflops, percent,
+                      plot_loss, tensorboard_missing, to_python, write_atomically)
 # abstract_model and init_params are imported from here by reproduction/gradients.py.
 from .model import abstract_model, count_params, flops_per_token  # noqa: F401
 from .monitors import make_monitor_fn
-from .optim import lr_schedule
+from .optim import describe_schedule, lr_schedule
 from .sample import generate_text, make_sampler
 from .sharding import batch_sharding, host_rows, make_mesh, replicated, to_global
 from .step import init_params, make_eval_step, make_training  # noqa: F401
 
 MONITOR_ROWS = 4  # sequences of the first validation batch that the attention monitors look at
+MONITOR_TOKENS = 4096  # and their first tokens (the monitors' scores are T x T per row and head)
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
 
 
@@ -63,6 +66,7 @@ class RunOptions:
   tensorboard: bool = True
   prompt: str = ""
   time_limit: float | None = None  # seconds; then checkpoint and return (resumable)
+  deterministic: bool = False  # --deterministic: the command line has set XLA_FLAGS; logged here
 
 
 @dataclass
@@ -85,6 +89,7 @@ class RunState:
   excluded: float = 0.0
   tokens_per_s: list = field(default_factory=list)  # one sample per logged record
   mfu: list = field(default_factory=list)
+  mfu_warned: bool = False  # an MFU above 100% was reported (once a run)
 
 
 class _Log:
@@ -226,6 +231,7 @@ class _Run:
                                 grad_accum=cfg.grad_accum, block_size=cfg.model.block_size,
                                 rows=self.rows)
     shape = (cfg.grad_accum, cfg.batch_size, cfg.model.block_size)
+    x, y = _laid_out(cfg, x, axis=2), _laid_out(cfg, y, axis=2)
     return to_global(x, self.train_sharding, shape), to_global(y, self.train_sharding, shape)
 
   def evaluate(self, params) -> float:
@@ -235,6 +241,7 @@ class _Run:
     for i in range(cfg.eval_batches):
       x, y = data_lib.val_batch(self.data, i, seed=cfg.seed, batch_size=cfg.batch_size,
                                 block_size=cfg.model.block_size, rows=self.rows)
+      x, y = _laid_out(cfg, x, axis=1), _laid_out(cfg, y, axis=1)
       x, y = to_global(x, self.eval_sharding, shape), to_global(y, self.eval_sharding, shape)
       total += float(self.eval_step(params, x, y))
     return total / cfg.eval_batches
@@ -250,6 +257,14 @@ class _Run:
     self.metrics.close()
 
 
+def _laid_out(cfg: TrainConfig, tokens: np.ndarray, axis: int) -> np.ndarray:
+  """Host tokens (inputs or targets) in the order the steps take them: the zigzag order over the
+  context axis (--context-parallel; stable_attn.context), so every device does equal causal work.
+  The loss is a mean over positions, so reordering inputs and targets alike leaves it the same."""
+  n = cfg.context_parallel
+  return tokens if n == 1 else context.zigzag(tokens, n, axis=axis)
+
+
 def _set_up(cfg: TrainConfig, opts: RunOptions):
   """Logs the configuration, loads the data, builds the state and the jitted functions on the mesh
   and resumes from the newest checkpoint; returns (run, params, opt_state, state)."""
@@ -260,20 +275,23 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   main = jax.process_index() == 0
   log = _Log(main)
   mcfg, n_dev = cfg.model, jax.device_count()
-  if cfg.batch_size % n_dev:
-    raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {n_dev} devices")
+  groups = n_dev // cfg.context_parallel   # data-parallel groups (make_mesh checks it divides)
+  if cfg.batch_size % groups:
+    per = f" / {cfg.context_parallel} (--context-parallel)" if cfg.context_parallel > 1 else ""
+    raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {n_dev} devices{per}")
   rows = host_rows(cfg.batch_size)
   if jax.default_backend() == "cpu":
     # CPU XLA cannot reuse donated buffers; the warning says nothing useful there.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
   _log_config(log, cfg, opts)
+  tensorboard = opts.tensorboard and _tensorboard_usable(log)
   data = data_lib.load_data(opts.data, corpus=cfg.corpus, progress=opts.progress and main, log=log)
   data.check(mcfg.block_size, mcfg.vocab_size)
   log(f"data: {data.source}: {data.train.size:,} train / {data.val.size:,} val tokens")
   _make_out_dir(out_dir)
   log.open(out_dir)
 
-  mesh = make_mesh()
+  mesh = make_mesh(cfg.context_parallel)
   training = make_training(cfg, mesh)
   graphdef, params, opt_state = training.graphdef, training.params, training.opt_state
   p_sh = training.param_shardings
@@ -283,11 +301,14 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   peak, peak_note = peak_tflops(opts.peak_tflops)
   log(f"train: {count_params(params) / 1e6:.2f}M parameters; {fpt / 1e6:.1f} MFLOP/token; "
       f"MFU peak: {peak_note}")
-  eval_step = jax.jit(attn_lib.on_mesh(mesh, make_eval_step(graphdef)),
-                      in_shardings=(p_sh, b_sh2, b_sh2), out_shardings=rep)
-  monitor = jax.jit(attn_lib.on_mesh(mesh, make_monitor_fn(graphdef, mcfg)), out_shardings=rep)
+  eval_step = attn_lib.jit_on_mesh(mesh, make_eval_step(graphdef),
+                                   in_shardings=(p_sh, b_sh2, b_sh2), out_shardings=rep)
+  monitor = attn_lib.jit_on_mesh(mesh, make_monitor_fn(graphdef, mcfg), split_sequence=False,
+                                 out_shardings=rep)
+  # The monitors hold every row's T x T scores: a long context is looked at through its start.
   mon_x = data_lib.val_batch(data, 0, seed=cfg.seed, batch_size=cfg.batch_size,
-                             block_size=mcfg.block_size)[0][:min(MONITOR_ROWS, cfg.batch_size)]
+                             block_size=mcfg.block_size)[0][:min(MONITOR_ROWS, cfg.batch_size),
+                                                            :MONITOR_TOKENS]
 
   ckpt = Checkpointer(out_dir / "checkpoints", keep=cfg.keep_checkpoints)
   try:
@@ -298,8 +319,7 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
     ckpt.close()
     raise
   # Records of steps from the checkpoint on are about to be redone: MetricsLogger drops them.
-  metrics = MetricsLogger(out_dir, start_step=start, enabled=main, tensorboard=opts.tensorboard,
-                          log=log)
+  metrics = MetricsLogger(out_dir, start_step=start, enabled=main, tensorboard=tensorboard, log=log)
   bar = tqdm(total=cfg.max_steps, initial=start, disable=not (main and opts.progress),
              desc=opts.config_name, dynamic_ncols=True, unit="step")
   run = _Run(cfg=cfg, opts=opts, out_dir=out_dir, main=main, log=log, data=data, rows=rows,
@@ -358,20 +378,44 @@ def _make_out_dir(out_dir: Path) -> None:
 
 
 def _log_config(log: _Log, cfg: TrainConfig, opts: RunOptions) -> None:
-  mcfg = cfg.model
+  mcfg, backend = cfg.model, jax.default_backend()
   log(f"train: config {opts.config_name}: {mcfg.n_layer} layers, {mcfg.n_head} heads, width "
       f"{mcfg.n_embd}, context {mcfg.block_size}, vocab {mcfg.vocab_size}, bias {mcfg.bias}, "
       f"compute {mcfg.dtype}")
   log(f"train: {jax.process_count()} process(es), {jax.device_count()} device(s): "
-      f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
-      f"FSDP {cfg.fsdp}; {jax_cache.describe()}")
+      f"{jax.devices()[0].device_kind} ({backend}), jax {jax.__version__}; FSDP {cfg.fsdp}; "
+      f"{_parallelism(cfg)}; "
+      f"deterministic {opts.deterministic}; {jax_cache.describe()}")
+  if opts.deterministic and backend != "gpu":
+    here = "CPU XLA is deterministic already" if backend == "cpu" else f"not on {backend}"
+    log(f"train: --deterministic applies to GPUs (XLA's deterministic reductions); {here}")
   documents = ("; documents masked at end-of-text tokens (--pack-documents)" if mcfg.pack_documents
                else "")
   log(f"train: attention {attn_lib.describe(mcfg)}{documents}")
+  schedule, warning = describe_schedule(cfg)
   log(f"train: {cfg.tokens_per_step:,} tokens/step = {cfg.batch_size} seq x {cfg.grad_accum} "
-      f"accum x {mcfg.block_size}; {cfg.max_steps} steps; lr {cfg.lr:g} (warm-up "
-      f"{cfg.warmup_steps}, cosine to {cfg.min_lr:g} at {cfg.decay_steps}); AdamW b1 {cfg.b1} "
+      f"accum x {mcfg.block_size}; {cfg.max_steps} steps; {schedule}; AdamW b1 {cfg.b1} "
       f"b2 {cfg.b2} wd {cfg.weight_decay}; clip {cfg.grad_clip}")
+  if warning:
+    log(f"train: warning: {warning}")
+
+
+def _parallelism(cfg: TrainConfig) -> str:
+  n = cfg.context_parallel
+  if n == 1:
+    return "data parallel"
+  return (f"{jax.device_count() // n} data x {n} context parallel (each sequence over {n} devices, "
+          f"zigzag order)")
+
+
+def _tensorboard_usable(log: _Log) -> bool:
+  """Whether TensorBoard files can be written; where not (tensorboardX is optional for training),
+  one line says so, before any expensive work, and the run goes on with metrics.jsonl alone."""
+  missing = tensorboard_missing()
+  if missing:
+    log(f"tensorboard: {missing}; metrics go to metrics.jsonl only (--no-tensorboard silences "
+        f"this)")
+  return missing is None
 
 
 def _resume(ckpt: Checkpointer, params, opt_state, cfg: TrainConfig, opts: RunOptions,
@@ -477,6 +521,10 @@ def _write_record(run: _Run, state: RunState, step: int, loss: float, loss_avg: 
     if rec["mfu"] is not None:
       state.mfu.append(rec["mfu"])
       post["MFU"] = percent(rec["mfu"])
+      warning = mfu_warning(rec["mfu"], run.peak_note)
+      if warning and not state.mfu_warned:
+        run.log(f"train: warning: MFU {percent(rec['mfu'])} at step {step} is {warning}")
+        state.mfu_warned = True
   rec.update(extra)
   rec["time_s"] = time.time() - run.t_start
   run.metrics.write(rec)
@@ -561,6 +609,7 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
       "first_loss": state.first_loss, "last_loss": state.last_loss, "val_loss": state.val_loss,
       "tokens_per_s": float(np.median(state.tokens_per_s)) if state.tokens_per_s else None,
       "mfu": float(np.median(state.mfu)) if state.mfu else None, "mfu_peak": run.peak_note,
+      "peak_tflops": run.peak,
       "wall_s": time.time() - run.t_start, "last_checkpoint": state.last_good, "stopped": stopped,
       "time_limit_reached": timed_out,
   }
@@ -585,9 +634,8 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
     summary["loss_plot"] = str(plot) if plot else None
     write_atomically(run.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if summary["tokens_per_s"]:
-      utilisation = ("no MFU" if summary["mfu"] is None else f"MFU {percent(summary['mfu'])}")
-      run.log(f"train: median {summary['tokens_per_s']:,.0f} tokens/s, {utilisation} "
-              f"({run.peak_note})")
+      run.log(f"train: median {summary['tokens_per_s']:,.0f} tokens/s, "
+              f"{_utilisation(summary['mfu'], run.peak_note)}")
     # None when the first step stopped the run (or a checkpoint from before they were kept).
     if stopped is None and state.first_loss is not None and state.last_loss is not None:
       run.log(f"train: done in {summary['wall_s']:.0f}s; loss {state.first_loss:.3f} -> "
@@ -598,3 +646,11 @@ def _finish(run: _Run, state: RunState, params, stopped: str | None, timed_out: 
     run.log(stopped, terminal=False)
     raise TrainingStopped(stopped)
   return summary
+
+
+def _utilisation(fraction: float | None, peak_note: str) -> str:
+  """The median MFU for the closing line, with where its peak came from; one above 100% says in
+  the same words that the peak must be wrong."""
+  if fraction is None:
+    return f"no MFU ({peak_note})"
+  return f"MFU {percent(fraction)} ({mfu_warning(fraction, peak_note) or peak_note})"

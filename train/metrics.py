@@ -169,16 +169,68 @@ def plot_loss(out_dir: Path, title: str = "") -> Path | None:
   return path
 
 
-def measure_matmul_tflops(n: int = 8192, iters: int = 10) -> float:
-  """Measured bf16 matmul throughput of one device, TFLOP/s (the MFU ceiling on accelerators)."""
-  a = jnp.ones((n, n), jnp.bfloat16)
-  f = jax.jit(lambda a: (a @ a).astype(jnp.bfloat16))
-  f(a).block_until_ready()
-  t0 = time.perf_counter()
-  for _ in range(iters):
-    out = f(a)
-  out.block_until_ready()
-  return 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e12
+# Dense (no sparsity) bf16 tensor peak per device, TFLOP/s, from the vendors' datasheets: the
+# denominator nanoGPT and PaLM's MFU use. NVIDIA's sheets print the figure with 2:4 sparsity, twice
+# this. Keys are substrings of jax.devices()[0].device_kind, matched without case, the longest first
+# ("H100 PCIe" before "H100", "GH200" before "H200", "TPU v5 lite" before "TPU v5"). A None entry
+# is a kind that a shorter key would match wrongly ("TPU v4 lite" is not a v4): it is measured.
+# Kinds whose figure we could not pin down (A10G, L4, the L40s, Blackwell) are left out: measured.
+DATASHEET_BF16_TFLOPS: dict[str, float | None] = {
+    "H100 80GB HBM3": 989.4,   # H100 SXM5
+    "H100 SXM": 989.4,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H200": 989.4,             # H200 SXM
+    "H200 NVL": 835.0,
+    "GH200": 989.4,
+    "A100": 312.0,             # SXM and PCIe alike
+    "TPU v4": 275.0,
+    "TPU v4 lite": None,       # v4i
+    "TPU v5 lite": 197.0,      # v5e
+    "TPU v5e": 197.0,
+    "TPU v5": 459.0,           # v5p
+    "TPU v5p": 459.0,
+    "TPU v6 lite": 918.0,      # v6e (Trillium)
+    "TPU v6e": 918.0,
+}
+
+
+def datasheet_tflops(device_kind: str) -> float | None:
+  """The datasheet's dense bf16 peak (TFLOP/s) of the kind, from the longest key of
+  DATASHEET_BF16_TFLOPS it contains; None where no key matches (or a None entry does)."""
+  kind = device_kind.lower()
+  keys = [key for key in DATASHEET_BF16_TFLOPS if key.lower() in kind]
+  return DATASHEET_BF16_TFLOPS[max(keys, key=len)] if keys else None
+
+
+def measure_matmul_tflops(n: int = 8192, iters: int = 10, batches: int = 5,
+                          warmup_s: float = 1.0) -> float:
+  """Median bf16 matmul throughput of one device, TFLOP/s: `batches` timed batches of `iters`
+  n x n x n products each (each batch ended by block_until_ready), after `warmup_s` seconds of the
+  same products.
+
+  Clocks ramp up under load: timed cold after one product, an H100 gave 207-292 (issue 48), where
+  this gives 683-702 (jax 0.11.2). Random normal data: all-ones matrices toggle fewer bits and run
+  faster than real ones.
+  """
+  key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
+  a = jax.random.normal(key_a, (n, n), jnp.bfloat16)
+  b = jax.random.normal(key_b, (n, n), jnp.bfloat16)
+  product = jax.jit(lambda a, b: a @ b)
+
+  def batch() -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = product(a, b)
+    out.block_until_ready()
+    return time.perf_counter() - t0
+
+  batch()  # compiles
+  warm_until = time.perf_counter() + warmup_s
+  while time.perf_counter() < warm_until:
+    batch()
+  seconds = float(np.median([batch() for _ in range(batches)]))
+  return 2 * n ** 3 * iters / seconds / 1e12
 
 
 def check_peak_tflops(flag: float | None) -> None:
@@ -187,17 +239,34 @@ def check_peak_tflops(flag: float | None) -> None:
     raise ValueError(f"--peak-tflops must be a positive number of TFLOP/s per device, got {flag}")
 
 
-def peak_tflops(flag: float | None) -> tuple[float | None, str]:
-  """Per-device peak for MFU and a phrase saying where it came from; on a CPU without `flag`,
-  None: no MFU (a CPU's bf16 matmuls say little of what a training step can reach)."""
+def peak_tflops(flag: float | None, device=None) -> tuple[float | None, str]:
+  """Per-device peak for MFU and a phrase saying where it came from: `flag`, else the datasheet's
+  dense bf16 peak of `device`'s kind (default jax.devices()[0]), else, for a kind not in
+  DATASHEET_BF16_TFLOPS, measure_matmul_tflops. On a CPU without `flag`, None: no MFU (a CPU's
+  bf16 matmuls say little of what a training step can reach)."""
   check_peak_tflops(flag)
   if flag is not None:
     return flag, f"{flag:g} TFLOP/s per device from --peak-tflops"
-  if jax.default_backend() == "cpu":
+  device = device or jax.devices()[0]
+  if device.platform == "cpu":
     return None, "no peak on a CPU; --peak-tflops sets one"
+  kind = device.device_kind
+  value = datasheet_tflops(kind)
+  if value is not None:
+    return value, f"{value:.0f} TFLOP/s per device, datasheet dense bf16 peak of {kind}"
   value = measure_matmul_tflops()
-  return value, (f"{value:.0f} TFLOP/s per device, measured bf16 8192^3 matmul ceiling on "
-                 f"{jax.devices()[0].device_kind}")
+  return value, (f"{value:.0f} TFLOP/s per device, measured bf16 matmul median on {kind} (kind not "
+                 f"in the datasheet table; --peak-tflops sets one)")
+
+
+def mfu_warning(fraction: float | None, peak_note: str) -> str | None:
+  """For an MFU above 100%, which no step can reach, a phrase ("above 100%, so the peak ...")
+  saying that the peak must be wrong and naming where it came from (`peak_note`, as peak_tflops
+  gives it); None otherwise."""
+  if fraction is None or fraction <= 1:
+    return None
+  return (f"above 100%, so the peak it divides by ({peak_note}) must be wrong; --peak-tflops sets "
+          f"one")
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None,
@@ -219,6 +288,19 @@ def to_python(tree):
 
 
 # ----------------------------------------------------------------------------- TensorBoard files
+
+
+def tensorboard_missing() -> str | None:
+  """Why no TensorBoard file can be written here, in words (tensorboardX, what _EventFile writes
+  with, does not import); None where one can."""
+  try:
+    import tensorboardX.event_file_writer  # noqa: F401
+    import tensorboardX.proto.event_pb2  # noqa: F401
+  except Exception as e:  # an install that breaks on import (protobuf's TypeError) too
+    if isinstance(e, ModuleNotFoundError) and e.name == "tensorboardX":
+      return "tensorboardX is not installed"
+    return f"tensorboardX does not import ({type(e).__name__}: {e})"
+  return None
 
 
 class _EventFile:

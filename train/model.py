@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from flax import nnx
 from stable_attn.flash import RESIDUAL_NAMES
 
-from .attention import causal_attention_qkv, reads_packed
+from stable_attn import context
+
+from .attention import causal_attention_qkv, context_devices, reads_packed
 from .config import ModelConfig
 from .tokenizer import EOT
 
@@ -137,7 +139,8 @@ class GPT(nnx.Module):
     self.ln_f = _layer_norm(cfg, rngs)
 
   def __call__(self, idx, *, capture: bool = False, taps=None):
-    """idx: [B, T] int32 token ids, T <= block_size.
+    """idx: [B, T] int32 token ids, T <= block_size; traced under a context-parallel
+    train.attention.on_mesh, in the zigzag order over its devices (logits in the same order).
 
     Returns logits [B, T, vocab_size] in the compute dtype; with capture=True also the list of
     per-layer attention inputs (dicts of x [B, T, C] and q, k, v [B, T, N, H], see
@@ -148,12 +151,17 @@ class GPT(nnx.Module):
     B, T = idx.shape
     if T > cfg.block_size:
       raise ValueError(f"sequence length {T} exceeds block_size {cfg.block_size}")
-    x = self.wte(idx) + self.wpe(jnp.arange(T))[None]
+    # Context parallel (train.attention.on_mesh): the positions come in the zigzag order over n
+    # devices, and each token's position and document are those of its natural place.
+    n = context_devices()
+    natural = (lambda a: a) if n == 1 else (lambda a: context.unzigzag(a, n))
+    laid_out = (lambda a: a) if n == 1 else (lambda a: context.zigzag(a, n))
+    x = self.wte(idx) + self.wpe(laid_out(jnp.arange(T)[None]))
     layers = []
     if taps is not None and len(taps) != cfg.n_layer:
       raise ValueError(f"taps must hold one array per layer ({cfg.n_layer}), got {len(taps)}")
     forward = _block_forward_remat if cfg.remat and not capture else _block_forward
-    segment_ids = document_ids(idx) if cfg.pack_documents else None
+    segment_ids = laid_out(document_ids(natural(idx))) if cfg.pack_documents else None
     for i, block in enumerate(self.h):
       x, captured = forward(block, x, None if taps is None else taps[i], segment_ids)
       if capture:

@@ -1,8 +1,9 @@
-"""Devices and hosts: jax.distributed start-up, the 'data' mesh, parameter and batch shardings.
+"""Devices and hosts: jax.distributed start-up, the mesh, parameter and batch shardings.
 
 Data parallel: every device holds a slice of the batch; parameters and optimizer state are
-replicated, or with FSDP sharded along their largest dimension divisible by the device count (XLA
-inserts the all-gathers and reduce-scatters).
+replicated, or with FSDP sharded along their largest dimension divisible by the data axis (XLA
+inserts the all-gathers and reduce-scatters). Context parallel (--context-parallel N): a second
+mesh axis, 'context', splits each sequence over N devices; parameters are replicated over it.
 """
 
 from __future__ import annotations
@@ -41,10 +42,24 @@ def maybe_initialize_distributed(force: bool = False) -> bool:
   return True
 
 
-def make_mesh() -> Mesh:
-  """1-D mesh over every device of every host, axis 'data'."""
+def make_mesh(context: int = 1) -> Mesh:
+  """Every device of every host: a 1-D mesh, axis 'data'; with context > 1, devices / context
+  'data' rows of `context` consecutive devices (one host's, where it has that many), axes
+  ('data', 'context'). ValueError where `context` does not divide the devices, or (several
+  processes) each process's devices."""
   devices = np.asarray(jax.devices())
-  return Mesh(devices, ("data",))
+  if context == 1:
+    return Mesh(devices, ("data",))
+  if devices.size % context or jax.local_device_count() % context:
+    raise ValueError(f"--context-parallel {context} must divide the {devices.size} devices and "
+                     f"each process's {jax.local_device_count()} (a sequence's devices share a "
+                     f"host)")
+  return Mesh(devices.reshape(-1, context), ("data", "context"))
+
+
+def data_devices(mesh: Mesh) -> int:
+  """How many ways the batch is split (the size of the 'data' axis)."""
+  return mesh.shape["data"]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -52,8 +67,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int) -> NamedSharding:
+  """Token batches [..., B, T]: B (at batch_axis) over 'data', T (the next dim) over 'context'
+  where the mesh has it."""
   spec = [None] * ndim
   spec[batch_axis] = "data"
+  if "context" in mesh.axis_names:
+    spec[batch_axis + 1] = "context"
   return NamedSharding(mesh, P(*spec))
 
 

@@ -25,7 +25,8 @@ from pallas_kernels.gpu.kernels import backward, forward
 
 __all__ = ["attention", "is_available", "covers", "tuning"]
 
-_flash = make_flash_attention(forward, backward, partition=True)
+_flash = make_flash_attention(forward, backward, partition=True, context_parallel=True)
+CONTEXT_PARALLEL = True   # a sequence-sharded call runs context parallel (stable_attn.partition)
 
 
 def is_available() -> bool:

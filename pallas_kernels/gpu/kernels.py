@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,22 +70,34 @@ class _Call:
     return tile.scores(qk, ok, scale=self.spec.scale, bias=bias, dt=self.dt,
                        round_fn=self.round_fn, soft_cap=self.spec.logits_soft_cap)
 
-  def visible(self, q_start, bq: int, k_start, bk: int, q_len, kv_len, mask, q_seg, kv_seg):
-    return tile.visible(q_start + lax.iota(i32, bq), k_start + lax.iota(i32, bk), q_len, kv_len,
-                        causal=self.spec.is_causal, window=self.spec.window,
-                        mask=None if mask is None else mask != 0, q_seg=q_seg, kv_seg=kv_seg)
+  def visible(self, q_start, bq: int, k_start, bk: int, lens: "_Lengths", mask, q_seg, kv_seg):
+    return tile.visible(q_start + lax.iota(i32, bq), k_start + lax.iota(i32, bk), lens.q,
+                        lens.kv, causal=self.spec.is_causal, window=self.spec.window,
+                        mask=None if mask is None else mask != 0, q_seg=q_seg, kv_seg=kv_seg,
+                        shift=lens.shift)
 
-  def kv_ranges(self, q_start, bq: int, bk: int, q_len, kv_len, segments):
+  def kv_ranges(self, q_start, bq: int, bk: int, lens: "_Lengths", segments):
     """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections)."""
     return blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
-                              window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                              has_mask=self.has_mask, segments=segments)
+                              window=self.spec.window, q_len=lens.q, kv_len=lens.kv,
+                              has_mask=self.has_mask, segments=segments, shift=lens.shift)
 
-  def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len, segments):
+  def q_ranges(self, k_start, bk: int, bq: int, lens: "_Lengths", segments):
     """(lo, flo, fhi, hi) of the query blocks that see key columns [k_start, +bk)."""
     return blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
-                             window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                             has_mask=self.has_mask, segments=segments)
+                             window=self.spec.window, q_len=lens.q, kv_len=lens.kv,
+                             has_mask=self.has_mask, segments=segments, shift=lens.shift)
+
+
+class _Lengths(NamedTuple):
+  """A batch row's query and key lengths and its q_shift (0 when the call has none)."""
+  q: jax.Array
+  kv: jax.Array
+  shift: object
+
+  @classmethod
+  def of(cls, refs: Operands, b):
+    return cls(refs.q_lens[b], refs.kv_lens[b], 0 if refs.q_shift is None else refs.q_shift[b])
 
 
 def _prepare(spec: AttentionSpec, config: tuning.Config, ops: Operands):
@@ -145,7 +158,7 @@ def _forward_kernel(refs: Operands, sections_ref, o_ref, res_ref, lse_ref, *, ca
   q_start = (call.pad.T // bq - 1 - pl.program_id(0)) * bq
   bh = pl.program_id(1)
   b, n = bh // call.geo.N, bh % call.geo.N
-  q_len, kv_len = refs.q_lens[b], refs.kv_lens[b]
+  lens = _Lengths.of(refs, b)
   q = refs.q[...]
   offset = None if refs.offset is None else refs.offset[...]
   q_seg = None if refs.q_seg is None else refs.q_seg[...]
@@ -155,7 +168,7 @@ def _forward_kernel(refs: Operands, sections_ref, o_ref, res_ref, lse_ref, *, ca
     cols = pl.ds(j * bk, bk)
     ok = None
     if masked:
-      ok = call.visible(q_start, bq, j * bk, bk, q_len, kv_len,
+      ok = call.visible(q_start, bq, j * bk, bk, lens,
                         None if refs.mask is None else read(refs.mask, slice(None), cols),
                         q_seg, None if refs.kv_seg is None else refs.kv_seg[cols])
     bias = None if refs.bias is None else read(refs.bias, slice(None), cols)
@@ -165,7 +178,7 @@ def _forward_kernel(refs: Operands, sections_ref, o_ref, res_ref, lse_ref, *, ca
     pv = tile.matmul(p, refs.v[cols, :].astype(dt.p))
     return tile.accumulate(acc, alpha, pv, dt=dt, round_fn=round_fn), stats
 
-  ranges = call.kv_ranges(q_start, bq, bk, q_len, kv_len, _segment_ranges(sections_ref))
+  ranges = call.kv_ranges(q_start, bq, bk, lens, _segment_ranges(sections_ref))
   init = (jnp.zeros((bq, call.pad.H), f32), tile.init_stats(bq, dt))
   acc, stats = blocks.split_loop(*ranges, body, init)
   sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
@@ -213,13 +226,13 @@ def _delta_kernel(do_ref, o_ref, delta_ref):
 
 
 def _tile_grads(call: _Call, refs: Operands, q, do, lse, delta, k, v, q_start, bq: int, k_start,
-                bk: int, q_len, kv_len, q_seg, kv_seg, masked: bool, pair_index):
+                bk: int, lens: _Lengths, q_seg, kv_seg, masked: bool, pair_index):
   """One tile's P and dS (tile.backward_tile); pair_index: the tile's index into a bias or mask
   block (pallas_kernels.operand_specs.read)."""
   ok = None
   if masked:
     mask = None if refs.mask is None else read(refs.mask, *pair_index)
-    ok = call.visible(q_start, bq, k_start, bk, q_len, kv_len, mask, q_seg, kv_seg)
+    ok = call.visible(q_start, bq, k_start, bk, lens, mask, q_seg, kv_seg)
   bias = None if refs.bias is None else read(refs.bias, *pair_index)
   s = call.scores(tile.matmul(q, k, transpose_b=True), ok, bias)
   return tile.backward_tile(s, lse, tile.matmul(do, v, transpose_b=True), delta,
@@ -232,10 +245,10 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_
   bq, bk = kc.block_q, kc.block_k
   k_start = pl.program_id(0) * bk
   b = pl.program_id(1) // call.geo.K
-  q_len, kv_len = refs.q_lens[b], refs.kv_lens[b]
+  lens = _Lengths.of(refs, b)
   k, v = refs.k[...], refs.v[...]
   kv_seg = None if refs.kv_seg is None else refs.kv_seg[...]
-  ranges = call.q_ranges(k_start, bk, bq, q_len, kv_len, _segment_ranges(sections_ref))
+  ranges = call.q_ranges(k_start, bk, bq, lens, _segment_ranges(sections_ref))
 
   def head_body(g, carry):
     def body(i, carry, *, masked):
@@ -244,7 +257,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_
       rows = pl.ds(q_start, bq)
       q, do = refs.q[rows, g, :], grads.do[rows, g, :]
       t = _tile_grads(call, refs, q, do, grads.lse[g, rows], grads.delta[g, rows], k, v, q_start,
-                      bq, k_start, bk, q_len, kv_len,
+                      bq, k_start, bk, lens,
                       None if refs.q_seg is None else refs.q_seg[rows], kv_seg, masked,
                       (g, rows, slice(None)))
       dv = dv + tile.matmul(t.p, do, transpose_a=True)
@@ -265,16 +278,16 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dq_ref, ds_r
   bq, bk = kc.block_q, kc.block_k
   q_start = (call.pad.T // bq - 1 - pl.program_id(0)) * bq
   b = pl.program_id(1) // call.geo.N
-  q_len, kv_len = refs.q_lens[b], refs.kv_lens[b]
+  lens = _Lengths.of(refs, b)
   q, do, lse, delta = refs.q[...], grads.do[...], grads.lse[...], grads.delta[...]
   q_seg = None if refs.q_seg is None else refs.q_seg[...]
-  ranges = call.kv_ranges(q_start, bq, bk, q_len, kv_len, _segment_ranges(sections_ref))
+  ranges = call.kv_ranges(q_start, bq, bk, lens, _segment_ranges(sections_ref))
 
   def body(j, dq, *, masked):
     cols = pl.ds(j * bk, bk)
     k = refs.k[cols, :]
     t = _tile_grads(call, refs, q, do, lse, delta, k, refs.v[cols, :], q_start, bq, j * bk, bk,
-                    q_len, kv_len, q_seg, None if refs.kv_seg is None else refs.kv_seg[cols],
+                    lens, q_seg, None if refs.kv_seg is None else refs.kv_seg[cols],
                     masked, (slice(None), cols))
     if ds_ref is not None:
       ds_ref[:, cols] = t.ds

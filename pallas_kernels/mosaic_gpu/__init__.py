@@ -151,7 +151,8 @@ def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o
   return tuple(unpad(g, row.axes, call.geo) for row, g in zip(rows_of, grads)) + (dbias,)
 
 
-_flash = make_flash_attention(_forward, _backward, partition=True)
+_flash = make_flash_attention(_forward, _backward, partition=True, context_parallel=True)
+CONTEXT_PARALLEL = True   # a sequence-sharded call runs context parallel (stable_attn.partition)
 
 
 def attention(spec: AttentionSpec, ops: Operands,

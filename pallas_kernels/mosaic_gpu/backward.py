@@ -103,14 +103,14 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
     function of its first key, the CTA's streaming order)."""
     b, kvh, index = key_tiles.tile(i)
     cta_k = index * (wgs * bk)
-    q_len, kv_len = call.lengths(refs, b)
+    lens = call.lengths(refs, b)
     # The query blocks of one warpgroup's keys (its packed-sequence and mask ranges intersected
     # in; the mask's merged over the kv head's query heads).
-    q_ranges = lambda k_start: common.q_ranges_of(call, ranges, b, kvh, k_start, bk, bq, q_len,
-                                                  kv_len, wgs=wgs)
+    q_ranges = lambda k_start: common.q_ranges_of(call, ranges, b, kvh, k_start, bk, bq, lens,
+                                                  wgs=wgs)
     lo, hi = common.union_range(*(q_ranges(cta_k + w * bk) for w in range(wgs)))
     order = common.schedule(ranges, b, kvh, lo, hi, cta_k, wgs * bk)
-    return b, kvh, cta_k, q_len, kv_len, q_ranges, (lo, hi), order
+    return b, kvh, cta_k, lens, q_ranges, (lo, hi), order
 
   @pl.when(wg < wgs)
   def _compute():
@@ -139,7 +139,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
         def _prefetch():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           load_kv(i + 1, 1 - buf)
-      b, kvh, cta_k, q_len, kv_len, q_ranges, (lo, hi), order = key_tile(i)
+      b, kvh, cta_k, lens, q_ranges, (lo, hi), order = key_tile(i)
       per_head = order.stop - order.first
       k_start = cta_k + wg * bk
       rows = (b, pl.ds(k_start, bk), kvh)
@@ -212,7 +212,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           ok = None
           if kind == "masked":
             q_ids = common.load_tile(qseg_smem.at[slot], COLS) if call.packed else None
-            ok = call.visible((bk, bq), i * bq, k_start, q_len, kv_len, q_axis=1, q_ids=q_ids,
+            ok = call.visible((bk, bq), i * bq, k_start, lens, q_axis=1, q_ids=q_ids,
                               kv_ids=kv_ids(), mask=allowed_t)
 
           def p_of_scores(qk_t):
@@ -293,7 +293,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
     plgpu.set_max_registers(common.REGISTERS[wgs][1], action="decrease")
 
     def stream_tile(i, base):
-      b, kvh, cta_k, _, _, _, _, order = key_tile(i)
+      b, kvh, cta_k, _, _, _, order = key_tile(i)
       per_head = order.stop - order.first
 
       def block(t):
@@ -406,8 +406,8 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
   spec, tiles = call.spec, call.config.dq
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-  q_len, kv_len = call.lengths(refs, b)
-  cta = common.query_cta(call, ranges, b, n, q_len, kv_len, wgs=wgs, bq=bq, bk=bk)
+  lens = call.lengths(refs, b)
+  cta = common.query_cta(call, ranges, b, n, lens, wgs=wgs, bq=bq, bk=bk)
   cta_q, order = cta.start, cta.order
 
   @pl.when(wg < wgs)
@@ -456,7 +456,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
       ok = None
       if kind == "masked":
         kv_ids = common.load_tile(kseg_smem.at[slot], COLS) if call.packed else None
-        ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids(), kv_ids=kv_ids,
+        ok = call.visible((bq, bk), q_start, j * bk, lens, q_ids=q_ids(), kv_ids=kv_ids,
                           mask=allowed)
 
       def p_of_scores(qk):

@@ -81,6 +81,14 @@ def init_stats(rows: int, dt: Dtypes) -> tile.RowStats:
   return tile.RowStats(*(plgpu.layout_cast(x, ROWS) for x in tile.init_stats(rows, dt)))
 
 
+class Lengths(NamedTuple):
+  """A batch row's query and key lengths and its q_shift (stable_attn.tile.visible): Python ints
+  where the call has none of them (T, S, 0), else int32 scalars read from global memory."""
+  q: object
+  kv: object
+  shift: object
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
   """Everything static about one call."""
@@ -95,12 +103,13 @@ class Call:
   def safe(self) -> bool:
     return self.spec.max_adjust == "safe"
 
-  def lengths(self, refs, b):
-    """The batch row's query and key lengths: static T and S unless lengths were given (a CTA
-    then starts its TMA loads without waiting for two scalar loads from global memory)."""
+  def lengths(self, refs, b) -> "Lengths":
+    """The batch row's query and key lengths and q_shift: static T, S and 0 unless the call has
+    them (a CTA then starts its TMA loads without waiting for scalar loads from global memory)."""
+    shift = 0 if refs.q_shift is None else refs.q_shift[b]
     if self.spec.has_lengths:
-      return refs.q_lens[b], refs.kv_lens[b]
-    return self.geo.T, self.geo.S
+      return Lengths(refs.q_lens[b], refs.kv_lens[b], shift)
+    return Lengths(self.geo.T, self.geo.S, shift)
 
   def scores(self, qk, ok, bias=None) -> tile.Scores:
     """A tile's masked, soft-capped scores in log2 units (either orientation; bias, the bias
@@ -119,32 +128,34 @@ class Call:
       return lax.broadcast_in_dim(vector + start, shape, (axis,))
     return along(q_axis, q_start), along(1 - q_axis, k_start)
 
-  def visible(self, shape, q_start, k_start, q_len, kv_len, *, q_axis: int = 0, q_ids=None,
+  def visible(self, shape, q_start, k_start, lens: "Lengths", *, q_axis: int = 0, q_ids=None,
               kv_ids=None, mask=None):
     """The tile's visibility (WGMMA layout); q_ids / kv_ids: the rows' and columns' segment ids
     as per-row / per-column vectors (ROWS / COLS of the tile), or None; mask: the mask operand's
     tile (bool, same shape and orientation), or None."""
-    q, k = self.iota_positions(shape, q_start, k_start, q_axis=q_axis)
+    # tile.visible's shift, folded into the rows' start (a scalar add, not one per element).
+    q, k = self.iota_positions(shape, q_start + lens.shift, k_start, q_axis=q_axis)
     q_seg = kv_seg = None
     if q_ids is not None:
       q_seg = lax.broadcast_in_dim(q_ids, shape, (q_axis,))
       kv_seg = lax.broadcast_in_dim(kv_ids, shape, (1 - q_axis,))
-    return tile.visible(q, k, q_len, kv_len, causal=self.spec.is_causal, window=self.spec.window,
+    return tile.visible(q, k, lens.q + lens.shift, lens.kv, causal=self.spec.is_causal,
+                        window=self.spec.window,
                         mask=mask, q_seg=q_seg, kv_seg=kv_seg)
 
-  def kv_ranges(self, q_start, bq: int, bk: int, q_len, kv_len, segments=None, mask=None):
+  def kv_ranges(self, q_start, bq: int, bk: int, lens: "Lengths", segments=None, mask=None):
     """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections);
     segments / mask: the block's packed-sequence / mask-operand range (`block_range`)."""
     ranges = blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
-                                window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                                has_mask=False, segments=segments)
+                                window=self.spec.window, q_len=lens.q, kv_len=lens.kv,
+                                has_mask=False, segments=segments, shift=lens.shift)
     return blocks.intersect(ranges, mask)
 
-  def q_ranges(self, k_start, bk: int, bq: int, q_len, kv_len, segments=None, mask=None):
+  def q_ranges(self, k_start, bk: int, bq: int, lens: "Lengths", segments=None, mask=None):
     """(lo, flo, fhi, hi) of the query blocks that see key columns [k_start, +bk)."""
     ranges = blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
-                               window=self.spec.window, q_len=q_len, kv_len=kv_len,
-                               has_mask=False, segments=segments)
+                               window=self.spec.window, q_len=lens.q, kv_len=lens.kv,
+                               has_mask=False, segments=segments, shift=lens.shift)
     return blocks.intersect(ranges, mask)
 
 
@@ -222,7 +233,7 @@ def has_idle_rows(call: Call, wgs: int, bq: int) -> bool:
   return call.pad.T % (wgs * bq) != 0
 
 
-def kv_ranges_of(call: Call, ranges: Ranges, b, n, q_start, bq: int, bk: int, q_len, kv_len, *,
+def kv_ranges_of(call: Call, ranges: Ranges, b, n, q_start, bq: int, bk: int, lens: Lengths, *,
                  wgs: int = 2):
   """(lo, flo, fhi, hi) of the key blocks that one warpgroup's query rows [q_start, +bq) visit:
   the causal, window and length ranges with the packed-sequence and mask ranges (`ranges`, at
@@ -231,7 +242,7 @@ def kv_ranges_of(call: Call, ranges: Ranges, b, n, q_start, bq: int, bk: int, q_
   idle, an empty range."""
   idle_rows = has_idle_rows(call, wgs, bq)
   block = jnp.maximum(q_start // bq, 0) if idle_rows else q_start // bq
-  sections = call.kv_ranges(q_start, bq, bk, q_len, kv_len,
+  sections = call.kv_ranges(q_start, bq, bk, lens,
                             block_range(ranges.segments, b, n, block),
                             block_range(ranges.mask, b, n, block))
   if idle_rows:
@@ -245,7 +256,7 @@ def has_idle_keys(call: Call, wgs: int, bk: int) -> bool:
   return call.pad.S % (wgs * bk) != 0
 
 
-def q_ranges_of(call: Call, ranges: Ranges, b, n, k_start, bk: int, bq: int, q_len, kv_len, *,
+def q_ranges_of(call: Call, ranges: Ranges, b, n, k_start, bk: int, bq: int, lens: Lengths, *,
                 wgs: int = 2):
   """(lo, flo, fhi, hi) of the query blocks that see one warpgroup's key rows [k_start, +bk),
   the packed-sequence and mask ranges intersected in (`ranges` per key block, at batch row b and
@@ -255,7 +266,7 @@ def q_ranges_of(call: Call, ranges: Ranges, b, n, k_start, bk: int, bq: int, q_l
   idle_keys = has_idle_keys(call, wgs, bk)
   last = call.pad.S // bk - 1
   block = jnp.minimum(k_start // bk, last) if idle_keys else k_start // bk
-  sections = call.q_ranges(k_start, bk, bq, q_len, kv_len,
+  sections = call.q_ranges(k_start, bk, bq, lens,
                            block_range(ranges.segments, b, n, block),
                            block_range(ranges.mask, b, n, block))
   if idle_keys:
@@ -281,14 +292,13 @@ class QueryCta(NamedTuple):
   if_rows: Callable   # q_start -> a decorator running its function unless the warpgroup idles
 
 
-def query_cta(call: Call, ranges: Ranges, b, n, q_len, kv_len, *, wgs: int, bq: int,
+def query_cta(call: Call, ranges: Ranges, b, n, lens: Lengths, *, wgs: int, bq: int,
               bk: int, index=None) -> QueryCta:
   """The rows, key-block ranges and streaming order of the query CTA `index` (default: its grid
   index "q_seq")."""
   index = lax.axis_index("q_seq") if index is None else index
   _, start = cta_rows(call, wgs, bq, index)   # heaviest causal rows first
-  kv_ranges = lambda q_start: kv_ranges_of(call, ranges, b, n, q_start, bq, bk, q_len, kv_len,
-                                           wgs=wgs)
+  kv_ranges = lambda q_start: kv_ranges_of(call, ranges, b, n, q_start, bq, bk, lens, wgs=wgs)
   lo, hi = union_range(*(kv_ranges(start + i * bq) for i in range(wgs)))
   return QueryCta(
       start, schedule(ranges, b, n, lo, hi, start, wgs * bq),

@@ -67,11 +67,11 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
   tile_of, buffer_of, count = tiles.tile, tiles.buffer, tiles.count
 
   def query_tile(i):
-    """Tile i's (b, n, query CTA, its lengths)."""
+    """Tile i's (b, n, query CTA, its common.Lengths)."""
     b, n, index = tile_of(i)
-    q_len, kv_len = call.lengths(refs, b)
-    return b, n, common.query_cta(call, ranges, b, n, q_len, kv_len, wgs=wgs, bq=bq, bk=bk,
-                                  index=index), q_len, kv_len
+    lens = call.lengths(refs, b)
+    return b, n, common.query_cta(call, ranges, b, n, lens, wgs=wgs, bq=bq, bk=bk,
+                                  index=index), lens
 
   def rendezvous():   # the ping-pong of two warpgroups; three run free
     if wgs == 2:
@@ -105,7 +105,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       buf = buffer_of(i)
       if ctas:
         pl.when(i + 1 < count)(lambda: load_q(i + 1, 1 - buf))
-      b, n, cta, q_len, kv_len = query_tile(i)
+      b, n, cta, lens = query_tile(i)
       order = cta.order
       q_start = cta.start + wg * bq
       if_rows = cta.if_rows(q_start)
@@ -173,7 +173,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         plgpu.barrier_arrive(k_free.at[slot])
         ok = None
         if kind == "masked":
-          ok = call.visible((bq, bk), q_start, j * bk, q_len, kv_len, q_ids=q_ids(),
+          ok = call.visible((bq, bk), q_start, j * bk, lens, q_ids=q_ids(),
                             kv_ids=kv_ids, mask=allowed)
         s = call.scores(qk, ok, bias)
         probs, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
@@ -217,7 +217,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
     plgpu.set_max_registers(common.REGISTERS[wgs][1], action="decrease")
 
     def stream_tile(i, base):
-      b, n, cta, _, _ = query_tile(i)
+      b, n, cta, _ = query_tile(i)
       order = cta.order
       kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
 

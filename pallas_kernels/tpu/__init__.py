@@ -30,6 +30,9 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
   """Every call stable_attn accepts, except float64 inputs (reference runs those)."""
   if jnp.dtype(ops.q.dtype) == jnp.float64:
     return "float64: TPUs have no float64 arithmetic; float64 runs on reference (or xla)"
+  if ops.q_shift is not None:
+    return ("q_shift: the TPU kernels have no context parallelism (a sequence-sharded call); "
+            "shard batch or heads, or use pallas_mosaic_gpu / pallas_gpu")
   return None
 
 

@@ -1,0 +1,216 @@
+"""Context parallelism (issue 45): attention over a sequence sharded across the GPUs of one host.
+
+For each length T and each device count n (the first n GPUs, one mesh axis "seq"), q, k and v
+[B, T, heads, H] are placed sharded over their sequence dim, and forward+backward (the gradient of
+sum(O * w) in q, k, v) runs under jit: ours (pallas_mosaic_gpu, "safe", the library's context
+parallel path, in contiguous and zigzag order) next to jax.nn's cuDNN attention, which refuses a
+sequence-sharded input, after an all-to-all to heads (ARM_NOTES), every arm in this one process.
+
+    PYTHONPATH=. python benchmarks/context_parallel.py                    # T 32k, 64k; 1, 2, 4 GPUs
+    PYTHONPATH=. python benchmarks/context_parallel.py --lengths 131072 --gqa --devices 4
+
+Per GPU TFLOP/s by the FlashAttention convention (fwd+bwd 3.5 x 4*B*N*T*T*H, halved when causal,
+divided by n), the efficiency against the same arm on one GPU, memory per GPU (XLA's
+memory_analysis of the compiled step: arguments + outputs + temporaries), and the relative
+Frobenius error of O and of dQ, dK, dV against the one-GPU call of the same arm. Timing: the
+median of --blocks blocks of --calls calls. Writes benchmarks/results/context_parallel_<device>
+.md, .json and .png and prints the table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import stable_attn  # noqa: E402
+from stable_attn import context  # noqa: E402
+from benchmarks.attention import RESULTS, fwd_flops, time_calls  # noqa: E402
+
+ARMS = ("ours", "ours_zigzag", "cudnn_heads")
+ARM_NOTES = {
+    "ours": "stable_attn, context parallel (allgather), the sequence in contiguous order",
+    "ours_zigzag": "the same with context_layout='zigzag' (equal causal work per GPU)",
+    "ours_heads": "stable_attn after resharding q, k, v from sequence to heads (all-to-all)",
+    "cudnn": "jax.nn's cuDNN attention on the sequence-sharded inputs (XLA refuses: 'Sharding on "
+             "sequence dim is not allowed')",
+    "cudnn_heads": "jax.nn's cuDNN attention after resharding q, k, v from sequence to heads "
+                   "(all-to-all; O resharded back): what a user of jax.nn can do",
+}
+
+
+def attention(arm: str, causal: bool, mesh, implementation="pallas_mosaic_gpu",
+              interpret=False):
+  """f(q, k, v) -> O over sequence-sharded q, k, v for one arm."""
+  if arm.startswith("cudnn"):
+    fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                      implementation="cudnn")
+  else:
+    layout = "zigzag" if arm == "ours_zigzag" else "contiguous"
+    fn = lambda q, k, v: stable_attn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation=implementation, max_adjust="safe",
+        context_layout=layout, interpret=interpret)
+  if not arm.endswith("_heads"):
+    return fn
+  heads, rows = NamedSharding(mesh, P(None, None, "seq")), NamedSharding(mesh, P(None, "seq"))
+
+  def by_heads(q, k, v):
+    q, k, v = (jax.lax.with_sharding_constraint(x, heads) for x in (q, k, v))
+    return jax.lax.with_sharding_constraint(fn(q, k, v), rows)
+  return by_heads
+
+
+def step(fn, w):
+  """(q, k, v) -> (O, (dQ, dK, dV)) of sum(O * w)."""
+  def run(q, k, v):
+    o, pullback = jax.vjp(fn, q, k, v)
+    return o, pullback(w.astype(o.dtype))
+  return run
+
+
+def rel_err(got, ref) -> float:
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def measure(arm, shape, n, args, w, calls, blocks, reference=None, **kernel):
+  """One row: per-GPU TFLOP/s, memory per GPU, errors against `reference` (the one-GPU result)."""
+  B, T, N, K, H, causal = shape
+  mesh = Mesh(np.asarray(jax.devices()[:n]), ("seq",))
+  rows = NamedSharding(mesh, P(None, "seq"))
+  # The same (natural-order) data in the zigzag order the arm takes; results put back after.
+  order, natural = ((lambda x: context.zigzag(x, n), lambda x: context.unzigzag(x, n))
+                    if arm == "ours_zigzag" else (lambda x: x, lambda x: x))
+  placed = [jax.device_put(order(a), rows) for a in args]
+  w = order(w)
+  fn = jax.jit(step(attention(arm, causal, mesh, **kernel), jax.device_put(w, rows)),
+               in_shardings=(rows,) * 3)
+  compiled = fn.lower(*placed).compile()
+  memory = compiled.memory_analysis()
+  per_gpu = None
+  if memory is not None:
+    per_gpu = (memory.argument_size_in_bytes + memory.output_size_in_bytes +
+               memory.temp_size_in_bytes - memory.alias_size_in_bytes) / 2 ** 30
+  seconds = time_calls(compiled, placed, calls, blocks, warmup=1)
+  o, grads = jax.device_get(compiled(*placed))
+  o, grads = natural(o), [natural(g) for g in grads]
+  row = dict(arm=arm, T=T, K=K, devices=n, ms=seconds * 1e3,
+             tflops_per_gpu=3.5 * fwd_flops(B, T, N, K, H, causal) / seconds / n / 1e12,
+             gib_per_gpu=per_gpu)
+  if reference is not None:
+    row["err_o"] = rel_err(o, reference[0])
+    row["err_grads"] = max(rel_err(g, r) for g, r in zip(grads, reference[1]))
+  del placed
+  return row, (o, grads)
+
+
+def markdown(rows, device: str, notes) -> str:
+  lines = [f"# Context parallelism on {device}", "",
+           "Forward+backward of causal attention, B1 H128 bf16, q/k/v sharded over their "
+           "sequence across n GPUs, every arm in one process. Per-GPU "
+           "TFLOP/s by the FlashAttention convention; efficiency against the same arm on one GPU; "
+           "memory per GPU from XLA's memory analysis; errors against the one-GPU call.", "",
+           "| T | K | GPUs | arm | process | ms | TFLOP/s per GPU | efficiency | GiB per GPU | "
+           "err O | err grads |", "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+  # Efficiency against the same arm on one GPU in the same process (rows merged from several
+  # runs carry a "process"); ours_heads against ours, the same kernel there.
+  key = lambda r, arm=None: (r.get("process"), arm or r["arm"], r["T"], r["K"])
+  base = {key(r): r for r in rows if r.get("devices") == 1 and "ms" in r}
+  for r in rows:
+    if r["arm"] == "ours_heads":
+      one = [b for k, b in base.items() if k[1:] == ("ours", r["T"], r["K"])]
+      if one:
+        base[key(r)] = one[-1]
+  fmt = lambda x, f: "-" if x is None else format(x, f)
+  for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['T']} | {r['K']} | {r['devices']} | {r['arm']} | "
+                   f"{r.get('process', '')} | failed: {r['error'][:120]} | | | | | |")
+      continue
+    one = base.get(key(r))
+    eff = None if one is None else r["tflops_per_gpu"] / one["tflops_per_gpu"]
+    lines.append(f"| {r['T']} | {r['K']} | {r['devices']} | {r['arm']} | "
+                 f"{r.get('process', '')} | {r['ms']:.1f} | "
+                 f"{r['tflops_per_gpu']:.0f} | {fmt(eff and 100 * eff, '.1f')}% | "
+                 f"{fmt(r['gib_per_gpu'], '.2f')} | {fmt(r.get('err_o'), '.1e')} | "
+                 f"{fmt(r.get('err_grads'), '.1e')} |")
+  return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
+
+
+def plot(rows, device: str, path: str):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+  for key in sorted({(r["arm"], r["T"], r["K"]) for r in rows if "ms" in r}):
+    pts = sorted((r["devices"], r["tflops_per_gpu"]) for r in rows
+                 if "ms" in r and (r["arm"], r["T"], r["K"]) == key)
+    ax.plot(*zip(*pts), "o-", label=f"{key[0]} T={key[1] // 1024}k K={key[2]}")
+  ax.set_xlabel("GPUs (sequence sharded)")
+  ax.set_ylabel("fwd+bwd TFLOP/s per GPU")
+  ax.set_title(f"Context parallel causal attention, {device}")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--lengths", default="32768,65536")
+  p.add_argument("--devices", default="1,2,4")
+  p.add_argument("--arms", default=",".join(ARMS))
+  p.add_argument("--gqa", action="store_true", help="also K=8 kv heads")
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--implementation", default="pallas_mosaic_gpu",
+                 help="ours' backend (pallas_gpu with --interpret: a CPU smoke run of the script)")
+  p.add_argument("--interpret", action="store_true")
+  p.add_argument("--calls", type=int, default=3)
+  p.add_argument("--blocks", type=int, default=3)
+  p.add_argument("--out", default=RESULTS)
+  args = p.parse_args(argv)
+  counts = [int(n) for n in args.devices.split(",") if int(n) <= jax.device_count()]
+  device = jax.devices()[0].device_kind
+  rows, notes = [], [f"jax {jax.__version__}, {jax.device_count()} x {device}"]
+  notes += [f"{arm}: {ARM_NOTES[arm]}" for arm in args.arms.split(",")]
+  for T in (int(t) for t in args.lengths.split(",")):
+    for K in ((16, 8) if args.gqa else (16,)):
+      N = args.heads
+      shape = (1, T, N, min(K, N), 128, True)
+      rng = np.random.default_rng(0)
+      normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+      qkv = (normal(1, T, N, 128), normal(1, T, min(K, N), 128), normal(1, T, min(K, N), 128))
+      w = normal(1, T, N, 128)
+      for arm in args.arms.split(","):
+        reference = None
+        for n in counts:
+          try:
+            row, result = measure(arm, shape, n, qkv, w, args.calls, args.blocks, reference,
+                                  implementation=args.implementation, interpret=args.interpret)
+            reference = reference or result
+          except Exception as e:   # a failed arm is a row of the table, not the end of the run
+            traceback.print_exc()
+            row = dict(arm=arm, T=T, K=K, devices=n, error=f"{type(e).__name__}: {e}")
+          rows.append(row)
+          print(json.dumps(row), flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, "context_parallel_" + device.lower().replace(" ", "_"))
+  text = markdown(rows, device, notes)
+  with open(stem + ".md", "w") as f:
+    f.write(text)
+  with open(stem + ".json", "w") as f:
+    json.dump(rows, f, indent=1)
+  plot(rows, device, stem + ".png")
+  print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

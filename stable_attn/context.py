@@ -1,0 +1,65 @@
+"""Orders of a sequence sharded over n devices (context parallelism; `context_layout`).
+
+"contiguous": device d holds positions [d T/n, (d+1) T/n). Under a causal mask device d's queries
+  see (2d+1)/(2n) of the keys on average, so the last device does 2n-1 times the first's work.
+"zigzag": the sequence cut into 2n chunks of T/(2n); device d holds chunks d and 2n-1-d, so every
+  device holds one early and one late chunk and does equal causal work. A caller puts tokens,
+  positions and segment ids in this order once (`zigzag`), before sharding them; the attention
+  call then returns O and the log-sum-exp in the same order (`unzigzag` restores the natural one).
+
+On a call that is not sharded over its sequence, n = 1 and both orders are the natural one.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def zigzag_chunks(n: int) -> np.ndarray:
+  """The natural chunk (of 2n) at each chunk position of the zigzag order: 0, 2n-1, 1, 2n-2, ..."""
+  return np.stack([np.arange(n), 2 * n - 1 - np.arange(n)], axis=1).reshape(-1)
+
+
+def _reorder(x, n: int, axis: int, chunks: np.ndarray):
+  # numpy in, numpy out: a trainer lays its host batches out before they reach a device.
+  xp = np if isinstance(x, np.ndarray) else jnp
+  if x.shape[axis] % (2 * n):
+    raise ValueError(f"a zigzag order over {n} devices cuts the sequence into {2 * n} equal "
+                     f"chunks: its length {x.shape[axis]} (axis {axis}) must be a multiple of "
+                     f"{2 * n}")
+  shape = x.shape[:axis] + (2 * n, x.shape[axis] // (2 * n)) + x.shape[axis + 1:]
+  return xp.take(x.reshape(shape), chunks, axis=axis).reshape(x.shape)
+
+
+def zigzag(x, n: int, axis: int = 1):
+  """x (natural order along `axis`; a jax or numpy array, the result the same) in the zigzag
+  order over n devices: shard the result evenly over `axis` and device d holds natural chunks d
+  and 2n-1-d."""
+  return _reorder(x, n, axis, zigzag_chunks(n))
+
+
+def unzigzag(x, n: int, axis: int = 1):
+  """The inverse of `zigzag`: x in the zigzag order over n devices -> the natural order."""
+  return _reorder(x, n, axis, np.argsort(zigzag_chunks(n)))
+
+
+class Chunk(NamedTuple):
+  """A run of consecutive positions on one device: its rows [start, stop) in the device's shard
+  and `shift`, the global position of its first row (an int32 scalar: the device's index is
+  only known when the program runs)."""
+  start: int
+  stop: int
+  shift: jax.Array
+
+
+def device_chunks(layout: str, rows: int, n: int, device) -> list[Chunk]:
+  """The runs of consecutive positions in device `device`'s shard of `rows` rows, of n devices."""
+  if layout == "contiguous" or n == 1:
+    return [Chunk(0, rows, device * rows)]
+  half = rows // 2
+  return [Chunk(0, half, device * half), Chunk(half, rows, (2 * n - 1 - device) * half)]
