@@ -38,6 +38,8 @@ ARMS = ("ours", "ours_zigzag", "cudnn_heads")
 ARM_NOTES = {
     "ours": "stable_attn, context parallel (allgather), the sequence in contiguous order",
     "ours_zigzag": "the same with context_layout='zigzag' (equal causal work per GPU)",
+    "ours_ring": "zigzag with context_strategy='ring' (K, V passed round the devices; each holds "
+                 "two key blocks, not every key)",
     "ours_heads": "stable_attn after resharding q, k, v from sequence to heads (all-to-all)",
     "cudnn": "jax.nn's cuDNN attention on the sequence-sharded inputs (XLA refuses: 'Sharding on "
              "sequence dim is not allowed')",
@@ -53,10 +55,11 @@ def attention(arm: str, causal: bool, mesh, implementation="pallas_mosaic_gpu",
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                       implementation="cudnn")
   else:
-    layout = "zigzag" if arm == "ours_zigzag" else "contiguous"
+    layout = "zigzag" if arm in ("ours_zigzag", "ours_ring") else "contiguous"
+    strategy = "ring" if arm == "ours_ring" else "allgather"
     fn = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, is_causal=causal, implementation=implementation, max_adjust="safe",
-        context_layout=layout, interpret=interpret)
+        context_layout=layout, context_strategy=strategy, interpret=interpret)
   if not arm.endswith("_heads"):
     return fn
   heads, rows = NamedSharding(mesh, P(None, None, "seq")), NamedSharding(mesh, P(None, "seq"))
@@ -87,7 +90,7 @@ def measure(arm, shape, n, args, w, calls, blocks, reference=None, **kernel):
   rows = NamedSharding(mesh, P(None, "seq"))
   # The same (natural-order) data in the zigzag order the arm takes; results put back after.
   order, natural = ((lambda x: context.zigzag(x, n), lambda x: context.unzigzag(x, n))
-                    if arm == "ours_zigzag" else (lambda x: x, lambda x: x))
+                    if arm in ("ours_zigzag", "ours_ring") else (lambda x: x, lambda x: x))
   placed = [jax.device_put(order(a), rows) for a in args]
   w = order(w)
   fn = jax.jit(step(attention(arm, causal, mesh, **kernel), jax.device_put(w, rows)),

@@ -53,6 +53,7 @@ class Options:
   return_residual: bool = False
   return_residuals: bool = False
   context_layout: str = "contiguous"
+  context_strategy: str = "allgather"
 
   @classmethod
   def of(cls, arguments: dict) -> "Options":
@@ -81,6 +82,7 @@ def dot_product_attention(
     return_residual: bool = False,
     return_residuals: bool = False,
     context_layout: str = "contiguous",
+    context_strategy: str = "allgather",
 ):
   """Scaled dot-product attention with the max adjustment; a drop-in for jax.nn's.
 
@@ -148,6 +150,16 @@ def dot_product_attention(
       (n = 1) both orders are the natural one. "zigzag" takes no bias or mask, and runs on the
       GPU kernels (pallas_mosaic_gpu, pallas_gpu), which partition themselves (ValueError
       elsewhere: XLA would partition the others as if the order were natural).
+    context_strategy: how a context-parallel call (see context_layout) meets the keys other
+      devices hold. "allgather": K and V (and key segment ids, a bias's or mask's key columns)
+      are gathered to every device, dK and dV reduce-scattered back. "ring": each device's K and
+      V (and key segment ids) pass round the devices with ppermute, one block a step, the next
+      block's transfer issued before this block's kernels; each step's O and log-sum-exp are
+      merged in fp32 (tile.merge_blocks) and dK, dV travel round with their block in fp32. A
+      device holds two key blocks at a time instead of every key. O differs from the one-device
+      call by the rounding of each step's O to the input dtype before the merge; dQ, dK, dV by
+      that of each step's share. "ring" takes no bias or mask, and runs on the GPU kernels only
+      (ValueError otherwise); on a call not sharded over its sequence both are the one call.
 
   Returns:
     [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
@@ -419,7 +431,14 @@ def _spec(options: Options, head_dim: int) -> AttentionSpec:
       logits_soft_cap=_soft_cap(options.logits_soft_cap),
       return_residuals=bool(options.return_residuals),
       deterministic=_flag(options.deterministic, "deterministic"),
-      context_layout=_context_layout(options.context_layout))
+      context_layout=_context_layout(options.context_layout),
+      context_strategy=_context_strategy(options.context_strategy))
+
+
+def _context_strategy(strategy) -> str:
+  if not isinstance(strategy, str) or strategy not in context.STRATEGIES:
+    raise ValueError(f"context_strategy must be one of {context.STRATEGIES}, got {strategy!r}")
+  return strategy
 
 
 def _context_layout(layout) -> str:
@@ -484,6 +503,10 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   if spec.context_layout == "zigzag" and (bias is not None or mask is not None):
     raise ValueError("context_layout='zigzag' takes no bias or mask (their key columns would need "
                      "the zigzag order too); use segment ids, windows and lengths, or 'contiguous'")
+  if spec.context_strategy == "ring" and (bias is not None or mask is not None):
+    raise ValueError("context_strategy='ring' takes no bias or mask (their key columns would have "
+                     "to travel round the ring too); use segment ids, windows and lengths, or "
+                     "'allgather'")
   given = dict(bias=bias, mask=mask, q_lens=options.query_seq_lengths,
                kv_lens=options.key_value_seq_lengths, q_seg=q_seg, kv_seg=kv_seg,
                sinks=options.sinks)

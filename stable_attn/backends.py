@@ -96,16 +96,22 @@ def choose(spec: AttentionSpec, ops: Operands) -> Choice:
     if reason is None:
       return Choice(reg.name, passed_over)
     passed_over[reg.name] = reason
-  # The reference covers every call but a zigzag one (which only a self-partitioning kernel runs).
+  # The reference covers every call but a zigzag or ring one (only a self-partitioning kernel runs
+  # those).
   raise ValueError(f"no available backend runs this call: {passed_over}")
 
 
 def _covers(backend: Backend, spec: AttentionSpec, ops: Operands) -> Optional[str]:
-  """backend.covers, and a zigzag context_layout only where the backend partitions itself
-  (`CONTEXT_PARALLEL = True`): XLA partitions the others, as if the order were natural."""
-  if spec.context_layout == "zigzag" and not getattr(backend, "CONTEXT_PARALLEL", False):
-    return ("context_layout='zigzag': this backend is partitioned by XLA, which knows nothing of "
-            "the order; the GPU kernels (pallas_mosaic_gpu, pallas_gpu) run it")
+  """backend.covers, and a zigzag context_layout or a ring context_strategy only where the
+  backend partitions itself (`CONTEXT_PARALLEL = True`): XLA partitions the others, as if the
+  order were natural and with its own collectives."""
+  if not getattr(backend, "CONTEXT_PARALLEL", False):
+    if spec.context_layout == "zigzag":
+      return ("context_layout='zigzag': this backend is partitioned by XLA, which knows nothing "
+              "of the order; the GPU kernels (pallas_mosaic_gpu, pallas_gpu) run it")
+    if spec.context_strategy == "ring":
+      return ("context_strategy='ring': this backend is partitioned by XLA, which chooses its own "
+              "collectives; the GPU kernels (pallas_mosaic_gpu, pallas_gpu) run it")
   return backend.covers(spec, ops)
 
 

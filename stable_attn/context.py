@@ -18,6 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag")
+# How each device meets the keys the others hold (stable_attn.partition): all of them gathered to
+# every device, or each device's keys passed round a ring of the devices.
+STRATEGIES = ("allgather", "ring")
 
 
 def zigzag_chunks(n: int) -> np.ndarray:

@@ -40,11 +40,23 @@ masks, lengths and "safe" offsets are the unsharded call's: O, LSE and dQ equal 
 and dV are each device's queries' share for every key: summed in fp32 over the devices and cut
 back to each device's keys (a reduce-scatter); each share is rounded to the input dtype by its
 kernel first, so they are within bf16 rounding of the one-device call, not bitwise. A packed qkv
-is split on each device (its K and V gathered). The TPU kernels have no q_shift: there a
-sequence-sharded call raises ValueError, as does head-dim sharding everywhere (with Auto axes
-while XLA partitions the program, wrapped in its JaxRuntimeError; with Explicit axes at trace
-time). Under `jax.vmap` the vmapped axis joins the batch (custom_partitioning has no batching
-rule of its own).
+is split on each device (its K and V gathered).
+
+context_strategy="ring" keeps K and V split like the queries: in n steps each device runs its
+queries against the key block it holds (block (d - s) mod n at step s; each pair of a query run
+and a key run is one kernel call, q_shift = the difference of their first global positions)
+while `lax.ppermute` already passes that block on, so the transfer can overlap the kernels; the
+steps' O and LSE are merged in fp32 (`tile.merge_blocks`, sinks joined once there). The backward
+runs the same steps with the merged O and LSE: dQ sums on the device in fp32, dK and dV in fp32
+accumulators that travel with their block and reach its owner after the last step. A device
+holds two key blocks instead of every key; O is within bf16 rounding of the one-device call
+(about an ulp of the row's scale: each step's O is rounded to the input dtype by its kernel
+before the merge), LSE within fp32 rounding. No bias or mask (refused in canonicalize).
+
+The TPU kernels have no q_shift: there a sequence-sharded call raises ValueError, as does
+head-dim sharding everywhere (with Auto axes while XLA partitions the program, wrapped in its
+JaxRuntimeError; with Explicit axes at trace time). Under `jax.vmap` the vmapped axis joins the
+batch (custom_partitioning has no batching rule of its own).
 """
 from __future__ import annotations
 
@@ -59,7 +71,7 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, 
                                                   custom_partitioning)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, auto_axes
 
-from stable_attn import context
+from stable_attn import context, tile
 from stable_attn.spec import (LSE_AXES, PARTITIONABLE, ROW_AXES, Operand, OperandTable, is_packed,
                               unpack)
 
@@ -72,11 +84,14 @@ _FORWARD_OUTPUTS = (ROW_AXES, ROW_AXES, LSE_AXES)
 
 class _Layout(NamedTuple):
   """Static: the operand table, the operands present (in table order), whether dLSE is passed,
-  whether the backend's kernels take a q_shift (may run context parallel)."""
+  whether the backend's kernels take a q_shift (may run context parallel), and whether a
+  context-parallel call passes its keys round a ring (context_strategy="ring": K and V stay split
+  like the queries)."""
   table: OperandTable
   names: tuple
   with_dlse: bool = False
   sequence: bool = False
+  ring: bool = False
 
   def rows(self, n_arrays: int | None = None):
     """Table rows of the operands, then of the backward's inputs, for n_arrays arrays."""
@@ -118,12 +133,14 @@ class _Axes(NamedTuple):
   heads: object   # mesh axis name(s) of the query-head dim, or None
   seq: object = None   # mesh axis name(s) of the query's sequence dim (context parallel), or None
   seq_devices: int = 1  # how many devices split it
+  keys: object = None   # mesh axis name(s) of the key dim: the sequence's under a ring, else None
 
   def of(self, axis: str):
-    """The mesh axes an operand's `axis` is split over on each device. Keys stay whole: a
-    context-parallel device sees every key (XLA all-gathers K and V before the kernels)."""
+    """The mesh axes an operand's `axis` is split over on each device. Keys stay whole (a
+    context-parallel device sees every key: XLA all-gathers K and V before the kernels), except
+    under a ring, where each device holds its own keys and passes them on."""
     return {"batch": self.batch, "heads": self.heads, "kv_heads": self.heads,
-            "query": self.seq}.get(axis)
+            "query": self.seq, "key": self.keys}.get(axis)
 
 
 def _spec(arg, ndim: int):
@@ -170,7 +187,12 @@ def _axes(mesh, layout: _Layout, args) -> _Axes:
     raise ValueError(f"the query's sequence is sharded {_axis_size(mesh, seq)} ways over {seq}, "
                      f"which must divide its length T={sizes['query']} (context parallel: each "
                      f"device holds T / devices consecutive positions)")
-  return _Axes(q_spec["batch"], n, seq, _axis_size(mesh, seq))
+  keys = seq if layout.ring else None
+  if keys is not None and sizes["key"] % _axis_size(mesh, seq):
+    raise ValueError(f"context_strategy='ring' over {_axis_size(mesh, seq)} devices ({seq}) "
+                     f"splits the keys as the queries: their length S={sizes['key']} must be a "
+                     f"multiple of it")
+  return _Axes(q_spec["batch"], n, seq, _axis_size(mesh, seq), keys)
 
 
 def _partition_spec(row: Operand, shape, sizes, axes: _Axes) -> P:
@@ -214,8 +236,10 @@ def _rule(layout: _Layout, value_types, n_results: int, backward: bool):
     results = [ArrayMapping(*(factors[a] for a in axes)) for axes in _FORWARD_OUTPUTS]
   assert len(results) == n_results
   # The factors the kernels need whole, in order of first appearance (as Shardy requires); the
-  # query's sequence may be split where the kernels run context parallel.
-  splittable = PARTITIONABLE + (("query",) if layout.sequence else ())
+  # query's sequence may be split where the kernels run context parallel, the keys too under a
+  # ring.
+  splittable = (PARTITIONABLE + (("query",) if layout.sequence else ())
+                + (("key",) if layout.ring else ()))
   whole = [factors[a] for row in rows for a in row.axes if a not in splittable]
   return SdyShardingRule(tuple(mappings), tuple(results),
                          need_replication_factors=tuple(dict.fromkeys(whole)),
@@ -308,7 +332,7 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
     if not when(spec):
       return forward(spec, config, ops)
     layout, arrays = _flat(ops)
-    layout = layout._replace(sequence=sequence)
+    layout = layout._replace(sequence=sequence, ring=sequence and spec.context_strategy == "ring")
     batched = lambda run: lambda *a: _batched(run, layout, a, grads=False)
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
@@ -321,7 +345,8 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
     if not when(spec):
       return backward(spec, config, ops, o_res, lse, do, dlse)
     layout, arrays = _flat(ops)
-    layout = layout._replace(with_dlse=dlse is not None, sequence=sequence)
+    layout = layout._replace(with_dlse=dlse is not None, sequence=sequence,
+                             ring=sequence and spec.context_strategy == "ring")
     arrays = arrays + [o_res, lse, do] + ([dlse] if dlse is not None else [])
     batched = lambda run: lambda *a: _batched(run, layout, a, grads=True)
     grad_specs = lambda axes, specs: _grad_specs(layout, specs, axes)
@@ -358,43 +383,53 @@ def _grad_specs(layout: _Layout, specs, axes: _Axes):
 # Context parallel: each device holds T / n of the queries and sees every key
 # ---------------------------------------------------------------------------------------------
 
-def _context_calls(spec, axes: _Axes, ops):
-  """One device's kernel calls of a sequence-sharded call: for each run of consecutive positions
-  it holds (stable_attn.context: one contiguous run, or two under the zigzag order), that run's
-  rows (start, stop) and its operands -- its queries, q_shift (the global position of its first
-  row), its own rows' query lengths and "safe" offsets -- and every key in natural order (XLA
-  gathered K and V to each device as the specs ask; a packed q, k, v becomes split operands, K and
-  V gathered here). Not sequence-sharded: the one call as it is."""
-  if axes.seq is None:
-    return [((None, None), ops)]
-  T = (ops.qkv if is_packed(ops) else ops.q).shape[1]
-  n = axes.seq_devices
+def _query_runs(spec, axes: _Axes, ops, device):
+  """The runs of consecutive positions among one device's queries (stable_attn.context: one
+  contiguous run, or two under the zigzag order): each run's Chunk (its rows, and `shift`, its
+  first global position) and its query-side operands -- its queries, segment ids, "safe" offsets
+  (at its global positions) and query lengths counted from its first row."""
+  T, n = ops.q.shape[1], axes.seq_devices
   if _zigzag(spec, axes) and T % 2:
     raise ValueError(f"context_layout='zigzag' over {n} devices needs a sequence length divisible "
                      f"by {2 * n} (two equal chunks on each device), got {T * n}")
-  device = lax.axis_index(axes.seq).astype(jnp.int32)
-  if is_packed(ops):
-    kv = lax.all_gather(ops.qkv[:, :, 1:], axes.seq, axis=1, tiled=True)
-    ops = unpack(ops)._replace(k=kv[:, :, 0], v=kv[:, :, 1])
   offsets = ops.offset
-  if _zigzag(spec, axes):
-    # The keys came in the caller's zigzag order; each run's offsets are at its global positions.
-    natural = lambda x: None if x is None else context.unzigzag(x, n)
-    ops = ops._replace(k=natural(ops.k), v=natural(ops.v), kv_seg=natural(ops.kv_seg))
-    if offsets is not None:
-      offsets = lax.all_gather(offsets, axes.seq, axis=1, tiled=True)
-  calls = []
+  if _zigzag(spec, axes) and offsets is not None:
+    # Each device's share of the offsets is at natural positions; a zigzag run's are elsewhere.
+    offsets = lax.all_gather(offsets, axes.seq, axis=1, tiled=True)
+  runs = []
   for chunk in context.device_chunks(spec.context_layout, T, n, device):
     rows, size = slice(chunk.start, chunk.stop), chunk.stop - chunk.start
     offset = offsets
     if offsets is not None:
       offset = (lax.dynamic_slice_in_dim(offsets, chunk.shift, size, axis=1)
                 if _zigzag(spec, axes) else offsets[:, rows])
-    calls.append(((chunk.start, chunk.stop), ops._replace(
-        q=ops.q[:, rows], q_seg=None if ops.q_seg is None else ops.q_seg[:, rows], offset=offset,
-        q_lens=jnp.clip(ops.q_lens - chunk.shift, 0, size),
-        q_shift=jnp.full_like(ops.q_lens, chunk.shift))))
-  return calls
+    runs.append((chunk, dict(q=ops.q[:, rows], offset=offset,
+                             q_seg=None if ops.q_seg is None else ops.q_seg[:, rows],
+                             q_lens=jnp.clip(ops.q_lens - chunk.shift, 0, size))))
+  return runs
+
+
+def _context_calls(spec, axes: _Axes, ops):
+  """One device's kernel calls of a sequence-sharded call under the allgather strategy: for each
+  run of its queries (`_query_runs`), the run's rows (start, stop) and its operands, with every
+  key in natural order (XLA gathered K and V to each device as the specs ask; a packed q, k, v
+  becomes split operands, K and V gathered here) and q_shift the run's first global position.
+  Not sequence-sharded: the one call as it is."""
+  if axes.seq is None:
+    return [((None, None), ops)]
+  n = axes.seq_devices
+  device = lax.axis_index(axes.seq).astype(jnp.int32)
+  if is_packed(ops):
+    kv = lax.all_gather(ops.qkv[:, :, 1:], axes.seq, axis=1, tiled=True)
+    ops = unpack(ops)._replace(k=kv[:, :, 0], v=kv[:, :, 1])
+  runs = _query_runs(spec, axes, ops, device)
+  if _zigzag(spec, axes):
+    # The keys came in the caller's zigzag order.
+    natural = lambda x: None if x is None else context.unzigzag(x, n)
+    ops = ops._replace(k=natural(ops.k), v=natural(ops.v), kv_seg=natural(ops.kv_seg))
+  return [((chunk.start, chunk.stop),
+           ops._replace(**fields, q_shift=jnp.full_like(ops.q_lens, chunk.shift)))
+          for chunk, fields in runs]
 
 
 def _zigzag(spec, axes: _Axes) -> bool:
@@ -403,6 +438,8 @@ def _zigzag(spec, axes: _Axes) -> bool:
 
 def _context_forward(forward: Callable, spec, config, axes: _Axes, ops):
   """(O, O residual, LSE) of one device: its runs' kernel calls, joined along the queries."""
+  if axes.keys is not None:
+    return _ring_forward(forward, spec, config, axes, ops)
   outs = [forward(spec, config, run_ops) for _, run_ops in _context_calls(spec, axes, ops)]
   if len(outs) == 1:
     return tuple(outs[0])
@@ -417,10 +454,11 @@ def _context_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res,
   dv stacked into its dqkv."""
   if axes.seq is None:
     return backward(spec, config, ops, o_res, lse, do, dlse)
+  if axes.keys is not None:
+    return _ring_backward(backward, spec, config, axes, ops, o_res, lse, do, dlse)
   calls = _context_calls(spec, axes, ops)
-  rows = lambda x, a, b, axis: None if x is None else lax.slice_in_dim(x, a, b, axis=axis)
-  runs = [backward(spec, config, run_ops, rows(o_res, a, b, 1), rows(lse, a, b, 2),
-                   rows(do, a, b, 1), rows(dlse, a, b, 2))
+  runs = [backward(spec, config, run_ops, _rows(o_res, a, b, 1), _rows(lse, a, b, 2),
+                   _rows(do, a, b, 1), _rows(dlse, a, b, 2))
           for (a, b), run_ops in calls]
   if len(runs) > 1 and any(g is not None for run in runs for g in run[3:]):
     raise AssertionError("a zigzag call has no bias (refused by canonicalize)")
@@ -432,9 +470,111 @@ def _context_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res,
   scatter = lambda g, like: lax.psum_scatter(g, axes.seq, scatter_dimension=1,
                                              tiled=True).astype(like.dtype)
   dk, dv = scatter(dk, runs[0][1]), scatter(dv, runs[0][2])
-  if is_packed(ops):
-    return (jnp.stack([dq, dk, dv], axis=2), *runs[0][3:])
-  return (dq, dk, dv, *runs[0][3:])
+  return _packed_grads(is_packed(ops), dq, dk, dv, runs[0][3:])
+
+
+def _rows(x, start, stop, axis):
+  return None if x is None else lax.slice_in_dim(x, start, stop, axis=axis)
+
+
+def _packed_grads(packed: bool, dq, dk, dv, rest):
+  """The backward's results: (dq, dk, dv, *rest), or (dqkv, *rest) for a packed call."""
+  if packed:
+    return (jnp.stack([dq, dk, dv], axis=2), *rest)
+  return (dq, dk, dv, *rest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallel, ring: each device keeps its own keys and passes them round
+# ---------------------------------------------------------------------------------------------
+
+def _ring_steps(spec, axes: _Axes, ops):
+  """(device, the device's query runs, its key block (k, v, kv_seg) and a function of a ring
+  step and a block giving that step's kernel pairs): at step s a device holds the block of
+  device (d - s) mod n, whose key runs each pair with each of its query runs, with q_shift =
+  the query run's first global position - the key run's and each side's lengths counted from
+  its own first row."""
+  n = axes.seq_devices
+  device = lax.axis_index(axes.seq).astype(jnp.int32)
+  runs = _query_runs(spec, axes, ops, device)
+  S = ops.k.shape[1]
+
+  def pairs(step: int, block):
+    k, v, kv_seg = block
+    src = (device - step) % n
+    out = []
+    for i, (q_chunk, fields) in enumerate(runs):
+      for k_chunk in context.device_chunks(spec.context_layout, S, n, src):
+        cols, size = slice(k_chunk.start, k_chunk.stop), k_chunk.stop - k_chunk.start
+        out.append((i, k_chunk, ops._replace(
+            **fields, k=k[:, cols], v=v[:, cols],
+            kv_seg=None if kv_seg is None else kv_seg[:, cols],
+            kv_lens=jnp.clip(ops.kv_lens - k_chunk.shift, 0, size),
+            q_shift=jnp.full_like(ops.q_lens, q_chunk.shift - k_chunk.shift), sinks=None)))
+    return out
+
+  return runs, (ops.k, ops.v, ops.kv_seg), pairs
+
+
+def _pass_on(arrays, axes: _Axes):
+  """Each device's arrays to the next device round the ring (None stays None)."""
+  n = axes.seq_devices
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  return tuple(None if x is None else lax.ppermute(x, axes.seq, perm) for x in arrays)
+
+
+def _ring_forward(forward: Callable, spec, config, axes: _Axes, ops):
+  """(O, O residual, LSE) of one device under the ring: n steps, each the device's queries
+  against the key block it holds (the next block already on its way), merged in fp32 by
+  tile.merge_blocks (the sinks joined once, there)."""
+  ops = unpack(ops)
+  runs, block, pairs = _ring_steps(spec, axes, ops)
+  parts = [[] for _ in runs]
+  for step in range(axes.seq_devices):
+    # Issued before this block's kernels, the transfer of the next block can overlap them.
+    upcoming = _pass_on(block, axes) if step < axes.seq_devices - 1 else None
+    for i, _, pair in pairs(step, block):
+      _, o_res, lse = forward(spec, config, pair)
+      parts[i].append((o_res, lse))
+    block = upcoming
+  merged = [tile.merge_blocks([o for o, _ in p], [l for _, l in p], sink=ops.sinks)
+            for p in parts]
+  o = jnp.concatenate([m[0] for m in merged], axis=1)
+  lse = jnp.concatenate([m[1] for m in merged], axis=2)
+  dt = spec.numerics.dtypes(ops.q.dtype)
+  out = tile.round_convert(o, dt.out).astype(dt.input)
+  residual = o if jnp.dtype(dt.residual_o) == jnp.float32 else out
+  return out, residual.astype(dt.residual_o), lse
+
+
+def _ring_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res, lse, do, dlse):
+  """One device's gradients under the ring: at each step the backward of its queries against
+  the key block it holds (with the call's own O and LSE); dQ sums in fp32 on the device, dK and
+  dV in fp32 accumulators that travel with their block and reach its owner after the last step."""
+  packed, ops = is_packed(ops), unpack(ops)
+  runs, block, pairs = _ring_steps(spec, axes, ops)
+  f32 = jnp.float32
+  dq = [jnp.zeros(fields["q"].shape, f32) for _, fields in runs]
+  dkv = (jnp.zeros(ops.k.shape, f32), jnp.zeros(ops.v.shape, f32))
+  rest = ()
+  for step in range(axes.seq_devices):
+    upcoming = _pass_on(block, axes) if step < axes.seq_devices - 1 else None
+    dk, dv = dkv
+    for i, k_chunk, pair in pairs(step, block):
+      a, b = runs[i][0].start, runs[i][0].stop
+      grads = backward(spec, config, pair, _rows(o_res, a, b, 1), _rows(lse, a, b, 2),
+                       _rows(do, a, b, 1), _rows(dlse, a, b, 2))
+      dq[i] = dq[i] + grads[0].astype(f32)
+      cols = slice(k_chunk.start, k_chunk.stop)
+      dk = dk.at[:, cols].add(grads[1].astype(f32))
+      dv = dv.at[:, cols].add(grads[2].astype(f32))
+      rest = grads[3:]
+    # The gradients follow their block; the pass after the last step brings them home.
+    dkv = _pass_on((dk, dv), axes)
+    block = upcoming
+  dq = jnp.concatenate(dq, axis=1).astype(ops.q.dtype)
+  dk, dv = dkv[0].astype(ops.k.dtype), dkv[1].astype(ops.v.dtype)
+  return _packed_grads(packed, dq, dk, dv, rest)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +635,8 @@ def _auto_axes(call: Callable, layout: _Layout, arrays, out_specs: Callable):
   splits the kernels) when the operands' types carry some (a mesh of Explicit and Auto axes); a
   query sharded where the kernels cannot take it is rejected here, at trace time. out_specs(axes,
   operand specs) -> result specs. auto_axes works in the context's mesh: without jax.set_mesh it
-  is entered here, or the types inside keep their Explicit shardings (and a Pallas kernel's refs with them)."""
+  is entered here, or the types inside keep their Explicit shardings (and a Pallas kernel's refs
+  with them)."""
   mesh = getattr(jax.typeof(arrays[0]).sharding, "mesh", None)
   explicit = tuple(name for name, kind in zip(getattr(mesh, "axis_names", ()),
                                               getattr(mesh, "axis_types", ()))

@@ -52,6 +52,8 @@ class AttentionSpec:
   deterministic: bool = False
   # How a sequence sharded over devices is ordered (stable_attn.context): "contiguous" | "zigzag".
   context_layout: str = "contiguous"
+  # How a context-parallel call meets the other devices' keys: "allgather" | "ring".
+  context_strategy: str = "allgather"
 
 
 @dataclasses.dataclass(frozen=True)

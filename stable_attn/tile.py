@@ -384,20 +384,50 @@ def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn
   if sink is None:
     lse = jnp.where(empty, EMPTY_ROW_LSE, lse)
   else:
-    sink = jnp.asarray(sink, f32)
-    # A row without keys has LSE = sink and keeps nothing of its (zero) O. Its keys' LSE gets the
-    # sink as a finite stand-in (-inf would be the value: no step may make an infinity, see
-    # MASKED_SCORE), replaced in both results.
-    lse_keys = jnp.where(empty, sink, lse)
-    # logaddexp by hand: jnp.logaddexp is a custom_jvp, which Mosaic GPU kernels cannot lower.
-    top = jnp.maximum(lse_keys, sink)
-    lse = jnp.where(empty, sink, top + jnp.log(jnp.exp(lse_keys - top) + jnp.exp(sink - top)))
-    kept = jnp.where(empty, 0.0, jnp.exp(lse_keys - lse))
+    lse, kept = join_sink(lse, empty, jnp.asarray(sink, f32))
     o_exact = o_exact * _rows(kept, acc, q_axis)
   o = round_fn(o_exact, dt.out).astype(dt.input)
   # The fp32 residual skips the output rounding: delta then sees O before it is rounded.
   residual = o_exact if jnp.dtype(dt.residual_o) == jnp.float32 else o
   return o, residual.astype(dt.residual_o), lse
+
+
+def join_sink(lse, empty, sink):
+  """(LSE, kept): a row's log-sum-exp over its keys (`lse`, fp32; `empty` where it saw none) with
+  an attention sink's logit (fp32, finite) joined in, and the factor exp(LSE_keys - LSE) its O
+  keeps. A row without keys has LSE = sink and keeps nothing of its (zero) O."""
+  # Its keys' LSE gets the sink as a finite stand-in (-inf would be the value: no step may make
+  # an infinity, see MASKED_SCORE), replaced in both results.
+  lse_keys = jnp.where(empty, sink, lse)
+  # logaddexp by hand: jnp.logaddexp is a custom_jvp, which Mosaic GPU kernels cannot lower.
+  top = jnp.maximum(lse_keys, sink)
+  lse = jnp.where(empty, sink, top + jnp.log(jnp.exp(lse_keys - top) + jnp.exp(sink - top)))
+  kept = jnp.where(empty, 0.0, jnp.exp(lse_keys - lse))
+  return lse, kept
+
+
+def merge_blocks(outs, lses, *, sink=None):
+  """Attention over the union of disjoint key blocks from each block's own result (a ring
+  step's): outs O_i [B, T, N, H] (any float dtype), lses LSE_i fp32 [B, N, T] as the kernels
+  return them (EMPTY_ROW_LSE where a row saw no key of the block). -> (O fp32, LSE fp32): LSE =
+  log sum_i exp(LSE_i) and O = sum_i exp(LSE_i - LSE) O_i, in fp32. sink: None, or per-head
+  logits [N] joined after the keys as in `finalize` (the blocks' own results without it). A row
+  that saw no key of any block: O = 0 and LSE = EMPTY_ROW_LSE (or the sink)."""
+  stack = jnp.stack(lses)                                    # [blocks, B, N, T]
+  empty = stack == EMPTY_ROW_LSE
+  none = jnp.all(empty, axis=0)
+  top = jnp.max(jnp.where(empty, -EMPTY_ROW_LSE, stack), axis=0)
+  top = jnp.where(none, 0.0, top)
+  # Finite everywhere (an empty block's weight is made from `top` itself, then zeroed).
+  weights = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, top, stack) - top))
+  total = jnp.where(none, 1.0, jnp.sum(weights, axis=0))
+  lse = jnp.where(none, EMPTY_ROW_LSE, top + jnp.log(total))
+  to_rows = lambda w: jnp.swapaxes(w, 1, 2)[..., None]      # [B, N, T] -> [B, T, N, 1]
+  o = sum(to_rows(w / total) * o_i.astype(f32) for w, o_i in zip(weights, outs))
+  if sink is not None:
+    lse, kept = join_sink(lse, none, jnp.asarray(sink, f32)[None, :, None])
+    o = o * to_rows(kept)
+  return o, lse
 
 
 def sink_grad(sinks, lse, shifted_delta):

@@ -215,11 +215,13 @@ def test_sequence_sharded_runs_context_parallel(entry, mesh_kind):
     assert error <= 1e-2, (name, context, error)
 
 
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
-def test_sequence_sharded_zigzag(mesh_kind):
+def test_sequence_sharded_zigzag(mesh_kind, strategy):
   """context_layout="zigzag": the same natural-order data placed in the zigzag order over the
-  "model" devices; O (back in the natural order) bitwise, dQ, dK and dV within bf16 rounding,
-  with segment ids, lengths and a window."""
+  "model" devices; O (back in the natural order) bitwise (ring: within bf16 rounding, each step's
+  O rounded before the fp32 merge), dQ, dK and dV within bf16 rounding, with segment ids, lengths
+  and a window."""
   from stable_attn import context
   seed = int(np.random.default_rng().integers(1 << 16))
   x = _inputs(seed, "split")
@@ -230,7 +232,8 @@ def test_sequence_sharded_zigzag(mesh_kind):
   def attention(q, k, v, ids, layout):
     return stable_attn.dot_product_attention(
         q, k, v, is_causal=True, local_window_size=(200, 0), q_segment_ids=ids,
-        kv_segment_ids=ids, query_seq_lengths=lens, implementation=IMPL, context_layout=layout)
+        kv_segment_ids=ids, query_seq_lengths=lens, implementation=IMPL, context_layout=layout,
+        context_strategy=strategy if layout == "zigzag" else "allgather")
 
   def vjp(layout):
     def run(q, k, v, ids, d_out):
@@ -248,7 +251,11 @@ def test_sequence_sharded_zigzag(mesh_kind):
   natural = lambda a: np.asarray(context.unzigzag(jnp.asarray(np.asarray(a, np.float32)), n))
   (o, (dq, dk, dv)), (o_ref, (dq_ref, dk_ref, dv_ref)) = got, want
   f32 = lambda a: np.asarray(a, np.float32)
-  np.testing.assert_array_equal(natural(o), f32(o_ref), err_msg=f"o {mesh_kind} {seed}")
+  if strategy == "ring":   # as in tests/test_context_parallel.py's ring cases
+    error = np.linalg.norm(natural(o) - f32(o_ref)) / np.linalg.norm(f32(o_ref))
+    assert error <= 3e-3, ("o", mesh_kind, seed, error)
+  else:
+    np.testing.assert_array_equal(natural(o), f32(o_ref), err_msg=f"o {mesh_kind} {seed}")
   # dQ: bitwise in most draws; once (auto, seed 39444: runs of 96 rows, not a multiple of the
   # kernels' 64-row blocks) 15 of 1.5M elements of one row differed by one bf16 ulp, cause not
   # established -- so within bf16 rounding here, and dK, dV as in the contiguous test.

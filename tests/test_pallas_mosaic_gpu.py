@@ -189,6 +189,24 @@ def test_deterministic_refuses_the_fused_backward():
 
 # --- pipeline bookkeeping (CPU) ------------------------------------------------------------------
 
+def _range_case(rng, q_multiple: int, k_multiple: int):
+  """A random call for the block-range tests: T and S (multiples of 64) padded up to multiples of
+  q_multiple and k_multiple, lengths, causal or not, a window or none, and in half the draws a
+  shift of the rows among the keys in [-S, S) (a context-parallel device's: later under the
+  allgather strategy, earlier too under the ring). -> (Tp, Sp, q_len, kv_len, shift, causal,
+  window, Call)."""
+  T, S = (int(x) * 64 for x in rng.integers(1, 12, 2))
+  Tp, Sp = blocks.cdiv(T, q_multiple) * q_multiple, blocks.cdiv(S, k_multiple) * k_multiple
+  q_len, kv_len = int(rng.integers(0, T + 1)), int(rng.integers(0, S + 1))
+  shift = int(rng.integers(-S, S)) if rng.integers(2) else 0
+  causal = bool(rng.integers(2))
+  window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 300, 2))
+  # The window as drawn: canonicalize would clamp it to the placeholder call's T = S = 128.
+  spec = dataclasses.replace(_spec_ops(is_causal=causal)[0], window=window)
+  return Tp, Sp, q_len, kv_len, shift, causal, window, common.Call(spec, None, Padded(Tp, Sp, 64),
+                                                                   None, None)
+
+
 @pytest.mark.parametrize("wgs", [2, 3])
 def test_union_ranges_and_sections(wgs):
   """For random shapes and masks: each warpgroup computes exactly its own visible blocks (masked
@@ -198,17 +216,8 @@ def test_union_ranges_and_sections(wgs):
   rng = np.random.default_rng(wgs)
   for _ in range(200):
     bq, bk = 64, int(rng.choice([64, 128]))
-    T, S = (int(x) * 64 for x in rng.integers(1, 12, 2))
-    Tp, Sp = blocks.cdiv(T, 2 * bq) * 2 * bq, blocks.cdiv(S, bk) * bk
-    q_len, kv_len = int(rng.integers(0, T + 1)), int(rng.integers(0, S + 1))
-    # Half the draws shifted (a context-parallel device's rows stand later among the keys).
-    shift = int(rng.integers(0, S)) if rng.integers(2) else 0
+    Tp, Sp, q_len, kv_len, shift, causal, window, call = _range_case(rng, 2 * bq, bk)
     lens = common.Lengths(q_len, kv_len, shift)
-    causal = bool(rng.integers(2))
-    window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 300, 2))
-    # The window as drawn: canonicalize would clamp it to the placeholder call's T = S = 128.
-    spec = dataclasses.replace(_spec_ops(is_causal=causal)[0], window=window)
-    call = common.Call(spec, None, Padded(Tp, Sp, 64), None, None)
     for cta in (common.cta_rows(call, wgs, bq, i)[1] for i in range(blocks.cdiv(Tp, wgs * bq))):
       ranges = [common.kv_ranges_of(call, common.Ranges(), 0, 0, cta + w * bq, bq, bk, lens,
                                     wgs=wgs) for w in range(wgs)]
@@ -240,17 +249,8 @@ def test_key_ranges_of_dkv_ctas(wgs):
   rng = np.random.default_rng(10 + wgs)
   for _ in range(200):
     bq, bk = 64, 64
-    T, S = (int(x) * 64 for x in rng.integers(1, 12, 2))
-    Tp, Sp = blocks.cdiv(T, bq) * bq, blocks.cdiv(S, 2 * bk) * 2 * bk
-    q_len, kv_len = int(rng.integers(0, T + 1)), int(rng.integers(0, S + 1))
-    # Half the draws shifted (a context-parallel device's rows stand later among the keys).
-    shift = int(rng.integers(0, S)) if rng.integers(2) else 0
+    Tp, Sp, q_len, kv_len, shift, causal, window, call = _range_case(rng, bq, 2 * bk)
     lens = common.Lengths(q_len, kv_len, shift)
-    causal = bool(rng.integers(2))
-    window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 300, 2))
-    # The window as drawn: canonicalize would clamp it to the placeholder call's T = S = 128.
-    spec = dataclasses.replace(_spec_ops(is_causal=causal)[0], window=window)
-    call = common.Call(spec, None, Padded(Tp, Sp, 64), None, None)
     vis = np.asarray(tile.visible(np.arange(Tp), np.arange(Sp), q_len, kv_len, causal=causal,
                                   window=window, shift=shift))
     for cta in range(blocks.cdiv(Sp, wgs * bk)):

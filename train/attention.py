@@ -70,10 +70,12 @@ def _ours(implementation: str, max_adjust: str = "safe", numerics: str = "fast",
   # in interpret mode (tests, smoke runs).
   interpret = implementation.startswith("pallas") and jax.default_backend() == "cpu"
   # Under a context-parallel on_mesh the sequence arrives in the zigzag order.
-  layout = "zigzag" if context_devices() > 1 else "contiguous"
+  placement = _MESH.get()
+  split = placement is not None and placement.context > 1
   return dict(is_causal=True, implementation=None if implementation == "auto" else implementation,
               max_adjust=max_adjust, beta=beta, numerics=numerics, interpret=interpret,
-              context_layout=layout)
+              context_layout="zigzag" if split else "contiguous",
+              context_strategy=placement.strategy if split else "allgather")
 
 
 def resolved_implementation(mcfg) -> str:
@@ -115,33 +117,34 @@ def short_name(mcfg) -> str:
 class _Placement(NamedTuple):
   mesh: Mesh
   context: int  # devices each sequence is split over (the 'context' axis); 1: natural order
+  strategy: str = "allgather"  # stable_attn's context_strategy there
 
 
 _MESH = contextvars.ContextVar("train_attention_mesh", default=None)
 
 
-def on_mesh(mesh, fn, *, split_sequence: bool = True):
+def on_mesh(mesh, fn, *, split_sequence: bool = True, strategy: str = "allgather"):
   """fn, whose attention calls run on each device's rows of the batch under jax.shard_map over
   `mesh` (a jax.sharding.Mesh: the trainer's) while it is traced. What the trainer jits (train,
   eval and monitor steps) is wrapped in it.
 
-  Context parallel (the mesh has a 'context' axis, split_sequence): fn's sequences come split
-  over that axis in the zigzag order (train.data lays batches out so); the model asks
-  `context_devices()` for its positions and document ids, and the attention runs stable_attn's
-  context-parallel path (keys and values all-gathered over the axis) with the sequence's
-  sharding stated explicitly. split_sequence=False: fn's sequences are whole and in order (the
-  monitors), its rows split over every device.
+  Context parallel (the mesh has a 'context' axis, split_sequence): fn's sequences come split over
+  that axis in the zigzag order (train.loop lays batches out so); the model asks `context_devices()`
+  for its positions and document ids, and the attention runs stable_attn's context-parallel path
+  (keys and values all-gathered over the axis, or passed round it: `strategy`, stable_attn's
+  context_strategy) with the sequence's sharding stated explicitly. split_sequence=False: fn's
+  sequences are whole and in order (the monitors), its rows split over every device.
 
-  Why not leave it to stable_attn's own partitioning (custom_partitioning, which the same call
-  takes under a plain jit): XLA lowers that op's per-device program anew at every call site, so
-  a 12-layer model lowered and compiled its kernels 12 times over (the sharded GPT-2 step
-  compiled in 63 s against 20 s on one GPU); under shard_map, or with Explicit shardings (which
-  stable_attn splits at trace time), the layers share one jitted kernel call, as on one device."""
+  Why not leave it to stable_attn's own partitioning (custom_partitioning, which the same call takes
+  under a plain jit): XLA lowers that op's per-device program anew at every call site, so a 12-layer
+  model lowered and compiled its kernels 12 times over (the sharded GPT-2 step compiled in 63 s
+  against 20 s on one GPU); under shard_map, or with Explicit shardings (which stable_attn splits at
+  trace time), the layers share one jitted kernel call, as on one device."""
   context = mesh.shape.get("context", 1) if split_sequence else 1
 
   @functools.wraps(fn)
   def traced(*args, **kwargs):
-    token = _MESH.set(_Placement(mesh, context))
+    token = _MESH.set(_Placement(mesh, context, strategy))
     try:
       return fn(*args, **kwargs)
     finally:
@@ -149,11 +152,13 @@ def on_mesh(mesh, fn, *, split_sequence: bool = True):
   return traced
 
 
-def jit_on_mesh(mesh, fn, *, split_sequence: bool = True, **jit_kwargs):
-  """jax.jit(on_mesh(mesh, fn, split_sequence=...), **jit_kwargs). Context parallel, the result
-  traces, lowers and runs with `mesh` set (jax.set_mesh): the attention's Explicit shardings
-  (`_context_parallel`) are only built in a concrete mesh's context."""
-  jitted = jax.jit(on_mesh(mesh, fn, split_sequence=split_sequence), **jit_kwargs)
+def jit_on_mesh(mesh, fn, *, split_sequence: bool = True, strategy: str = "allgather",
+                **jit_kwargs):
+  """jax.jit(on_mesh(mesh, fn, split_sequence=..., strategy=...), **jit_kwargs). Context
+  parallel, the result traces, lowers and runs with `mesh` set (jax.set_mesh): the attention's
+  Explicit shardings (`_context_parallel`) are only built in a concrete mesh's context."""
+  jitted = jax.jit(on_mesh(mesh, fn, split_sequence=split_sequence, strategy=strategy),
+                   **jit_kwargs)
   if not split_sequence or mesh.shape.get("context", 1) == 1:
     return jitted
   return _InMesh(jitted, mesh)

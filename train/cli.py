@@ -37,7 +37,7 @@ _TRAIN_FLAGS = {
     "eval_batches": "eval_batches", "log_every": "log_every", "monitor_every": "monitor_every",
     "ckpt_every": "ckpt_every", "sample_every": "sample_every", "sample_tokens": "sample_tokens",
     "spike_factor": "spike_factor", "fsdp": "fsdp", "keep_checkpoints": "keep_checkpoints",
-    "context_parallel": "context_parallel",
+    "context_parallel": "context_parallel", "context_strategy": "context_strategy",
 }
 _MODEL_FLAGS = {"attention": "attention", "max_adjust": "max_adjust", "numerics": "numerics",
                 "beta": "beta", "dtype": "dtype", "block_size": "block_size", "remat": "remat",
@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     help="split each sequence over N devices (context parallelism; a mesh of devices/N data x N "
          "context; attention: ours, all-gathering keys and values; --config gpt2-long is meant "
          "for it)")
+  a("--context-strategy", choices=("allgather", "ring"),
+    help="with --context-parallel: gather every key to each device (allgather, the default), or "
+         "pass keys and values round the devices (ring: each holds two key blocks, not all)")
   a("--resume", dest="resume", action="store_true", default=True,
     help="resume from DIR/checkpoints (default)")
   a("--no-resume", dest="resume", action="store_false",

@@ -121,6 +121,9 @@ class TrainConfig:
   # data x context: devices / N data-parallel groups of N), in the zigzag order of
   # stable_attn.context, so every device does the same causal work. 1: data parallel only.
   context_parallel: int = 1
+  # How the attention meets the other devices' keys there (--context-strategy):
+  # stable_attn's context_strategy, "allgather" (every key gathered) or "ring".
+  context_strategy: str = "allgather"
 
   def __post_init__(self):
     for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):
@@ -159,6 +162,10 @@ class TrainConfig:
     if self.context_parallel < 1:
       raise ValueError(f"{_named('context_parallel')} must be at least 1, got "
                        f"{self.context_parallel}")
+    if self.context_strategy not in stable_attn.context.STRATEGIES:
+      raise ValueError(f"{_named('context_strategy')} must be one of "
+                       f"{', '.join(stable_attn.context.STRATEGIES)}, got "
+                       f"{self.context_strategy!r}")
     if self.context_parallel > 1:
       if self.model.block_size % (2 * self.context_parallel):
         raise ValueError(f"{_named('block_size')} {self.model.block_size} must be a multiple of "

@@ -301,7 +301,7 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   peak, peak_note = peak_tflops(opts.peak_tflops)
   log(f"train: {count_params(params) / 1e6:.2f}M parameters; {fpt / 1e6:.1f} MFLOP/token; "
       f"MFU peak: {peak_note}")
-  eval_step = attn_lib.jit_on_mesh(mesh, make_eval_step(graphdef),
+  eval_step = attn_lib.jit_on_mesh(mesh, make_eval_step(graphdef), strategy=cfg.context_strategy,
                                    in_shardings=(p_sh, b_sh2, b_sh2), out_shardings=rep)
   monitor = attn_lib.jit_on_mesh(mesh, make_monitor_fn(graphdef, mcfg), split_sequence=False,
                                  out_shardings=rep)
@@ -405,7 +405,7 @@ def _parallelism(cfg: TrainConfig) -> str:
   if n == 1:
     return "data parallel"
   return (f"{jax.device_count() // n} data x {n} context parallel (each sequence over {n} devices, "
-          f"zigzag order)")
+          f"zigzag order, {cfg.context_strategy})")
 
 
 def _tensorboard_usable(log: _Log) -> bool:

@@ -96,7 +96,8 @@ def make_training(cfg: TrainConfig, mesh: Mesh) -> Training:
   o_sh = optimizer_shardings(tx, jax.eval_shape(tx.init, params), p_sh, mesh)
   opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
   b_sh = batch_sharding(mesh, 3, 1)
-  step = jit_on_mesh(mesh, make_train_step(graphdef, tx), in_shardings=(p_sh, o_sh, b_sh, b_sh),
+  step = jit_on_mesh(mesh, make_train_step(graphdef, tx), strategy=cfg.context_strategy,
+                     in_shardings=(p_sh, o_sh, b_sh, b_sh),
                      out_shardings=(p_sh, o_sh, replicated(mesh)), donate_argnums=(0, 1))
   return Training(graphdef=graphdef, tx=tx, params=params, opt_state=opt_state,
                   param_shardings=p_sh, opt_shardings=o_sh, batch_sharding=b_sh, train_step=step)

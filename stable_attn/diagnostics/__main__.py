@@ -92,8 +92,20 @@ def main(argv=None) -> int:
   parser.add_argument("--tail", default=",".join(f"{x:g}" for x in TAIL),
                       help="LO,HI: how far below the row max the other keys score (default "
                            "%(default)s; 9,12 gives a long tail that a bf16 row sum drops)")
+  parser.add_argument("--context", metavar="N:STRATEGY",
+                      help="run ours context parallel: queries and keys split over N devices, "
+                           "STRATEGY allgather or ring (on a CPU, give XLA_FLAGS="
+                           "--xla_force_host_platform_device_count=N; GPU kernels only)")
   parser.add_argument("--out", help="also write the tables (Markdown) to this file")
   args = parser.parse_args(argv)
+  context = None
+  if args.context:
+    n, _, strategy = args.context.partition(":")
+    if not n.isdigit() or int(n) < 1 or strategy not in ("allgather", "ring"):
+      parser.error(f"--context takes N:allgather or N:ring, got {args.context!r}")
+    if int(n) > jax.device_count():
+      parser.error(f"--context {args.context}: {n} devices asked, {jax.device_count()} present")
+    context = (int(n), strategy)
 
   impls = [s for s in args.implementations.split(",") if s]
   numerics = [s for s in args.numerics.split(",") if s]
@@ -116,12 +128,13 @@ def main(argv=None) -> int:
     results = sweep(impls, numerics, adjusts, regimes=regimes, progress=bar,
                     dtype=_DTYPES[args.dtype], batch=args.batch, rows=args.rows, keys=args.keys,
                     seed=args.seed, interpret=args.interpret, logits_soft_cap=args.logits_soft_cap,
-                    sink=args.sink, tail=(lo, hi))
+                    sink=args.sink, tail=(lo, hi), **({"context": context} if context else {}))
   device = jax.devices()[0].device_kind
   title = (f"Tie-stress bias probe: mean signed error of O in {args.dtype} ulps (outward > 0), "
            f"{args.batch}x{args.rows} rows, {args.keys} keys, head dim 64, "
            f"{'' if args.logits_soft_cap is None else f'logits soft cap {args.logits_soft_cap:g}, '}"
            f"{'' if args.sink is None else f'attention sink {args.sink:g}, '}"
+           f"{'' if context is None else 'context parallel over %d devices, %s, ' % context}"
            f"other keys {lo:g}-{hi:g} below the max, "
            f"device: {device}, "
            f"jax {jax.__version__}, {time.time() - start:.0f} s\n\n")

@@ -120,15 +120,26 @@ def signed_ulp_error(out, truth, dtype):
 
 def measure(implementation: str, numerics: str, max_adjust: str, regime: str, placement: str, *,
             beta: float = 2.0, dtype=jnp.bfloat16, batch=4, rows=256, keys=1024, seed=0,
-            interpret: bool = False, logits_soft_cap=None, sink=None, tail=TAIL) -> ProbeResult:
+            interpret: bool = False, logits_soft_cap=None, sink=None, tail=TAIL,
+            context: tuple[int, str] | None = None) -> ProbeResult:
   """With logits_soft_cap, the truth is the float64 attention of the capped logits (ties stay
   ties: both tied scores map to the same capped value). With `sink` (a float), the one head gets
-  that attention-sink logit, and the truth includes it."""
+  that attention-sink logit, and the truth includes it. With context = (n, strategy), the call
+  runs context parallel: queries and keys split over the first n devices (an Explicit mesh),
+  `strategy` "allgather" or "ring" (each device then merges n key blocks' O and LSE)."""
   q, k, v = tie_inputs(regime, placement, batch=batch, rows=rows, keys=keys, dtype=dtype,
                        seed=seed, tail=tail)
   sinks = None if sink is None else np.full((1,), sink, np.float32)
-  out = _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap,
-                   sink)(q, k, v)
+  fn = _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap, sink,
+                  None if context is None else context[1])
+  if context is None:
+    out = fn(q, k, v)
+  else:
+    mesh = jax.make_mesh((context[0],), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:context[0]])
+    with jax.set_mesh(mesh):
+      split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
+      out = jax.device_get(fn(*(jax.device_put(x, split) for x in (q, k, v))))
   # The float64 VJP's forward gives O and LSE at once (the zero cotangent costs only time).
   exact = exact_attention_vjp(q, k, v, np.zeros(q.shape, np.float32),
                               logits_soft_cap=logits_soft_cap, sinks=sinks)
@@ -150,9 +161,9 @@ _CACHE: dict = {}
 
 
 def _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap=None,
-               sink=None):
+               sink=None, strategy=None):
   """One jitted function per configuration (shapes repeat across regimes)."""
-  key = (implementation, numerics, max_adjust, beta, interpret, logits_soft_cap, sink)
+  key = (implementation, numerics, max_adjust, beta, interpret, logits_soft_cap, sink, strategy)
   if key not in _CACHE:
     if implementation in PEERS:
       if logits_soft_cap is not None or sink is not None:
@@ -164,7 +175,7 @@ def _attention(implementation, numerics, max_adjust, beta, interpret, logits_sof
           q, k, v, implementation=implementation, numerics=numerics, max_adjust=max_adjust,
           beta=beta, interpret=interpret, logits_soft_cap=logits_soft_cap,
           sinks=None if sink is None else jnp.full((1,), sink, jnp.float32),
-          return_residuals=True)
+          return_residuals=True, context_strategy=strategy or "allgather")
     _CACHE[key] = jax.jit(fn)
   return _CACHE[key]
 
