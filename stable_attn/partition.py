@@ -489,11 +489,11 @@ def _packed_grads(packed: bool, dq, dk, dv, rest):
 # ---------------------------------------------------------------------------------------------
 
 def _ring_steps(spec, axes: _Axes, ops):
-  """(device, the device's query runs, its key block (k, v, kv_seg) and a function of a ring
-  step and a block giving that step's kernel pairs): at step s a device holds the block of
-  device (d - s) mod n, whose key runs each pair with each of its query runs, with q_shift =
-  the query run's first global position - the key run's and each side's lengths counted from
-  its own first row."""
+  """(the device's query runs, its own key block (k, v, kv_seg), pairs): pairs(step, block)
+  lists that step's kernel calls as (query run index, key Chunk, operands). At step s a device
+  holds the block of device (d - s) mod n, each of whose key runs pairs with each query run:
+  q_shift = the query run's first global position - the key run's, each side's lengths counted
+  from its own first row, and no sinks (the merge joins them once)."""
   n = axes.seq_devices
   device = lax.axis_index(axes.seq).astype(jnp.int32)
   runs = _query_runs(spec, axes, ops, device)
