@@ -156,9 +156,9 @@ def dot_product_attention(
       V (and key segment ids) pass round the devices with ppermute, one block a step, the next
       block's transfer issued before this block's kernels; each step's O and log-sum-exp are
       merged in fp32 (tile.merge_blocks) and dK, dV travel round with their block in fp32. A
-      device holds two key blocks at a time instead of every key. O differs from the one-device
-      call by the rounding of each step's O to the input dtype before the merge; dQ, dK, dV by
-      that of each step's share. "ring" takes no bias or mask, and runs on the GPU kernels only
+      device holds two key blocks at a time instead of every key. O is within bf16 rounding of
+      the one-device call (pallas_gpu merges each step's unrounded O; the Hopper kernel's steps
+      round O to the input dtype first); dQ, dK, dV differ by each step's share's rounding. "ring" takes no bias or mask, and runs on the GPU kernels only
       (ValueError otherwise); on a call not sharded over its sequence both are the one call.
 
   Returns:

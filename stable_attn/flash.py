@@ -40,13 +40,15 @@ def public_lse(lse: jax.Array, spec: AttentionSpec) -> jax.Array:
 
 def make_flash_attention(forward: Forward, backward: Backward,
                          partition: Union[bool, Callable[[AttentionSpec], bool]] = False, *,
-                         context_parallel: bool = False):
+                         context_parallel: bool = False, fp32_residual: bool = False):
   """Returns attention(spec, config, ops) -> (O, LSE), differentiable in q, k, v and bias.
 
   With `partition` (True, or a predicate of the spec), both passes partition themselves under
   jax.sharding over batch and heads (`stable_attn.partition`): for kernels XLA cannot split (Pallas
   calls). Pure-jnp passes leave it off and let XLA partition them. With `context_parallel` (the
-  passes take the q_shift operand) a sequence-sharded call runs context parallel.
+  passes take the q_shift operand) a sequence-sharded call runs context parallel; with
+  `fp32_residual` the forward honours numerics whose residual_o is float32 (it returns O before
+  its final rounding), which a ring step asks for so that the merge rounds O once.
 
   The LSE output ([B, N, T] fp32, natural log; rows without keys: see `public_lse`) is
   differentiable too when spec.return_residuals is set: its cotangent enters the backward as
@@ -55,7 +57,8 @@ def make_flash_attention(forward: Forward, backward: Backward,
 
   if partition:
     when = partition if callable(partition) else (lambda spec: True)
-    forward, backward = partitioned(forward, backward, when, sequence=context_parallel)
+    forward, backward = partitioned(forward, backward, when, sequence=context_parallel,
+                                    fp32_steps=fp32_residual)
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
   def attention(spec, config, ops):

@@ -49,9 +49,11 @@ while `lax.ppermute` already passes that block on, so the transfer can overlap t
 steps' O and LSE are merged in fp32 (`tile.merge_blocks`, sinks joined once there). The backward
 runs the same steps with the merged O and LSE: dQ sums on the device in fp32, dK and dV in fp32
 accumulators that travel with their block and reach its owner after the last step. A device
-holds two key blocks instead of every key; O is within bf16 rounding of the one-device call
-(about an ulp of the row's scale: each step's O is rounded to the input dtype by its kernel
-before the merge), LSE within fp32 rounding. No bias or mask (refused in canonicalize).
+holds two key blocks instead of every key. Where the backend's forward can return O before its
+final rounding (make_flash_attention's fp32_residual: pallas_gpu), each step asks for it and
+the merged O is rounded once, as the one-device call's; otherwise (the Hopper kernel) each step's
+O comes rounded to the input dtype, about an ulp of the row's scale more. LSE within fp32
+rounding. No bias or mask (refused in canonicalize).
 
 The TPU kernels have no q_shift: there a sequence-sharded call raises ValueError, as does
 head-dim sharding everywhere (with Auto axes while XLA partitions the program, wrapped in its
@@ -61,6 +63,7 @@ batch (custom_partitioning has no batching rule of its own).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Callable, NamedTuple
 
@@ -267,15 +270,16 @@ def _forward_specs(axes: _Axes, specs=None):
 
 
 def partitioned(forward: Callable, backward: Callable, when: Callable = lambda spec: True, *,
-                sequence: bool = False):
+                sequence: bool = False, fp32_steps: bool = False):
   """(forward, backward) with make_flash_attention's signatures, partitioned over batch and heads
   for the specs where when(spec) holds (and run as given for the others); with `sequence` (the
-  kernels take a q_shift) over the query's sequence too, context parallel."""
+  kernels take a q_shift) over the query's sequence too, context parallel. fp32_steps: the
+  forward returns an fp32 O residual where the numerics ask (the ring merges those)."""
 
   def fwd_local(spec, config, layout, axes: _Axes):
     """One device's forward."""
     def local(*arrays):
-      return _context_forward(forward, spec, config, axes, layout.ops(arrays))
+      return _context_forward(forward, spec, config, axes, layout.ops(arrays), fp32_steps)
     return local
 
   def bwd_flat(spec, config, layout, axes: _Axes, *arrays):
@@ -436,10 +440,10 @@ def _zigzag(spec, axes: _Axes) -> bool:
   return spec.context_layout == "zigzag" and axes.seq_devices > 1
 
 
-def _context_forward(forward: Callable, spec, config, axes: _Axes, ops):
+def _context_forward(forward: Callable, spec, config, axes: _Axes, ops, fp32_steps=False):
   """(O, O residual, LSE) of one device: its runs' kernel calls, joined along the queries."""
   if axes.keys is not None:
-    return _ring_forward(forward, spec, config, axes, ops)
+    return _ring_forward(forward, spec, config, axes, ops, fp32_steps)
   outs = [forward(spec, config, run_ops) for _, run_ops in _context_calls(spec, axes, ops)]
   if len(outs) == 1:
     return tuple(outs[0])
@@ -523,18 +527,23 @@ def _pass_on(arrays, axes: _Axes):
   return tuple(None if x is None else lax.ppermute(x, axes.seq, perm) for x in arrays)
 
 
-def _ring_forward(forward: Callable, spec, config, axes: _Axes, ops):
+def _ring_forward(forward: Callable, spec, config, axes: _Axes, ops, fp32_steps: bool = False):
   """(O, O residual, LSE) of one device under the ring: n steps, each the device's queries
   against the key block it holds (the next block already on its way), merged in fp32 by
-  tile.merge_blocks (the sinks joined once, there)."""
+  tile.merge_blocks (the sinks joined once, there). fp32_steps (the backend's forward honours
+  an fp32 residual_o): each step returns its O before the final rounding, so the merged O is
+  rounded once, as the one-device call's; otherwise each step's O comes rounded to the input
+  dtype."""
   ops = unpack(ops)
   runs, block, pairs = _ring_steps(spec, axes, ops)
+  step_spec = (dataclasses.replace(spec, numerics=spec.numerics.with_fp32_residual())
+               if fp32_steps and spec.numerics.residual_o != "float32" else spec)
   parts = [[] for _ in runs]
   for step in range(axes.seq_devices):
     # Issued before this block's kernels, the transfer of the next block can overlap them.
     upcoming = _pass_on(block, axes) if step < axes.seq_devices - 1 else None
     for i, _, pair in pairs(step, block):
-      _, o_res, lse = forward(spec, config, pair)
+      _, o_res, lse = forward(step_spec, config, pair)
       parts[i].append((o_res, lse))
     block = upcoming
   merged = [tile.merge_blocks([o for o, _ in p], [l for _, l in p], sink=ops.sinks)

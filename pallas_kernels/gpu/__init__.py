@@ -25,7 +25,10 @@ from pallas_kernels.gpu.kernels import backward, forward
 
 __all__ = ["attention", "is_available", "covers", "tuning"]
 
-_flash = make_flash_attention(forward, backward, partition=True, context_parallel=True)
+# The Triton forward writes an fp32 O residual where the numerics ask: a ring step's O merges
+# unrounded.
+_flash = make_flash_attention(forward, backward, partition=True, context_parallel=True,
+                              fp32_residual=True)
 CONTEXT_PARALLEL = True   # a sequence-sharded call runs context parallel (stable_attn.partition)
 
 
