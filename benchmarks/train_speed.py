@@ -11,7 +11,9 @@ JSON to benchmarks/results/ naming the device, and prints the table last.
 Arms: ours = stable_attn (implementation chosen by stable_attn: the Pallas kernel on GPU, the
 blockwise reference elsewhere; --max-adjust safe), ours_off = the same without the max adjustment,
 cudnn = jax.nn.dot_product_attention(implementation="cudnn") (GPU only), xla = jax.nn's XLA
-attention. MFU = tokens/s x (6N + 12 L T d) / (devices x peak), peak = the datasheet's dense bf16
+attention; ours_cp / ours_ring = ours with each sequence split over --context-parallel N devices
+(zigzag order; keys all-gathered / passed round a ring), e.g. `--config gpt2-long --batch-size 1
+--arms ours,ours_cp,ours_ring --context-parallel 4`. MFU = tokens/s x (6N + 12 L T d) / (devices x peak), peak = the datasheet's dense bf16
 peak of the device kind (train.metrics.peak_tflops: measured where the kind is not in its table;
 --peak-tflops sets one).
 """
@@ -50,19 +52,29 @@ ARMS = {
     "ours_bias_add": dict(attention="auto", max_adjust="safe", qkv_bias_in_matmul=False),
     # --remat: blocks recomputed in the backward, attention's named residuals (out, lse) kept.
     "ours_remat": dict(attention="auto", max_adjust="safe", remat=True),
+    # --context-parallel N: each sequence split over N devices (zigzag), keys all-gathered / ring.
+    "ours_cp": dict(attention="auto", max_adjust="safe"),
+    "ours_ring": dict(attention="auto", max_adjust="safe"),
     "cudnn": dict(attention="cudnn", max_adjust="off"),
     "xla": dict(attention="jax_xla", max_adjust="off"),
 }
 
 
+CONTEXT_ARMS = {"ours_cp": "allgather", "ours_ring": "ring"}
+
+
 def arm_config(base, arm: str, *, batch_size: int | None = None, seq: int | None = None,
-               numerics: str = "fast", fsdp: bool = False, remat: bool = False):
+               numerics: str = "fast", fsdp: bool = False, remat: bool = False,
+               context_parallel: int = 1):
   """The config an arm trains: `base` with the arm's attention, one micro-batch per step and a
   global batch of batch_size sequences per device (default 16 for contexts of 1024 and more, else
-  the config's) of seq tokens (default the config's context)."""
+  the config's) of seq tokens (default the config's context); the context arms split each
+  sequence over context_parallel devices."""
   seq = seq or base.model.block_size
   per_dev = batch_size or (16 if seq >= 1024 else base.batch_size)
-  return base.replace(batch_size=per_dev * jax.device_count(), grad_accum=1, fsdp=fsdp,
+  context = dict(context_parallel=context_parallel, context_strategy=CONTEXT_ARMS[arm]) if (
+      arm in CONTEXT_ARMS) else {}
+  return base.replace(batch_size=per_dev * jax.device_count(), grad_accum=1, fsdp=fsdp, **context,
                       model=dict(block_size=seq,
                                  numerics=numerics if ARMS[arm]["attention"] == "auto" else "fast",
                                  **{"remat": remat, **ARMS[arm]}))
@@ -166,6 +178,9 @@ def main(argv=None) -> int:
                  help=f"comma-separated, from {', '.join(ARMS)}")
   p.add_argument("--numerics", default="fast")
   p.add_argument("--fsdp", action="store_true")
+  p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                 help="the arms ours_cp and ours_ring split each sequence over N devices (the "
+                      "same tokens per device as the other arms)")
   p.add_argument("--remat", action="store_true",
                  help="every arm recomputes its blocks in the backward (train --remat)")
   p.add_argument("--peak-tflops", type=float, default=None)
@@ -183,19 +198,21 @@ def main(argv=None) -> int:
     if a not in ARMS:
       raise ValueError(f"--arms: {a!r} is not one of {', '.join(ARMS)}")
   n_dev = jax.device_count()
-  mesh = make_mesh()
   peak, peak_note = peak_tflops(args.peak_tflops)
   device = jax.devices()[0].device_kind
   abstract = nnx.state(abstract_model(base.model), nnx.Param)
   config_of = lambda arm: arm_config(base, arm, batch_size=args.batch_size, seq=args.seq,
-                                     numerics=args.numerics, fsdp=args.fsdp, remat=args.remat)
+                                     numerics=args.numerics, fsdp=args.fsdp, remat=args.remat,
+                                     context_parallel=args.context_parallel)
   shape = config_of("ours")   # every arm trains the same batch shape on the same tokens
   batch, seq, tokens = shape.batch_size, shape.model.block_size, tokens_for(shape)
   rows = []
   for arm in arms:
     cfg = config_of(arm)
     fpt = flops_per_token(cfg.model, count_params(abstract, exclude_positions=True))
-    row = {"arm": arm, "attention": label(cfg.model),
+    context = (f", context parallel {cfg.context_parallel} ({cfg.context_strategy})"
+               if arm in CONTEXT_ARMS else "")
+    row = {"arm": arm, "attention": label(cfg.model) + context,
            "attention_detail": attn_lib.describe(cfg.model)}
     if arm == "cudnn" and jax.default_backend() != "gpu":
       row["error"] = "skipped: cuDNN needs a GPU"
@@ -204,7 +221,7 @@ def main(argv=None) -> int:
       continue
     print(f"[{arm}] {row['attention_detail']} ...", flush=True)
     try:
-      row.update(run_arm(cfg, args.steps, args.warmup, mesh, tokens))
+      row.update(run_arm(cfg, args.steps, args.warmup, make_mesh(cfg.context_parallel), tokens))
       row["mfu"] = mfu(row["tokens_per_s"], fpt, peak, n_dev)
       print(f"[{arm}] {row['tokens_per_s']:,.0f} tokens/s, {row['step_ms']:.1f} ms/step, "
             f"MFU {percent(row['mfu'])}, compile {row['compile_s']:.1f}s", flush=True)

@@ -6,6 +6,7 @@ alone."""
 import numpy as np
 import pytest
 
+from train.attention import check_context_parallel
 from train.config import get_config
 from train.sharding import make_mesh
 from tests.cases import ROOT, run_on_cpu_devices
@@ -21,6 +22,11 @@ def test_context_parallel_flags_are_checked():
     micro(context_parallel=2, context_strategy="tree")
   with pytest.raises(ValueError, match="--attention cudnn .* refuses a sequence split"):
     micro(context_parallel=2, model=dict(attention="cudnn"))
+  # "auto" is the reference on a CPU, which XLA partitions: refused before anything runs.
+  with pytest.raises(ValueError, match=r"the attention here is auto -> 'reference', which does "
+                                       r"not run context parallel"):
+    check_context_parallel(micro(context_parallel=2, model=dict(attention="auto")))
+  check_context_parallel(micro(context_parallel=2, model=dict(attention="pallas_gpu")))
   # One CPU device here: nothing to split a sequence over.
   with pytest.raises(ValueError, match="--context-parallel 2 must divide the 1 devices"):
     make_mesh(2)

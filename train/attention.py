@@ -90,6 +90,21 @@ def resolved_implementation(mcfg) -> str:
                                            q_segment_ids=segments).name
 
 
+def check_context_parallel(cfg) -> None:
+  """ValueError unless the attention of a --context-parallel run (cfg: a train.config.TrainConfig)
+  runs context parallel: a kernel that partitions itself (stable_attn's GPU kernels; XLA would
+  partition the others as if the zigzag order were natural)."""
+  if cfg.context_parallel == 1:
+    return
+  impl = resolved_implementation(cfg.model)
+  if not getattr(stable_attn.backends.load(impl), "CONTEXT_PARALLEL", False):
+    where = "auto -> " if cfg.model.attention == "auto" else ""
+    raise ValueError(f"--context-parallel {cfg.context_parallel}: the attention here is "
+                     f"{where}{impl!r}, which does not run context parallel; use a GPU kernel "
+                     f"(--attention pallas_mosaic_gpu or pallas_gpu; pallas_gpu runs in "
+                     f"interpret mode on a CPU)")
+
+
 def describe(mcfg) -> str:
   """One line for the log saying what attention actually runs."""
   if mcfg.attention in JAX_NN:

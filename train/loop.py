@@ -275,7 +275,9 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   main = jax.process_index() == 0
   log = _Log(main)
   mcfg, n_dev = cfg.model, jax.device_count()
-  groups = n_dev // cfg.context_parallel   # data-parallel groups (make_mesh checks it divides)
+  attn_lib.check_context_parallel(cfg)
+  mesh = make_mesh(cfg.context_parallel)
+  groups = mesh.shape["data"]   # data-parallel groups
   if cfg.batch_size % groups:
     per = f" / {cfg.context_parallel} (--context-parallel)" if cfg.context_parallel > 1 else ""
     raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {n_dev} devices{per}")
@@ -291,7 +293,6 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   _make_out_dir(out_dir)
   log.open(out_dir)
 
-  mesh = make_mesh(cfg.context_parallel)
   training = make_training(cfg, mesh)
   graphdef, params, opt_state = training.graphdef, training.params, training.opt_state
   p_sh = training.param_shardings
