@@ -13,9 +13,9 @@ blockwise reference elsewhere; --max-adjust safe), ours_off = the same without t
 cudnn = jax.nn.dot_product_attention(implementation="cudnn") (GPU only), xla = jax.nn's XLA
 attention; ours_cp / ours_ring = ours with each sequence split over --context-parallel N devices
 (zigzag order; keys all-gathered / passed round a ring), e.g. `--config gpt2-long --batch-size 1
---arms ours,ours_cp,ours_ring --context-parallel 4`. MFU = tokens/s x (6N + 12 L T d) / (devices x peak), peak = the datasheet's dense bf16
-peak of the device kind (train.metrics.peak_tflops: measured where the kind is not in its table;
---peak-tflops sets one).
+--arms ours,ours_cp,ours_ring --context-parallel 4`. MFU = tokens/s x (6N + 12 L T d) / (devices x
+peak), peak = the datasheet's dense bf16 peak of the device kind (train.metrics.peak_tflops:
+measured where the kind is not in its table; --peak-tflops sets one).
 """
 
 from __future__ import annotations
