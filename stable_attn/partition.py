@@ -44,8 +44,9 @@ is split on each device (its K and V gathered).
 
 context_strategy="ring" keeps K and V split like the queries: in n steps each device runs its
 queries against the key block it holds (block (d - s) mod n at step s; each pair of a query run
-and a key run is one kernel call, q_shift = the difference of their first global positions)
-while `lax.ppermute` already passes that block on, so the transfer can overlap the kernels; the
+and a key run is one kernel call, q_shift = the difference of their first global positions;
+a pair the causal mask or the window keeps apart runs no kernel, under `lax.cond`) while
+`lax.ppermute` already passes that block on, so the transfer can overlap the kernels; the
 steps' O and LSE are merged in fp32 (`tile.merge_blocks`, sinks joined once there). The backward
 runs the same steps with the merged O and LSE: dQ sums on the device in fp32, dK and dV in fp32
 accumulators that travel with their block and reach its owner after the last step. A device
@@ -494,7 +495,8 @@ def _packed_grads(packed: bool, dq, dk, dv, rest):
 
 def _ring_steps(spec, axes: _Axes, ops):
   """(the device's query runs, its own key block (k, v, kv_seg), pairs): pairs(step, block)
-  lists that step's kernel calls as (query run index, key Chunk, operands). At step s a device
+  lists that step's kernel calls as (query run index, key Chunk, reachable, operands), reachable
+  False where no query of the run can see a key of the key run (`_reachable`). At step s a device
   holds the block of device (d - s) mod n, each of whose key runs pairs with each query run:
   q_shift = the query run's first global position - the key run's, each side's lengths counted
   from its own first row, and no sinks (the merge joins them once)."""
@@ -510,7 +512,8 @@ def _ring_steps(spec, axes: _Axes, ops):
     for i, (q_chunk, fields) in enumerate(runs):
       for k_chunk in context.device_chunks(spec.context_layout, S, n, src):
         cols, size = slice(k_chunk.start, k_chunk.stop), k_chunk.stop - k_chunk.start
-        out.append((i, k_chunk, ops._replace(
+        out.append((i, k_chunk, _reachable(spec, q_chunk, fields["q"].shape[1], k_chunk, size),
+                    ops._replace(
             **fields, k=k[:, cols], v=v[:, cols],
             kv_seg=None if kv_seg is None else kv_seg[:, cols],
             kv_lens=jnp.clip(ops.kv_lens - k_chunk.shift, 0, size),
@@ -518,6 +521,21 @@ def _ring_steps(spec, axes: _Axes, ops):
     return out
 
   return runs, (ops.k, ops.v, ops.kv_seg), pairs
+
+
+def _reachable(spec, q_chunk, q_size: int, k_chunk, k_size: int):
+  """Whether the causal mask and the window let some query of a run see some key of another
+  (int32 scalar bool; True where neither limits them): a ring step that cannot is not run. Runs
+  of consecutive global positions from their chunks' shifts."""
+  q_first, q_last = q_chunk.shift, q_chunk.shift + q_size - 1
+  k_first, k_last = k_chunk.shift, k_chunk.shift + k_size - 1
+  ok = jnp.bool_(True)
+  if spec.is_causal:
+    ok = ok & (k_first <= q_last)
+  if spec.window is not None:
+    left, right = spec.window
+    ok = ok & (k_first <= q_last + right) & (k_last >= q_first - left)
+  return ok
 
 
 def _pass_on(arrays, axes: _Axes):
@@ -542,8 +560,11 @@ def _ring_forward(forward: Callable, spec, config, axes: _Axes, ops, fp32_steps:
   for step in range(axes.seq_devices):
     # Issued before this block's kernels, the transfer of the next block can overlap them.
     upcoming = _pass_on(block, axes) if step < axes.seq_devices - 1 else None
-    for i, _, pair in pairs(step, block):
-      _, o_res, lse = forward(step_spec, config, pair)
+    for i, _, reachable, pair in pairs(step, block):
+      # A pair the masks keep apart runs no kernel: O 0, LSE "no key" (the merge drops it).
+      _, o_res, lse = lax.cond(
+          reachable, lambda pair: forward(step_spec, config, pair),
+          lambda pair: _no_keys(step_spec, pair), pair)
       parts[i].append((o_res, lse))
     block = upcoming
   merged = [tile.merge_blocks([o for o, _ in p], [l for _, l in p], sink=ops.sinks)
@@ -554,6 +575,20 @@ def _ring_forward(forward: Callable, spec, config, axes: _Axes, ops, fp32_steps:
   out = tile.round_convert(o, dt.out).astype(dt.input)
   residual = o if jnp.dtype(dt.residual_o) == jnp.float32 else out
   return out, residual.astype(dt.residual_o), lse
+
+
+def _no_keys(spec, ops):
+  """A forward's results where no query sees any key: (O, O residual, LSE) = (0, 0, no key)."""
+  dt = spec.numerics.dtypes(ops.q.dtype)
+  rows = ops.q.shape
+  lse = jnp.full((rows[0], rows[2], rows[1]), tile.EMPTY_ROW_LSE, jnp.float32)
+  return jnp.zeros(rows, dt.input), jnp.zeros(rows, dt.residual_o), lse
+
+
+def _no_grads(ops):
+  """A backward's results where no query sees any key: zero dq, dk, dv (no bias: the ring
+  refuses one)."""
+  return (jnp.zeros_like(ops.q), jnp.zeros_like(ops.k), jnp.zeros_like(ops.v), None)
 
 
 def _ring_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res, lse, do, dlse):
@@ -569,10 +604,12 @@ def _ring_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res, ls
   for step in range(axes.seq_devices):
     upcoming = _pass_on(block, axes) if step < axes.seq_devices - 1 else None
     dk, dv = dkv
-    for i, k_chunk, pair in pairs(step, block):
+    for i, k_chunk, reachable, pair in pairs(step, block):
       a, b = runs[i][0].start, runs[i][0].stop
-      grads = backward(spec, config, pair, _rows(o_res, a, b, 1), _rows(lse, a, b, 2),
-                       _rows(do, a, b, 1), _rows(dlse, a, b, 2))
+      args = (pair, _rows(o_res, a, b, 1), _rows(lse, a, b, 2), _rows(do, a, b, 1),
+              _rows(dlse, a, b, 2))
+      grads = lax.cond(reachable, lambda *args: tuple(backward(spec, config, *args)),
+                       lambda pair, *_: _no_grads(pair), *args)
       dq[i] = dq[i] + grads[0].astype(f32)
       cols = slice(k_chunk.start, k_chunk.stop)
       dk = dk.at[:, cols].add(grads[1].astype(f32))

@@ -9,6 +9,7 @@ that only when it compiles, which here it cannot (tests/partition_callbacks.py d
   over the batch, sinks and a soft cap: on Auto axes a forward and a backward op whose per-device
   programs lower to the Hopper kernels; on Explicit axes no such op (shard_map at trace time) and
   one set of kernels in the program.
+- A sequence-sharded call (context parallel, zigzag), allgather and ring, on Explicit axes.
 - The trainer's GPT-2 step, data parallel and FSDP, packed and split: under train.attention.on_mesh
   (what the trainer jits) no custom_partitioning op and one set of kernels for all layers; the same
   step jitted plainly (the library partitioning itself: what crashed) lowers every per-device
@@ -76,6 +77,24 @@ for kind in ("auto", "explicit"):
     out[f"api_{{kind}}_{{'packed' if packed else 'split'}}"] = dict(
         ops=len(ops), kernels=text.count(KERNEL), per_device=[t.count(KERNEL) for t in per_device])
 
+# --- context parallel: the sequence over "seq", zigzag, allgather and ring (Explicit axes) ------
+mesh = jax.make_mesh((2, 2), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2)
+for strategy in ("allgather", "ring"):
+  def cp_loss(q, k, v, ids):
+    o = stable_attn.dot_product_attention(
+        q, k, v, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids,
+        implementation="pallas_mosaic_gpu", context_layout="zigzag", context_strategy=strategy)
+    return jnp.sum(o.astype(jnp.float32))
+  rows = NamedSharding(mesh, P("data", "seq"))
+  arg = lambda s, dtype: jax.ShapeDtypeStruct(s, dtype, sharding=rows)
+  args = (arg((2, 1024, 4, 128), jnp.bfloat16),) * 3 + (arg((2, 1024), jnp.int32),)
+  with jax.set_mesh(mesh):
+    text = cuda(jax.jit(jax.grad(cp_loss, argnums=(0, 1, 2))), *args)
+  out[f"context_{{strategy}}"] = dict(kernels=text.count(KERNEL),
+                                     permutes=text.count("collective_permute"),
+                                     conds=text.count("stablehlo.case")
+                                     + text.count("stablehlo.if"))
+
 # --- the trainer -----------------------------------------------------------------------------
 from train.attention import on_mesh
 from train.config import get_config
@@ -123,6 +142,12 @@ def test_sharded_hopper_programs_lower_for_cuda():
     assert auto["per_device"] == [1, 2], (entry, auto)
     # Explicit: shard_map at trace time, the kernels in the program itself.
     assert explicit["ops"] == 0 and explicit["kernels"] == kernels, (entry, explicit)
+  # Context parallel: the Hopper kernels (forward, dQ, dK/dV at head dim 128) lower under both
+  # strategies; the ring passes blocks with collective permutes and runs its steps in conditionals
+  # (a pair the causal mask keeps apart runs no kernel).
+  gather, ring = result["context_allgather"], result["context_ring"]
+  assert gather["kernels"] == 3 and gather["permutes"] == 0, gather
+  assert ring["kernels"] == 3 and ring["permutes"] > 0 and ring["conds"] > 0, ring
   for name, r in result.items():
     if not name.startswith("train_"):
       continue
