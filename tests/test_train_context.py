@@ -90,7 +90,8 @@ for n, strategy in ((2, "allgather"), (4, "allgather"), (4, "ring")):
 # The trainer: the same losses as data parallel over the same steps.
 ours = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, max_adjust="safe",
             attention="pallas_gpu", pack_documents=True)
-arms = {{"dp": dict(), "cp2": dict(context_parallel=2), "cp4": dict(context_parallel=4),
+# cp2: 2 data x 2 context with FSDP over the data axis.
+arms = {{"dp": dict(), "cp2": dict(context_parallel=2, fsdp=True), "cp4": dict(context_parallel=4),
         "cp4_ring": dict(context_parallel=4, context_strategy="ring")}}
 for name, kw in arms.items():
   d = {tmp!r} + "/" + name
