@@ -158,8 +158,9 @@ def dot_product_attention(
       merged in fp32 (tile.merge_blocks) and dK, dV travel round with their block in fp32. A
       device holds two key blocks at a time instead of every key. O is within bf16 rounding of
       the one-device call (pallas_gpu merges each step's unrounded O; the Hopper kernel's steps
-      round O to the input dtype first); dQ, dK, dV differ by each step's share's rounding. "ring" takes no bias or mask, and runs on the GPU kernels only
-      (ValueError otherwise); on a call not sharded over its sequence both are the one call.
+      round O to the input dtype first); dQ, dK, dV differ by each step's share's rounding.
+      "ring" takes no bias or mask, and runs on the GPU kernels only (ValueError otherwise); on
+      a call not sharded over its sequence both are the one call.
 
   Returns:
     [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
