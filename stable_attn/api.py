@@ -413,8 +413,7 @@ def _spec(options: Options, head_dim: int) -> AttentionSpec:
     raise ValueError("return_residual (jax.nn's: lse [B, T, N] in the input dtype, stop_gradient) "
                      "and return_residuals (ours: lse [B, N, T] float32, differentiable) cannot "
                      "both be set; pick one")
-  if options.max_adjust not in MAX_ADJUST_MODES:
-    raise ValueError(f"max_adjust must be one of {MAX_ADJUST_MODES}, got {options.max_adjust!r}")
+  _one_of(options.max_adjust, MAX_ADJUST_MODES, "max_adjust")
   if not np.isfinite(options.beta) or options.beta < 1.0:
     raise ValueError(f"beta must be a finite number >= 1, got {options.beta!r}")
   scale = options.scale
@@ -432,20 +431,15 @@ def _spec(options: Options, head_dim: int) -> AttentionSpec:
       logits_soft_cap=_soft_cap(options.logits_soft_cap),
       return_residuals=bool(options.return_residuals),
       deterministic=_flag(options.deterministic, "deterministic"),
-      context_layout=_context_layout(options.context_layout),
-      context_strategy=_context_strategy(options.context_strategy))
+      context_layout=_one_of(options.context_layout, context.LAYOUTS, "context_layout"),
+      context_strategy=_one_of(options.context_strategy, context.STRATEGIES, "context_strategy"))
 
 
-def _context_strategy(strategy) -> str:
-  if not isinstance(strategy, str) or strategy not in context.STRATEGIES:
-    raise ValueError(f"context_strategy must be one of {context.STRATEGIES}, got {strategy!r}")
-  return strategy
-
-
-def _context_layout(layout) -> str:
-  if not isinstance(layout, str) or layout not in context.LAYOUTS:
-    raise ValueError(f"context_layout must be one of {context.LAYOUTS}, got {layout!r}")
-  return layout
+def _one_of(value, choices: tuple, name: str) -> str:
+  """value, one of the strings `choices`; ValueError naming the argument otherwise."""
+  if not isinstance(value, str) or value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+  return value
 
 
 def _finite_number(x) -> bool:

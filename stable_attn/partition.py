@@ -25,9 +25,9 @@ rows, heads and queries, in one of three ways:
 
 Every rule is derived from the operand table (`stable_attn.spec`): an array is split along its
 "batch" axis like the query's batch, along its "heads" / "kv_heads" axis like the query's heads
-and along its "query" axis like the query's sequence; "key" and "head_dim" stay whole; a
-broadcast dim of size 1 is replicated (the gradient of such a bias is then summed over the
-devices). The backward's own inputs (O residual, dO: ROW_AXES; LSE, dLSE: LSE_AXES) and every
+and along its "query" axis like the query's sequence; "head_dim" stays whole and so does "key"
+(but under a ring, below); a broadcast dim of size 1 is replicated (the gradient of such a bias
+is then summed over the devices). The backward's own inputs (O residual, dO: ROW_AXES; LSE, dLSE: LSE_AXES) and every
 output follow the same rule, so adding an operand is one table row.
 
 Context parallelism (backends built with `context_parallel`, whose kernels take the q_shift
@@ -333,11 +333,16 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
   _register(fwd_cp, fwd_partition, fwd_shardings, pick=1, backward=False)
   _register(bwd_cp, bwd_partition, bwd_shardings, pick=2, backward=True)
 
+  def flat(spec, ops, **fields):
+    """_flat's layout and arrays, with what this backend and the spec say of the sequence."""
+    layout, arrays = _flat(ops)
+    return layout._replace(sequence=sequence, ring=sequence and spec.context_strategy == "ring",
+                           **fields), arrays
+
   def forward_partitioned(spec, config, ops):
     if not when(spec):
       return forward(spec, config, ops)
-    layout, arrays = _flat(ops)
-    layout = layout._replace(sequence=sequence, ring=sequence and spec.context_strategy == "ring")
+    layout, arrays = flat(spec, ops)
     batched = lambda run: lambda *a: _batched(run, layout, a, grads=False)
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
@@ -349,9 +354,7 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
   def backward_partitioned(spec, config, ops, o_res, lse, do, dlse=None):
     if not when(spec):
       return backward(spec, config, ops, o_res, lse, do, dlse)
-    layout, arrays = _flat(ops)
-    layout = layout._replace(with_dlse=dlse is not None, sequence=sequence,
-                             ring=sequence and spec.context_strategy == "ring")
+    layout, arrays = flat(spec, ops, with_dlse=dlse is not None)
     arrays = arrays + [o_res, lse, do] + ([dlse] if dlse is not None else [])
     batched = lambda run: lambda *a: _batched(run, layout, a, grads=True)
     grad_specs = lambda axes, specs: _grad_specs(layout, specs, axes)

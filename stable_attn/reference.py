@@ -23,7 +23,7 @@ from stable_attn import blocks, tile
 from stable_attn.flash import make_flash_attention, reduce_to_shape, shifted_delta
 from stable_attn.layout import Geometry, Padded, heads_major, pad_operands, pad_to, unpad
 from stable_attn.numerics import Dtypes, Numerics
-from stable_attn.spec import LSE_AXES, OPERANDS, ROW_AXES, AttentionSpec, Operands
+from stable_attn.spec import LSE_AXES, OPERANDS, ROW_AXES, AttentionSpec, Lengths, Operands
 
 KV_AXES = OPERANDS["k"].axes
 
@@ -246,21 +246,14 @@ def _visited(lo, hi, ranges):
 
 
 def _tile_scores(spec: AttentionSpec, dt, q_blk, k_blk, b_blk, m_blk, q_pos, k_pos, lens):
-  q_len, kv_len, shift = lens
-  ok = tile.visible(q_pos, k_pos, q_len, kv_len, causal=spec.is_causal, window=spec.window,
-                    mask=m_blk, shift=shift)
+  ok = tile.visible(q_pos, k_pos, lens.q, lens.kv, causal=spec.is_causal, window=spec.window,
+                    mask=m_blk, shift=lens.shift)
   return tile.scores(tile.matmul(q_blk, k_blk, transpose_b=True), ok, scale=spec.scale,
                      bias=b_blk, dt=dt, round_fn=_ROUND, soft_cap=spec.logits_soft_cap)
 
 
 def _axis(x):
   return None if x is None else 0
-
-
-def _lens(x: Operands):
-  """Each batch row's (query length, key length, q_shift): what positions the masks compare."""
-  shift = jnp.zeros_like(x.q_lens) if x.q_shift is None else x.q_shift
-  return x.q_lens, x.kv_lens, shift
 
 
 def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
@@ -272,9 +265,9 @@ def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
 
   def one_block(q_blk, k_all, v_all, bias_rows, mask_rows, lens, ranges, offset, sink, q_start):
     q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
-    lo, hi = _visited(*blocks.kv_block_range(q_start + lens[2], bq, bk, num_kv,
+    lo, hi = _visited(*blocks.kv_block_range(q_start + lens.shift, bq, bk, num_kv,
                                              causal=spec.is_causal, window=spec.window,
-                                             kv_len=lens[1]), ranges)
+                                             kv_len=lens.kv), ranges)
 
     def body(j, carry):
       acc, stats = carry
@@ -302,7 +295,7 @@ def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
   fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, None, None, o_ax, s_ax, None))          # heads
   fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, r_ax, None, None, None))             # batch
   o, o_res, lse = fn(lay.q.reshape(geo.B, geo.N, nq, bq, geo.H), lay.k, lay.v, rows(lay.bias),
-                     rows(lay.mask), _lens(x), lay.kv_ranges, offsets, x.sinks, starts)
+                     rows(lay.mask), Lengths.of(x), lay.kv_ranges, offsets, x.sinks, starts)
   to_btnh = lambda a: unpad(jnp.swapaxes(a.reshape(geo.B, geo.N, pad.T, geo.H), 1, 2), ROW_AXES,
                             geo)
   return to_btnh(o), to_btnh(o_res), unpad(lse.reshape(geo.B, geo.N, pad.T), LSE_AXES, geo)
@@ -331,9 +324,9 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
   def dq_block(q_blk, k_all, v_all, do_blk, lse_blk, delta_blk, bias_rows, mask_rows, lens,
                ranges, q_start):
     q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
-    lo, hi = _visited(*blocks.kv_block_range(q_start + lens[2], bq, bk, pad.S // bk,
+    lo, hi = _visited(*blocks.kv_block_range(q_start + lens.shift, bq, bk, pad.S // bk,
                                              causal=spec.is_causal, window=spec.window,
-                                             kv_len=lens[1]), ranges)
+                                             kv_len=lens.kv), ranges)
 
     def body(j, carry):
       dq, ds_rows = carry
@@ -355,9 +348,9 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
   def dkv_block(k_blk, v_blk, q_all, do_all, lse_all, delta_all, bias_cols, mask_cols, lens,
                 ranges, k_start):
     k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
-    lo, hi = _visited(*blocks.q_block_range(k_start - lens[2], bk, bq, pad.T // bq,
+    lo, hi = _visited(*blocks.q_block_range(k_start - lens.shift, bk, bq, pad.T // bq,
                                             causal=spec.is_causal, window=spec.window,
-                                            q_len=lens[0]), ranges)
+                                            q_len=lens.q), ranges)
 
     def body(i, carry):
       dk, dv = carry
@@ -386,7 +379,7 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
   fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, None, None, None))
   fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, r_ax, None))
   dq, ds = fn(row_blocks(q), k, v, row_blocks(do_h), row_blocks(lse), row_blocks(delta),
-              row_blocks(bias), row_blocks(mask), _lens(x), lay.kv_ranges, q_starts)
+              row_blocks(bias), row_blocks(mask), Lengths.of(x), lay.kv_ranges, q_starts)
 
   col_blocks = lambda a: None if a is None else jnp.moveaxis(
       a.reshape(geo.B, geo.N, pad.T, nk, bk), 3, 2)                           # [B,N,nk,Tp,bk]
@@ -396,7 +389,7 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
   fn = jax.vmap(fn, (0, 0, 0, 0, 0, 0, b_ax, m_ax, 0, r_ax, None))
   kv_blocks = lambda a: a.reshape(geo.B, geo.N, nk, bk, geo.H)
   dk, dv = fn(kv_blocks(k), kv_blocks(v), q, do_h, lse, delta, col_blocks(bias),
-              col_blocks(mask), _lens(x), lay.q_ranges, k_starts)
+              col_blocks(mask), Lengths.of(x), lay.q_ranges, k_starts)
 
   to_btnh = lambda a, length_axes: unpad(jnp.swapaxes(a, 1, 2), length_axes, geo)
   dq = to_btnh(dq.reshape(geo.B, geo.N, pad.T, geo.H), ROW_AXES).astype(in_dtype)

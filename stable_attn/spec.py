@@ -23,6 +23,7 @@ import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 
 from stable_attn.numerics import Numerics
 
@@ -168,8 +169,9 @@ OPERANDS = OperandTable([
     Operand("offset", ("heads", "query"), "float32", optional=True),
     # Where a batch row's queries stand among its keys: causal and window masks compare key k with
     # query t + q_shift (lengths still count the call's own rows). Absent: 0. Built by
-    # stable_attn.partition for a sequence-sharded (context-parallel) call: each device's first
-    # global query position, its keys being the whole sequence.
+    # stable_attn.partition for a sequence-sharded (context-parallel) call: a run of queries' first
+    # global position minus that of the keys the call gets (the whole sequence's under allgather,
+    # one block's under a ring, so possibly negative).
     Operand("q_shift", ("batch",), "int", optional=True),
     # Attention sinks: one logit per query head joining every row's denominator without a value
     # (gpt-oss / splash). Differentiable; its gradient needs only delta (flash.py).
@@ -201,6 +203,24 @@ def pack(qkv: jax.Array, ops: Operands) -> PackedOperands:
   slices), ops's other fields as they are."""
   fields = {name: getattr(ops, name) for name in ops._fields if name not in ("q", "k", "v")}
   return PACKED_OPERANDS.make(qkv=qkv, **fields)
+
+
+class Lengths(NamedTuple):
+  """A batch row's query and key lengths and its q_shift, what tile.visible and the block ranges
+  compare positions with: int32 scalars read from the operands (`of`), or Python ints where a
+  kernel knows them statically (T, S, 0)."""
+  q: object
+  kv: object
+  shift: object
+
+  @classmethod
+  def of(cls, ops, b=None) -> "Lengths":
+    """Batch row b's lengths and q_shift from ops (Operands or a kernel's refs; no q_shift
+    operand: 0), or with b None every row's as [B] arrays (no q_shift operand: zeros)."""
+    if b is None:
+      shift = jnp.zeros_like(ops.q_lens) if ops.q_shift is None else ops.q_shift
+      return cls(ops.q_lens, ops.kv_lens, shift)
+    return cls(ops.q_lens[b], ops.kv_lens[b], 0 if ops.q_shift is None else ops.q_shift[b])
 
 
 class BackwardInputs(NamedTuple):

@@ -13,7 +13,7 @@ from stable_attn import tile
 from stable_attn.flash import public_lse
 from stable_attn.layout import Geometry
 from stable_attn.reference import segment_mask, tile_dtypes
-from stable_attn.spec import AttentionSpec, Operands
+from stable_attn.spec import AttentionSpec, Lengths, Operands
 
 
 def xla_attention(spec: AttentionSpec, ops: Operands):
@@ -47,10 +47,9 @@ def xla_attention(spec: AttentionSpec, ops: Operands):
   m_ax = None if mask is None else 0
   o_ax = None if ops.offset is None else 0
   s_ax = None if ops.sinks is None else 0
-  shift = jnp.zeros_like(ops.q_lens) if ops.q_shift is None else ops.q_shift
   fn = jax.vmap(one_head, (0, 0, 0, b_ax, m_ax, None, None, None, o_ax, s_ax))
   fn = jax.vmap(fn, (0, 0, 0, b_ax, m_ax, 0, 0, 0, None, None))
-  o, lse = fn(q, k, v, bias, mask, ops.q_lens, ops.kv_lens, shift, ops.offset, ops.sinks)
+  o, lse = fn(q, k, v, bias, mask, *Lengths.of(ops), ops.offset, ops.sinks)
   return jnp.swapaxes(o, 1, 2), public_lse(lse, spec)
 
 

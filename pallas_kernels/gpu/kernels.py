@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,7 @@ from stable_attn.flash import reduce_to_shape, shifted_delta
 from stable_attn.layout import Geometry, Padded, pad_operands, pad_to, unpad
 from stable_attn.numerics import Dtypes
 from stable_attn.spec import (BACKWARD_AXES, LSE_AXES, OPERANDS, ROW_AXES, AttentionSpec,
-                              BackwardInputs, Operands)
+                              BackwardInputs, Lengths, Operands)
 
 from pallas_kernels.gpu import tuning
 from pallas_kernels.operand_specs import block_spec, blocked, operand_specs, read, squeezed
@@ -70,34 +69,23 @@ class _Call:
     return tile.scores(qk, ok, scale=self.spec.scale, bias=bias, dt=self.dt,
                        round_fn=self.round_fn, soft_cap=self.spec.logits_soft_cap)
 
-  def visible(self, q_start, bq: int, k_start, bk: int, lens: "_Lengths", mask, q_seg, kv_seg):
+  def visible(self, q_start, bq: int, k_start, bk: int, lens: Lengths, mask, q_seg, kv_seg):
     return tile.visible(q_start + lax.iota(i32, bq), k_start + lax.iota(i32, bk), lens.q,
                         lens.kv, causal=self.spec.is_causal, window=self.spec.window,
                         mask=None if mask is None else mask != 0, q_seg=q_seg, kv_seg=kv_seg,
                         shift=lens.shift)
 
-  def kv_ranges(self, q_start, bq: int, bk: int, lens: "_Lengths", segments):
+  def kv_ranges(self, q_start, bq: int, bk: int, lens: Lengths, segments):
     """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections)."""
     return blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
                               window=self.spec.window, q_len=lens.q, kv_len=lens.kv,
                               has_mask=self.has_mask, segments=segments, shift=lens.shift)
 
-  def q_ranges(self, k_start, bk: int, bq: int, lens: "_Lengths", segments):
+  def q_ranges(self, k_start, bk: int, bq: int, lens: Lengths, segments):
     """(lo, flo, fhi, hi) of the query blocks that see key columns [k_start, +bk)."""
     return blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
                              window=self.spec.window, q_len=lens.q, kv_len=lens.kv,
                              has_mask=self.has_mask, segments=segments, shift=lens.shift)
-
-
-class _Lengths(NamedTuple):
-  """A batch row's query and key lengths and its q_shift (0 when the call has none)."""
-  q: jax.Array
-  kv: jax.Array
-  shift: object
-
-  @classmethod
-  def of(cls, refs: Operands, b):
-    return cls(refs.q_lens[b], refs.kv_lens[b], 0 if refs.q_shift is None else refs.q_shift[b])
 
 
 def _prepare(spec: AttentionSpec, config: tuning.Config, ops: Operands):
@@ -158,7 +146,7 @@ def _forward_kernel(refs: Operands, sections_ref, o_ref, res_ref, lse_ref, *, ca
   q_start = (call.pad.T // bq - 1 - pl.program_id(0)) * bq
   bh = pl.program_id(1)
   b, n = bh // call.geo.N, bh % call.geo.N
-  lens = _Lengths.of(refs, b)
+  lens = Lengths.of(refs, b)
   q = refs.q[...]
   offset = None if refs.offset is None else refs.offset[...]
   q_seg = None if refs.q_seg is None else refs.q_seg[...]
@@ -226,7 +214,7 @@ def _delta_kernel(do_ref, o_ref, delta_ref):
 
 
 def _tile_grads(call: _Call, refs: Operands, q, do, lse, delta, k, v, q_start, bq: int, k_start,
-                bk: int, lens: _Lengths, q_seg, kv_seg, masked: bool, pair_index):
+                bk: int, lens: Lengths, q_seg, kv_seg, masked: bool, pair_index):
   """One tile's P and dS (tile.backward_tile); pair_index: the tile's index into a bias or mask
   block (pallas_kernels.operand_specs.read)."""
   ok = None
@@ -245,7 +233,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_
   bq, bk = kc.block_q, kc.block_k
   k_start = pl.program_id(0) * bk
   b = pl.program_id(1) // call.geo.K
-  lens = _Lengths.of(refs, b)
+  lens = Lengths.of(refs, b)
   k, v = refs.k[...], refs.v[...]
   kv_seg = None if refs.kv_seg is None else refs.kv_seg[...]
   ranges = call.q_ranges(k_start, bk, bq, lens, _segment_ranges(sections_ref))
@@ -278,7 +266,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dq_ref, ds_r
   bq, bk = kc.block_q, kc.block_k
   q_start = (call.pad.T // bq - 1 - pl.program_id(0)) * bq
   b = pl.program_id(1) // call.geo.N
-  lens = _Lengths.of(refs, b)
+  lens = Lengths.of(refs, b)
   q, do, lse, delta = refs.q[...], grads.do[...], grads.lse[...], grads.delta[...]
   q_seg = None if refs.q_seg is None else refs.q_seg[...]
   ranges = call.kv_ranges(q_start, bq, bk, lens, _segment_ranges(sections_ref))

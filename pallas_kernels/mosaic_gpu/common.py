@@ -27,7 +27,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from stable_attn import blocks, tile
 from stable_attn.layout import Geometry, Padded
 from stable_attn.numerics import Dtypes
-from stable_attn.spec import OPERANDS, AttentionSpec, is_packed
+from stable_attn.spec import OPERANDS, AttentionSpec, Lengths, is_packed
 
 from pallas_kernels.mosaic_gpu import tuning
 
@@ -81,14 +81,6 @@ def init_stats(rows: int, dt: Dtypes) -> tile.RowStats:
   return tile.RowStats(*(plgpu.layout_cast(x, ROWS) for x in tile.init_stats(rows, dt)))
 
 
-class Lengths(NamedTuple):
-  """A batch row's query and key lengths and its q_shift (stable_attn.tile.visible): Python ints
-  where the call has none of them (T, S, 0), else int32 scalars read from global memory."""
-  q: object
-  kv: object
-  shift: object
-
-
 @dataclasses.dataclass(frozen=True)
 class Call:
   """Everything static about one call."""
@@ -103,13 +95,13 @@ class Call:
   def safe(self) -> bool:
     return self.spec.max_adjust == "safe"
 
-  def lengths(self, refs, b) -> "Lengths":
+  def lengths(self, refs, b) -> Lengths:
     """The batch row's query and key lengths and q_shift: static T, S and 0 unless the call has
     them (a CTA then starts its TMA loads without waiting for scalar loads from global memory)."""
-    shift = 0 if refs.q_shift is None else refs.q_shift[b]
+    lens = Lengths.of(refs, b)
     if self.spec.has_lengths:
-      return Lengths(refs.q_lens[b], refs.kv_lens[b], shift)
-    return Lengths(self.geo.T, self.geo.S, shift)
+      return lens
+    return Lengths(self.geo.T, self.geo.S, lens.shift)
 
   def scores(self, qk, ok, bias=None) -> tile.Scores:
     """A tile's masked, soft-capped scores in log2 units (either orientation; bias, the bias
@@ -128,7 +120,7 @@ class Call:
       return lax.broadcast_in_dim(vector + start, shape, (axis,))
     return along(q_axis, q_start), along(1 - q_axis, k_start)
 
-  def visible(self, shape, q_start, k_start, lens: "Lengths", *, q_axis: int = 0, q_ids=None,
+  def visible(self, shape, q_start, k_start, lens: Lengths, *, q_axis: int = 0, q_ids=None,
               kv_ids=None, mask=None):
     """The tile's visibility (WGMMA layout); q_ids / kv_ids: the rows' and columns' segment ids
     as per-row / per-column vectors (ROWS / COLS of the tile), or None; mask: the mask operand's
@@ -143,7 +135,7 @@ class Call:
                         window=self.spec.window,
                         mask=mask, q_seg=q_seg, kv_seg=kv_seg)
 
-  def kv_ranges(self, q_start, bq: int, bk: int, lens: "Lengths", segments=None, mask=None):
+  def kv_ranges(self, q_start, bq: int, bk: int, lens: Lengths, segments=None, mask=None):
     """(lo, flo, fhi, hi) of the key blocks query rows [q_start, +bq) visit (blocks.kv_sections);
     segments / mask: the block's packed-sequence / mask-operand range (`block_range`)."""
     ranges = blocks.kv_sections(q_start, bq, bk, self.pad.S // bk, causal=self.spec.is_causal,
@@ -151,7 +143,7 @@ class Call:
                                 has_mask=False, segments=segments, shift=lens.shift)
     return blocks.intersect(ranges, mask)
 
-  def q_ranges(self, k_start, bk: int, bq: int, lens: "Lengths", segments=None, mask=None):
+  def q_ranges(self, k_start, bk: int, bq: int, lens: Lengths, segments=None, mask=None):
     """(lo, flo, fhi, hi) of the query blocks that see key columns [k_start, +bk)."""
     ranges = blocks.q_sections(k_start, bk, bq, self.pad.T // bq, causal=self.spec.is_causal,
                                window=self.spec.window, q_len=lens.q, kv_len=lens.kv,
