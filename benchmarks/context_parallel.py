@@ -40,6 +40,8 @@ ARM_NOTES = {
     "ours_zigzag": "the same with context_layout='zigzag' (equal causal work per GPU)",
     "ours_ring": "zigzag with context_strategy='ring' (K, V passed round the devices; each holds "
                  "two key blocks, not every key)",
+    "ours_alltoall": "context_strategy='alltoall' (each device trades its positions for a share "
+                     "of the heads: all-to-all in, the one-GPU kernels, all-to-all out)",
     "ours_heads": "stable_attn after resharding q, k, v from sequence to heads (all-to-all)",
     "cudnn": "jax.nn's cuDNN attention on the sequence-sharded inputs (XLA refuses: 'Sharding on "
              "sequence dim is not allowed')",
@@ -56,7 +58,7 @@ def attention(arm: str, causal: bool, mesh, implementation="pallas_mosaic_gpu",
                                                       implementation="cudnn")
   else:
     layout = "zigzag" if arm in ("ours_zigzag", "ours_ring") else "contiguous"
-    strategy = "ring" if arm == "ours_ring" else "allgather"
+    strategy = {"ours_ring": "ring", "ours_alltoall": "alltoall"}.get(arm, "allgather")
     fn = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, is_causal=causal, implementation=implementation, max_adjust="safe",
         context_layout=layout, context_strategy=strategy, interpret=interpret)

@@ -11,8 +11,9 @@ JSON to benchmarks/results/ naming the device, and prints the table last.
 Arms: ours = stable_attn (implementation chosen by stable_attn: the Pallas kernel on GPU, the
 blockwise reference elsewhere; --max-adjust safe), ours_off = the same without the max adjustment,
 cudnn = jax.nn.dot_product_attention(implementation="cudnn") (GPU only), xla = jax.nn's XLA
-attention; ours_cp / ours_ring = ours with each sequence split over --context-parallel N devices
-(zigzag order; keys all-gathered / passed round a ring), e.g. `--config gpt2-long --batch-size 1
+attention; ours_cp / ours_ring / ours_alltoall = ours with each sequence split over
+--context-parallel N devices (zigzag order; keys all-gathered / passed round a ring / positions
+traded for heads), e.g. `--config gpt2-long --batch-size 1
 --arms ours,ours_cp,ours_ring --context-parallel 4`. MFU = tokens/s x (6N + 12 L T d) / (devices x
 peak), peak = the datasheet's dense bf16 peak of the device kind (train.metrics.peak_tflops:
 measured where the kind is not in its table; --peak-tflops sets one).
@@ -55,12 +56,13 @@ ARMS = {
     # --context-parallel N: each sequence split over N devices (zigzag), keys all-gathered / ring.
     "ours_cp": dict(attention="auto", max_adjust="safe"),
     "ours_ring": dict(attention="auto", max_adjust="safe"),
+    "ours_alltoall": dict(attention="auto", max_adjust="safe"),
     "cudnn": dict(attention="cudnn", max_adjust="off"),
     "xla": dict(attention="jax_xla", max_adjust="off"),
 }
 
 
-CONTEXT_ARMS = {"ours_cp": "allgather", "ours_ring": "ring"}
+CONTEXT_ARMS = {"ours_cp": "allgather", "ours_ring": "ring", "ours_alltoall": "alltoall"}
 
 
 def arm_config(base, arm: str, *, batch_size: int | None = None, seq: int | None = None,
@@ -179,8 +181,8 @@ def main(argv=None) -> int:
   p.add_argument("--numerics", default="fast")
   p.add_argument("--fsdp", action="store_true")
   p.add_argument("--context-parallel", type=int, default=1, metavar="N",
-                 help="the arms ours_cp and ours_ring split each sequence over N devices (the "
-                      "same tokens per device as the other arms)")
+                 help="the arms ours_cp, ours_ring and ours_alltoall split each sequence over N "
+                      "devices (the same tokens per device as the other arms)")
   p.add_argument("--remat", action="store_true",
                  help="every arm recomputes its blocks in the backward (train --remat)")
   p.add_argument("--peak-tflops", type=float, default=None)

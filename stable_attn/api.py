@@ -53,7 +53,7 @@ class Options:
   return_residual: bool = False
   return_residuals: bool = False
   context_layout: str = "contiguous"
-  context_strategy: str = "allgather"
+  context_strategy: str = "auto"
 
   @classmethod
   def of(cls, arguments: dict) -> "Options":
@@ -82,7 +82,7 @@ def dot_product_attention(
     return_residual: bool = False,
     return_residuals: bool = False,
     context_layout: str = "contiguous",
-    context_strategy: str = "allgather",
+    context_strategy: str = "auto",
 ):
   """Scaled dot-product attention with the max adjustment; a drop-in for jax.nn's.
 
@@ -159,8 +159,13 @@ def dot_product_attention(
       device holds two key blocks at a time instead of every key. O is within bf16 rounding of
       the one-device call (pallas_gpu merges each step's unrounded O; the Hopper kernel's steps
       round O to the input dtype first); dQ, dK, dV differ by each step's share's rounding.
-      "ring" takes no bias or mask, and runs on the GPU kernels only (ValueError otherwise); on
-      a call not sharded over its sequence both are the one call.
+      "alltoall": an all-to-all gives each device every position of 1/n of the heads (n must
+      divide the query and the key/value heads, times any head sharding), the one-device
+      kernels run on them and O, LSE (dQ, dK, dV) are traded back: bitwise the one-device call.
+      "auto" (the default): "alltoall" where the heads divide and no bias or mask is given,
+      else "allgather" (measured fastest in that order: stable_attn.context.choose_strategy).
+      "ring" and "alltoall" take no bias or mask, and run on the GPU kernels only (ValueError
+      otherwise); on a call not sharded over its sequence every strategy is the one call.
 
   Returns:
     [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
@@ -498,10 +503,10 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   if spec.context_layout == "zigzag" and (bias is not None or mask is not None):
     raise ValueError("context_layout='zigzag' takes no bias or mask (their key columns would need "
                      "the zigzag order too); use segment ids, windows and lengths, or 'contiguous'")
-  if spec.context_strategy == "ring" and (bias is not None or mask is not None):
-    raise ValueError("context_strategy='ring' takes no bias or mask (their key columns would have "
-                     "to travel round the ring too); use segment ids, windows and lengths, or "
-                     "'allgather'")
+  if spec.context_strategy in ("ring", "alltoall") and (bias is not None or mask is not None):
+    raise ValueError(f"context_strategy='{spec.context_strategy}' takes no bias or mask (their key "
+                     f"columns would have to travel with the keys); use segment ids, windows and "
+                     f"lengths, or 'allgather'")
   given = dict(bias=bias, mask=mask, q_lens=options.query_seq_lengths,
                kv_lens=options.key_value_seq_lengths, q_seg=q_seg, kv_seg=kv_seg,
                sinks=options.sinks)

@@ -96,22 +96,23 @@ def choose(spec: AttentionSpec, ops: Operands) -> Choice:
     if reason is None:
       return Choice(reg.name, passed_over)
     passed_over[reg.name] = reason
-  # The reference covers every call but a zigzag or ring one (only a self-partitioning kernel runs
-  # those).
+  # The reference covers every call but a zigzag, ring or alltoall one (only a self-partitioning
+  # kernel runs those).
   raise ValueError(f"no available backend runs this call: {passed_over}")
 
 
 def _covers(backend: Backend, spec: AttentionSpec, ops: Operands) -> Optional[str]:
-  """backend.covers, and a zigzag context_layout or a ring context_strategy only where the
-  backend partitions itself (`CONTEXT_PARALLEL = True`): XLA partitions the others, as if the
+  """backend.covers, and a zigzag context_layout or a ring or alltoall context_strategy only where
+  the backend partitions itself (`CONTEXT_PARALLEL = True`): XLA partitions the others, as if the
   order were natural and with its own collectives."""
   if not getattr(backend, "CONTEXT_PARALLEL", False):
     if spec.context_layout == "zigzag":
       return ("context_layout='zigzag': this backend is partitioned by XLA, which knows nothing "
               "of the order; the GPU kernels (pallas_mosaic_gpu, pallas_gpu) run it")
-    if spec.context_strategy == "ring":
-      return ("context_strategy='ring': this backend is partitioned by XLA, which chooses its own "
-              "collectives; the GPU kernels (pallas_mosaic_gpu, pallas_gpu) run it")
+    if spec.context_strategy in ("ring", "alltoall"):
+      return (f"context_strategy='{spec.context_strategy}': this backend is partitioned by XLA, "
+              f"which chooses its own collectives; the GPU kernels (pallas_mosaic_gpu, pallas_gpu) "
+              f"run it")
   return backend.covers(spec, ops)
 
 

@@ -56,6 +56,16 @@ the merged O is rounded once, as the one-device call's; otherwise (the Hopper ke
 O comes rounded to the input dtype, about an ulp of the row's scale more. LSE within fp32
 rounding. No bias or mask (refused in canonicalize).
 
+context_strategy="alltoall" (DeepSpeed-Ulysses' idea) trades positions for heads: an all-to-all
+over the sequence's devices gives each device every position of 1/n of its heads (GQA groups
+whole: n must divide the query and the key/value heads), the one-device kernels run on those
+heads (no q_shift: the zigzag order is undone on the device), and another all-to-all trades O
+and LSE back (the backward likewise trades O, dO, LSE and dLSE in and dQ, dK, dV out; per-head
+sinks are sliced, their gradient gathered). Every head's arithmetic is the one-device call's, so
+values and gradients are bitwise. No bias or mask. "auto" (the default) runs alltoall where
+the heads divide and no bias or mask is given, else allgather (stable_attn.context
+.choose_strategy, which says what measured this).
+
 The TPU kernels have no q_shift: there a sequence-sharded call raises ValueError, as does
 head-dim sharding everywhere (with Auto axes while XLA partitions the program, wrapped in its
 JaxRuntimeError; with Explicit axes at trace time). Under `jax.vmap` the vmapped axis joins the
@@ -88,14 +98,18 @@ _FORWARD_OUTPUTS = (ROW_AXES, ROW_AXES, LSE_AXES)
 
 class _Layout(NamedTuple):
   """Static: the operand table, the operands present (in table order), whether dLSE is passed,
-  whether the backend's kernels take a q_shift (may run context parallel), and whether a
-  context-parallel call passes its keys round a ring (context_strategy="ring": K and V stay split
-  like the queries)."""
+  whether the backend's kernels take a q_shift (may run context parallel), and how a
+  context-parallel call meets the other devices' keys (context_strategy: under "ring" and
+  "alltoall" K and V stay split like the queries)."""
   table: OperandTable
   names: tuple
   with_dlse: bool = False
   sequence: bool = False
-  ring: bool = False
+  strategy: str = "allgather"
+
+  @property
+  def keys_split(self) -> bool:
+    return self.sequence and self.strategy != "allgather"
 
   def rows(self, n_arrays: int | None = None):
     """Table rows of the operands, then of the backward's inputs, for n_arrays arrays."""
@@ -137,12 +151,14 @@ class _Axes(NamedTuple):
   heads: object   # mesh axis name(s) of the query-head dim, or None
   seq: object = None   # mesh axis name(s) of the query's sequence dim (context parallel), or None
   seq_devices: int = 1  # how many devices split it
-  keys: object = None   # mesh axis name(s) of the key dim: the sequence's under a ring, else None
+  keys: object = None   # mesh axis name(s) of the key dim: the sequence's unless allgather
+  strategy: str = "allgather"   # context_strategy (where seq is split)
 
   def of(self, axis: str):
     """The mesh axes an operand's `axis` is split over on each device. Keys stay whole (a
     context-parallel device sees every key: XLA all-gathers K and V before the kernels), except
-    under a ring, where each device holds its own keys and passes them on."""
+    under a ring (each device holds its own keys and passes them on) and under alltoall (each
+    device trades its positions for its share of the heads)."""
     return {"batch": self.batch, "heads": self.heads, "kv_heads": self.heads,
             "query": self.seq, "key": self.keys}.get(axis)
 
@@ -191,12 +207,21 @@ def _axes(mesh, layout: _Layout, args) -> _Axes:
     raise ValueError(f"the query's sequence is sharded {_axis_size(mesh, seq)} ways over {seq}, "
                      f"which must divide its length T={sizes['query']} (context parallel: each "
                      f"device holds T / devices consecutive positions)")
-  keys = seq if layout.ring else None
-  if keys is not None and sizes["key"] % _axis_size(mesh, seq):
-    raise ValueError(f"context_strategy='ring' over {_axis_size(mesh, seq)} devices ({seq}) "
-                     f"splits the keys as the queries: their length S={sizes['key']} must be a "
-                     f"multiple of it")
-  return _Axes(q_spec["batch"], n, seq, _axis_size(mesh, seq), keys)
+  devices = _axis_size(mesh, seq)
+  bias = any(name in layout.names for name in ("bias", "mask"))
+  strategy = (context.choose_strategy(layout.strategy, N, K, shards * devices, bias)
+              if seq is not None else "allgather")
+  keys = seq if strategy != "allgather" else None
+  S = sizes.get("key", sizes["query"])   # a packed qkv: S = T
+  if keys is not None and S % devices:
+    raise ValueError(f"context_strategy='{strategy}' over {devices} devices ({seq}) splits the "
+                     f"keys as the queries: their length S={S} must be a multiple of it")
+  if strategy == "alltoall" and (N % (shards * devices) or K % (shards * devices)):
+    raise ValueError(f"context_strategy='alltoall' gives each of the {devices} devices of {seq} "
+                     f"a share of the heads (of {shards} head shards): {shards * devices} must "
+                     f"divide both N={N} query heads and K={K} key/value heads; use 'allgather' "
+                     f"or 'ring'")
+  return _Axes(q_spec["batch"], n, seq, devices, keys, strategy)
 
 
 def _partition_spec(row: Operand, shape, sizes, axes: _Axes) -> P:
@@ -241,9 +266,9 @@ def _rule(layout: _Layout, value_types, n_results: int, backward: bool):
   assert len(results) == n_results
   # The factors the kernels need whole, in order of first appearance (as Shardy requires); the
   # query's sequence may be split where the kernels run context parallel, the keys too under a
-  # ring.
+  # ring or alltoall.
   splittable = (PARTITIONABLE + (("query",) if layout.sequence else ())
-                + (("key",) if layout.ring else ()))
+                + (("key",) if layout.keys_split else ()))
   whole = [factors[a] for row in rows for a in row.axes if a not in splittable]
   return SdyShardingRule(tuple(mappings), tuple(results),
                          need_replication_factors=tuple(dict.fromkeys(whole)),
@@ -336,8 +361,7 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
   def flat(spec, ops, **fields):
     """_flat's layout and arrays, with what this backend and the spec say of the sequence."""
     layout, arrays = _flat(ops)
-    return layout._replace(sequence=sequence, ring=sequence and spec.context_strategy == "ring",
-                           **fields), arrays
+    return layout._replace(sequence=sequence, strategy=spec.context_strategy, **fields), arrays
 
   def forward_partitioned(spec, config, ops):
     if not when(spec):
@@ -446,8 +470,10 @@ def _zigzag(spec, axes: _Axes) -> bool:
 
 def _context_forward(forward: Callable, spec, config, axes: _Axes, ops, fp32_steps=False):
   """(O, O residual, LSE) of one device: its runs' kernel calls, joined along the queries."""
-  if axes.keys is not None:
+  if axes.seq is not None and axes.strategy == "ring":
     return _ring_forward(forward, spec, config, axes, ops, fp32_steps)
+  if axes.seq is not None and axes.strategy == "alltoall":
+    return _alltoall_forward(forward, spec, config, axes, ops)
   outs = [forward(spec, config, run_ops) for _, run_ops in _context_calls(spec, axes, ops)]
   if len(outs) == 1:
     return tuple(outs[0])
@@ -462,8 +488,10 @@ def _context_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res,
   dv stacked into its dqkv."""
   if axes.seq is None:
     return backward(spec, config, ops, o_res, lse, do, dlse)
-  if axes.keys is not None:
+  if axes.strategy == "ring":
     return _ring_backward(backward, spec, config, axes, ops, o_res, lse, do, dlse)
+  if axes.strategy == "alltoall":
+    return _alltoall_backward(backward, spec, config, axes, ops, o_res, lse, do, dlse)
   calls = _context_calls(spec, axes, ops)
   runs = [backward(spec, config, run_ops, _rows(o_res, a, b, 1), _rows(lse, a, b, 2),
                    _rows(do, a, b, 1), _rows(dlse, a, b, 2))
@@ -624,6 +652,78 @@ def _ring_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res, ls
   dq = jnp.concatenate(dq, axis=1).astype(ops.q.dtype)
   dk, dv = dkv[0].astype(ops.k.dtype), dkv[1].astype(ops.v.dtype)
   return _packed_grads(packed, dq, dk, dv, rest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallel, alltoall: each device trades its positions for a share of the heads
+# ---------------------------------------------------------------------------------------------
+
+def _dims(row: Operand, names) -> list:
+  return [d for d, a in enumerate(row.axes) if a in names]
+
+
+def _to_heads(x, axes: _Axes, heads: int, seq: int, zigzag: bool):
+  """x split over the devices along its sequence dim `seq` (in the zigzag order where `zigzag`)
+  -> every position, in natural order, of the device's 1/n of its heads (dim `heads`)."""
+  x = lax.all_to_all(x, axes.seq, heads, seq, tiled=True)
+  return context.unzigzag(x, axes.seq_devices, axis=seq) if zigzag else x
+
+
+def _to_sequence(x, axes: _Axes, heads: int, seq: int, zigzag: bool):
+  """The inverse of `_to_heads`: the device's 1/n of the heads at every position -> all its
+  heads at its own positions."""
+  x = context.zigzag(x, axes.seq_devices, axis=seq) if zigzag else x
+  return lax.all_to_all(x, axes.seq, seq, heads, tiled=True)
+
+
+def _heads_ops(spec, axes: _Axes, ops):
+  """One device's operands under alltoall: its 1/n of the (kv) heads at every position, in natural
+  order -- per-head arrays (q, k, v, qkv, offsets) through an all-to-all, per-position ones
+  (segment ids) gathered, per-head ones (sinks) sliced; lengths as they are. The kernels then
+  run the one-device call on those heads: no q_shift, nothing to merge."""
+  device, zigzag = lax.axis_index(axes.seq), _zigzag(spec, axes)
+  fields = {}
+  for row, x in type(ops).TABLE.present(ops):
+    heads, seq = _dims(row, ("heads", "kv_heads")), _dims(row, ("query", "key"))
+    if heads and seq:
+      # The offsets are the api's, at natural positions; the rest come in the caller's order.
+      x = _to_heads(x, axes, heads[0], seq[0], zigzag and row.name != "offset")
+    elif seq:
+      x = lax.all_gather(x, axes.seq, axis=seq[0], tiled=True)
+      x = context.unzigzag(x, axes.seq_devices, axis=seq[0]) if zigzag else x
+    elif heads:
+      size = x.shape[heads[0]] // axes.seq_devices
+      x = lax.dynamic_slice_in_dim(x, device * size, size, axis=heads[0])
+    fields[row.name] = x
+  return ops._replace(**fields)
+
+
+def _alltoall_forward(forward: Callable, spec, config, axes: _Axes, ops):
+  """(O, O residual, LSE) of one device under alltoall: the one-device forward on its share of
+  the heads, its results traded back for its own positions and every head."""
+  zigzag = _zigzag(spec, axes)
+  o, o_res, lse = forward(spec, config, _heads_ops(spec, axes, ops))
+  rows = lambda x: _to_sequence(x, axes, 2, 1, zigzag)
+  return rows(o), rows(o_res), _to_sequence(lse, axes, 1, 2, zigzag)
+
+
+def _alltoall_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res, lse, do, dlse):
+  """One device's gradients under alltoall: the one-device backward on its share of the heads
+  (O residual, dO, LSE and dLSE traded like the operands), each gradient traded back; a per-head
+  operand's (sinks) gathered over the devices."""
+  zigzag = _zigzag(spec, axes)
+  rows = lambda x: _to_heads(x, axes, 2, 1, zigzag)
+  stats = lambda x: None if x is None else _to_heads(x, axes, 1, 2, zigzag)
+  grads = backward(spec, config, _heads_ops(spec, axes, ops), rows(o_res), stats(lse), rows(do),
+                   stats(dlse))
+  out = []
+  for row, g in zip([r for r in type(ops).TABLE.rows if r.grad], grads):
+    if g is not None:
+      heads, seq = _dims(row, ("heads", "kv_heads")), _dims(row, ("query", "key"))
+      g = (_to_sequence(g, axes, heads[0], seq[0], zigzag) if seq else
+           lax.all_gather(g, axes.seq, axis=heads[0], tiled=True))
+    out.append(g)
+  return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------

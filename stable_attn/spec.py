@@ -53,8 +53,9 @@ class AttentionSpec:
   deterministic: bool = False
   # How a sequence sharded over devices is ordered (stable_attn.context): "contiguous" | "zigzag".
   context_layout: str = "contiguous"
-  # How a context-parallel call meets the other devices' keys: "allgather" | "ring".
-  context_strategy: str = "allgather"
+  # How a context-parallel call meets the other devices' keys: "auto" | "allgather" | "ring" |
+  # "alltoall" (stable_attn.context.choose_strategy).
+  context_strategy: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,17 +145,34 @@ def test_zigzag_refusals_name_the_argument():
       stable_attn.dot_product_attention(q, q, q, context_layout="zigzag", implementation=impl)
 
 
-def test_ring_refusals_name_the_argument():
+@pytest.mark.parametrize("strategy", ["ring", "alltoall"])
+def test_strategy_refusals_name_the_argument(strategy):
   q = jnp.zeros((1, 8, 2, 16), jnp.float32)
   with pytest.raises(ValueError, match="context_strategy must be one of"):
     stable_attn.dot_product_attention(q, q, q, context_strategy="tree")
-  with pytest.raises(ValueError, match="context_strategy='ring' takes no bias or mask"):
+  with pytest.raises(ValueError, match=f"context_strategy='{strategy}' takes no bias or mask"):
     stable_attn.dot_product_attention(q, q, q, mask=jnp.ones((8, 8), bool),
-                                      context_strategy="ring", implementation="pallas_gpu",
+                                      context_strategy=strategy, implementation="pallas_gpu",
                                       interpret=True)
   for impl in ("reference", "xla"):
     with pytest.raises(ValueError, match="chooses its own collectives"):
-      stable_attn.dot_product_attention(q, q, q, context_strategy="ring", implementation=impl)
+      stable_attn.dot_product_attention(q, q, q, context_strategy=strategy, implementation=impl)
+  # "auto" (the default) is no refusal: with a bias it runs allgather; XLA's backends take it.
+  o = stable_attn.dot_product_attention(q, q, q, jnp.zeros((8, 8)), implementation="xla")
+  assert o.shape == q.shape
+
+
+def test_auto_strategy_is_alltoall_where_heads_divide():
+  rng = np.random.default_rng()
+  ways = int(rng.choice([2, 4, 8]))
+  kv = ways * int(rng.integers(1, 4))
+  heads = kv * int(rng.integers(1, 4))
+  assert context.choose_strategy("auto", heads, kv, ways) == "alltoall"
+  assert context.choose_strategy("auto", heads, kv, ways, bias=True) == "allgather"
+  assert context.choose_strategy("auto", heads, kv, 2 * heads) == "allgather"
+  assert context.choose_strategy("auto", 2 * ways, ways // 2, ways) == "allgather"   # GQA groups
+  for named in ("allgather", "ring", "alltoall"):
+    assert context.choose_strategy(named, heads, kv, 2 * heads, bias=True) == named
 
 
 def test_merge_blocks_equals_attention_over_all_keys():
@@ -207,13 +224,16 @@ B, T, N, K, H = 2, 64, 4, 2, 32
 rng = np.random.default_rng({seed})
 normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
 q, k, v = normal(B, T, N, H), normal(B, T, K, H), normal(B, T, K, H)
+# alltoall gives each of the 4 "seq" devices a quarter of the heads: 8 query heads, 4 kv heads.
+q8, k4, v4 = normal(B, T, 8, H), normal(B, T, 4, H), normal(B, T, 4, H)
+sinks8 = jnp.asarray(rng.standard_normal(8), jnp.float32)
 qkv = normal(B, T, 3, N, H)
 ids = jnp.asarray(np.cumsum(rng.random((B, T)) < 0.05, axis=1), jnp.int32)
 bias = jnp.asarray(rng.standard_normal((1, N, T, T)), jnp.float32)
 sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
 q_lens = jnp.asarray(rng.integers(T // 2, T + 1, B), jnp.int32)
 w = jnp.asarray(rng.standard_normal(H), jnp.float32)
-w_lse = jnp.asarray(rng.standard_normal((N, T)), jnp.float32)
+w_lse = jnp.asarray(rng.standard_normal((8, T)), jnp.float32)
 CASES = {{
     "causal_segments_gqa": dict(is_causal=True, q_segment_ids=ids, kv_segment_ids=ids),
     "window_lengths_cap": dict(local_window_size=(11, 3), query_seq_lengths=q_lens,
@@ -233,15 +253,25 @@ CASES = {{
     "ring_zigzag_segments_lengths_window": dict(
         is_causal=True, q_segment_ids=ids, kv_segment_ids=ids, query_seq_lengths=q_lens,
         local_window_size=(30, 0), context_layout="zigzag", context_strategy="ring"),
+    # alltoall: every position of a quarter of the heads on each device, GQA groups whole.
+    "alltoall_causal_segments_gqa_sinks": dict(is_causal=True, q_segment_ids=ids,
+                                               kv_segment_ids=ids, sinks=sinks8,
+                                               context_strategy="alltoall"),
+    # The default, "auto", is alltoall here (8 and 4 heads over 4 devices, no bias).
+    "alltoall_auto_zigzag_window_lengths_cap": dict(
+        is_causal=True, query_seq_lengths=q_lens, local_window_size=(30, 0), logits_soft_cap=20.0,
+        context_layout="zigzag"),
 }}
 zz = lambda x, axis=1: context.zigzag(x, 4, axis)
 natural = lambda x, axis=1: context.unzigzag(jnp.asarray(np.asarray(x, np.float32)), 4, axis)
 
 def loss(name, mode, sharded, q, k, v, bias):
-  kw, weights = dict(CASES[name], max_adjust=mode), w_lse
+  kw, weights = dict(CASES[name], max_adjust=mode), w_lse[:q.shape[2]]
   if kw.pop("context_layout", None) == "zigzag" and sharded:   # ids, weights in the order of q
-    kw.update(q_segment_ids=zz(ids), kv_segment_ids=zz(ids), context_layout="zigzag")
-    weights = zz(w_lse)
+    if "q_segment_ids" in kw:
+      kw.update(q_segment_ids=zz(ids), kv_segment_ids=zz(ids))
+    kw["context_layout"] = "zigzag"
+    weights = zz(weights)
   o, lse = stable_attn.dot_product_attention(q, k, v, bias if name == "bias_sinks" else None,
       implementation="pallas_gpu", interpret=True, return_residuals=True, **kw)
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
@@ -281,22 +311,22 @@ for kind in ("auto", "explicit"):
   mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(axis, axis))
   put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))
   for name in CASES:
-    for mode in ("safe",) if name.startswith("ring") else ("safe", "off"):
+    qkv_of = (q8, k4, v4) if name.startswith("alltoall") else (q, k, v)
+    for mode in ("safe",) if name.startswith(("ring", "alltoall")) else ("safe", "off"):
       f = lambda sharded: jax.jit(jax.value_and_grad(
           lambda *a: loss(name, mode, sharded, *a), argnums=(0, 1, 2, 3), has_aux=True))
-      ref = f(False)(q, k, v, bias)
+      ref = f(False)(*qkv_of, bias)
       zig = CASES[name].get("context_layout") == "zigzag"
       order = zz if zig else (lambda x, axis=1: x)
       with jax.set_mesh(mesh):
-        args = (put(order(q), "data", "seq"), put(order(k), "data", "seq"),
-                put(order(v), "data", "seq"), put(bias, None, None, "seq"))
+        args = (*(put(order(x), "data", "seq") for x in qkv_of), put(bias, None, None, "seq"))
         got = f(True)(*args)
         specs = [str(g.sharding.spec) for g in got[1][:3]]
       if zig:   # back to the natural order: O, LSE (its T is axis 2), dq, dk, dv
         (value, (o, lse)), grads = got
         got = (value, (natural(o), natural(lse, 2))), (*map(natural, grads[:3]), grads[3])
       out[f"{{kind}}_{{name}}_{{mode}}"] = dict(compare(got, ref), specs=specs)
-  for strategy in ("allgather", "ring"):
+  for strategy in ("allgather", "ring", "alltoall"):
     f = jax.jit(jax.value_and_grad(lambda qkv: packed_loss(qkv, strategy), has_aux=True))
     ref = f(qkv)
     with jax.set_mesh(mesh):
@@ -312,6 +342,14 @@ with jax.set_mesh(mesh):
   got = f(True)(put(q), put(k), put(v), bias)
 out["heads_and_sequence"] = dict(compare(got, f(False)(q, k, v, bias)),
                                  specs=[str(g.sharding.spec) for g in got[1][:3]])
+# alltoall over 2 head shards x 4 sequence devices needs heads in multiples of 8: K=4 refused.
+try:
+  with jax.set_mesh(mesh):
+    jax.jit(lambda *a: loss("alltoall_causal_segments_gqa_sinks", "safe", True, *a))(
+        put(q8), put(k4), put(v4), bias)
+  out["alltoall_refusal"] = "ran"
+except ValueError as e:
+  out["alltoall_refusal"] = str(e)
 print("RESULT" + json.dumps(out))
 """
 
@@ -320,7 +358,14 @@ print("RESULT" + json.dumps(out))
 def test_sequence_sharded_on_8_devices():
   seed = int(np.random.default_rng().integers(1 << 16))
   result = run_on_cpu_devices(SCRIPT.format(root=str(ROOT), seed=seed), timeout=1200)
+  refusal = result.pop("alltoall_refusal")
+  assert "context_strategy='alltoall'" in refusal and "K=4" in refusal, refusal
   for key, r in result.items():
+    if "alltoall" in key:
+      # Each device runs the one-device kernels on whole heads: everything bitwise.
+      assert all(r["exact"]) and r["dq_exact"] in (True, None), (key, seed, r)
+      assert max(r["rel"]) == 0, (key, seed, r)
+      continue
     if "ring" in key:
       # Each step's O is rounded to bf16 before the fp32 merge, then the merged O once more: about
       # an ulp of the row's scale (more where steps' O cancel: up to 1.3 ulps seen), a third of

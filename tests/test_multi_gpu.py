@@ -40,13 +40,16 @@ SPLITS = {"batch": ("data", None), "heads": (None, "model"), "both": ("data", "m
 ENTRIES = ("split", "packed", "flax")
 
 
-def _mesh(kind: str):
+def _mesh(kind: str, sequence: bool = False):
   """2 x (devices / 2) over ("data", "model"): Auto axes (Mesh, what the trainer builds) or
-  Explicit (jax.make_mesh's default)."""
+  Explicit (jax.make_mesh's default). `sequence` (the "model" axis splits the sequence) on 2 GPUs:
+  1 x 2, so that the sequence is split."""
   n = jax.device_count() // 2 * 2
-  shape, names = (2, n // 2), ("data", "model")
+  data = 1 if sequence and n == 2 else 2
+  shape, names = (data, n // data), ("data", "model")
   if kind == "explicit":
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * 2)
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:n])
   return Mesh(np.asarray(jax.devices()[:n]).reshape(shape), names)
 
 
@@ -193,7 +196,7 @@ def test_sequence_sharded_runs_context_parallel(entry, mesh_kind):
   args = [x[k] for k in names] + [x["bias"], x["sinks"], x["ids"]]
   rows = P("data", "model")
   specs = [rows] * len(names) + [P(None, None, "model"), P(), rows]
-  mesh = _mesh(mesh_kind)
+  mesh = _mesh(mesh_kind, sequence=True)
   put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
   context = jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext()
   with context:
@@ -215,17 +218,18 @@ def test_sequence_sharded_runs_context_parallel(entry, mesh_kind):
     assert error <= 1e-2, (name, context, error)
 
 
-@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+@pytest.mark.parametrize("strategy", ["allgather", "ring", "alltoall"])
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 def test_sequence_sharded_zigzag(mesh_kind, strategy):
   """context_layout="zigzag": the same natural-order data placed in the zigzag order over the
   "model" devices; O (back in the natural order) bitwise (ring: within bf16 rounding, each step's
   O rounded before the fp32 merge), dQ, dK and dV within bf16 rounding, with segment ids, lengths
-  and a window."""
+  and a window. alltoall: everything bitwise (each device runs the one-device kernels on whole
+  heads)."""
   from stable_attn import context
   seed = int(np.random.default_rng().integers(1 << 16))
   x = _inputs(seed, "split")
-  mesh = _mesh(mesh_kind)
+  mesh = _mesh(mesh_kind, sequence=True)
   n = mesh.shape["model"]
   lens = jnp.asarray(np.random.default_rng(seed).integers(T // 2, T + 1, B), jnp.int32)
 
@@ -251,6 +255,11 @@ def test_sequence_sharded_zigzag(mesh_kind, strategy):
   natural = lambda a: np.asarray(context.unzigzag(jnp.asarray(np.asarray(a, np.float32)), n))
   (o, (dq, dk, dv)), (o_ref, (dq_ref, dk_ref, dv_ref)) = got, want
   f32 = lambda a: np.asarray(a, np.float32)
+  if strategy == "alltoall":
+    for name, g, r in (("o", o, o_ref), ("dq", dq, dq_ref), ("dk", dk, dk_ref),
+                       ("dv", dv, dv_ref)):
+      np.testing.assert_array_equal(natural(g), f32(r), err_msg=f"{name} {mesh_kind} {seed}")
+    return
   if strategy == "ring":   # as in tests/test_context_parallel.py's ring cases
     error = np.linalg.norm(natural(o) - f32(o_ref)) / np.linalg.norm(f32(o_ref))
     assert error <= 3e-3, ("o", mesh_kind, seed, error)

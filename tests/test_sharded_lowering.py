@@ -77,23 +77,33 @@ for kind in ("auto", "explicit"):
     out[f"api_{{kind}}_{{'packed' if packed else 'split'}}"] = dict(
         ops=len(ops), kernels=text.count(KERNEL), per_device=[t.count(KERNEL) for t in per_device])
 
-# --- context parallel: the sequence over "seq", zigzag, allgather and ring (Explicit axes) ------
+# --- context parallel: the sequence over "seq", zigzag, every strategy, split and packed q, k, v
+# (the Hopper kernel reads a packed qkv in place; pallas_gpu, what the CPU tests run, slices it)
 mesh = jax.make_mesh((2, 2), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2)
-for strategy in ("allgather", "ring"):
-  def cp_loss(q, k, v, ids):
-    o = stable_attn.dot_product_attention(
-        q, k, v, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids,
-        implementation="pallas_mosaic_gpu", context_layout="zigzag", context_strategy=strategy)
-    return jnp.sum(o.astype(jnp.float32))
-  rows = NamedSharding(mesh, P("data", "seq"))
-  arg = lambda s, dtype: jax.ShapeDtypeStruct(s, dtype, sharding=rows)
-  args = (arg((2, 1024, 4, 128), jnp.bfloat16),) * 3 + (arg((2, 1024), jnp.int32),)
-  with jax.set_mesh(mesh):
-    text = cuda(jax.jit(jax.grad(cp_loss, argnums=(0, 1, 2))), *args)
-  out[f"context_{{strategy}}"] = dict(kernels=text.count(KERNEL),
-                                     permutes=text.count("collective_permute"),
-                                     conds=text.count("stablehlo.case")
-                                     + text.count("stablehlo.if"))
+for strategy in ("allgather", "ring", "alltoall"):
+  for packed in (False, True):
+    options = dict(is_causal=True, implementation="pallas_mosaic_gpu", context_layout="zigzag",
+                   context_strategy=strategy)
+    def cp_loss(*args):
+      if packed:
+        qkv, ids = args
+        o = stable_attn.dot_product_attention_qkvpacked(qkv, q_segment_ids=ids, **options)
+      else:
+        q, k, v, ids = args
+        o = stable_attn.dot_product_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids,
+                                              **options)
+      return jnp.sum(o.astype(jnp.float32))
+    rows = NamedSharding(mesh, P("data", "seq"))
+    arg = lambda s, dtype: jax.ShapeDtypeStruct(s, dtype, sharding=rows)
+    args = (((arg((2, 1024, 3, 4, 128), jnp.bfloat16),) if packed else
+             (arg((2, 1024, 4, 128), jnp.bfloat16),) * 3) + (arg((2, 1024), jnp.int32),))
+    n_grads = 1 if packed else 3
+    with jax.set_mesh(mesh):
+      text = cuda(jax.jit(jax.grad(cp_loss, argnums=tuple(range(n_grads)))), *args)
+    out[f"context_{{strategy}}_{{'packed' if packed else 'split'}}"] = dict(
+        kernels=text.count(KERNEL), permutes=text.count("collective_permute"),
+        all_to_all=text.count("all_to_all"),
+        conds=text.count("stablehlo.case") + text.count("stablehlo.if"))
 
 # --- the trainer -----------------------------------------------------------------------------
 from train.attention import on_mesh
@@ -142,12 +152,17 @@ def test_sharded_hopper_programs_lower_for_cuda():
     assert auto["per_device"] == [1, 2], (entry, auto)
     # Explicit: shard_map at trace time, the kernels in the program itself.
     assert explicit["ops"] == 0 and explicit["kernels"] == kernels, (entry, explicit)
-  # Context parallel: the Hopper kernels (forward, dQ, dK/dV at head dim 128) lower under both
-  # strategies; the ring passes blocks with collective permutes and runs its steps in conditionals
-  # (a pair the causal mask keeps apart runs no kernel).
-  gather, ring = result["context_allgather"], result["context_ring"]
-  assert gather["kernels"] == 3 and gather["permutes"] == 0, gather
-  assert ring["kernels"] == 3 and ring["permutes"] > 0 and ring["conds"] > 0, ring
+  # Context parallel: the Hopper kernels (forward, dQ, dK/dV at head dim 128) lower under every
+  # strategy, q, k, v split or packed; the ring passes blocks with collective permutes and runs
+  # its steps in conditionals (a pair the causal mask keeps apart runs no kernel); alltoall
+  # trades positions for heads with all-to-alls.
+  for entry in ("split", "packed"):
+    gather, ring = result[f"context_allgather_{entry}"], result[f"context_ring_{entry}"]
+    heads = result[f"context_alltoall_{entry}"]
+    assert gather["kernels"] == 3 and gather["permutes"] == 0, (entry, gather)
+    assert ring["kernels"] == 3 and ring["permutes"] > 0 and ring["conds"] > 0, (entry, ring)
+    assert heads["kernels"] == 3 and heads["all_to_all"] > 0 and heads["permutes"] == 0, (
+        entry, heads)
   for name, r in result.items():
     if not name.startswith("train_"):
       continue

@@ -75,7 +75,7 @@ def _ours(implementation: str, max_adjust: str = "safe", numerics: str = "fast",
   return dict(is_causal=True, implementation=None if implementation == "auto" else implementation,
               max_adjust=max_adjust, beta=beta, numerics=numerics, interpret=interpret,
               context_layout="zigzag" if split else "contiguous",
-              context_strategy=placement.strategy if split else "allgather")
+              context_strategy=placement.strategy if split else "auto")
 
 
 def resolved_implementation(mcfg) -> str:
@@ -132,13 +132,13 @@ def short_name(mcfg) -> str:
 class _Placement(NamedTuple):
   mesh: Mesh
   context: int  # devices each sequence is split over (the 'context' axis); 1: natural order
-  strategy: str = "allgather"  # stable_attn's context_strategy there
+  strategy: str = "auto"  # stable_attn's context_strategy there
 
 
 _MESH = contextvars.ContextVar("train_attention_mesh", default=None)
 
 
-def on_mesh(mesh, fn, *, split_sequence: bool = True, strategy: str = "allgather"):
+def on_mesh(mesh, fn, *, split_sequence: bool = True, strategy: str = "auto"):
   """fn, whose attention calls run on each device's rows of the batch under jax.shard_map over
   `mesh` (a jax.sharding.Mesh: the trainer's) while it is traced. What the trainer jits (train,
   eval and monitor steps) is wrapped in it.
@@ -146,9 +146,10 @@ def on_mesh(mesh, fn, *, split_sequence: bool = True, strategy: str = "allgather
   Context parallel (the mesh has a 'context' axis, split_sequence): fn's sequences come split over
   that axis in the zigzag order (train.loop lays batches out so); the model asks `context_devices()`
   for its positions and document ids, and the attention runs stable_attn's context-parallel path
-  (keys and values all-gathered over the axis, or passed round it: `strategy`, stable_attn's
-  context_strategy) with the sequence's sharding stated explicitly. split_sequence=False: fn's
-  sequences are whole and in order (the monitors), its rows split over every device.
+  (keys and values all-gathered over the axis, passed round it, or positions traded for heads:
+  `strategy`, stable_attn's context_strategy) with the sequence's sharding stated explicitly.
+  split_sequence=False: fn's sequences are whole and in order (the monitors), its rows split over
+  every device.
 
   Why not leave it to stable_attn's own partitioning (custom_partitioning, which the same call takes
   under a plain jit): XLA lowers that op's per-device program anew at every call site, so a 12-layer
@@ -167,7 +168,7 @@ def on_mesh(mesh, fn, *, split_sequence: bool = True, strategy: str = "allgather
   return traced
 
 
-def jit_on_mesh(mesh, fn, *, split_sequence: bool = True, strategy: str = "allgather",
+def jit_on_mesh(mesh, fn, *, split_sequence: bool = True, strategy: str = "auto",
                 **jit_kwargs):
   """jax.jit(on_mesh(mesh, fn, split_sequence=..., strategy=...), **jit_kwargs). Context
   parallel, the result traces, lowers and runs with `mesh` set (jax.set_mesh): the attention's

@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+import stable_attn.context
+
 from . import jax_cache
 from .attention import JAX_NN
 from .config import (ATTENTION_CHOICES, MAX_ADJUST_CHOICES, NUMERICS_CHOICES, CONFIGS, TrainConfig,
@@ -105,9 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     help="split each sequence over N devices (context parallelism; a mesh of devices/N data x N "
          "context; attention: ours, all-gathering keys and values; --config gpt2-long is meant "
          "for it)")
-  a("--context-strategy", choices=("allgather", "ring"),
-    help="with --context-parallel: gather every key to each device (allgather, the default), or "
-         "pass keys and values round the devices (ring: each holds two key blocks, not all)")
+  a("--context-strategy", choices=stable_attn.context.STRATEGIES,
+    help="with --context-parallel: gather every key to each device (allgather), pass keys and "
+         "values round the devices (ring: each holds two key blocks, not all), or trade "
+         "positions for heads (alltoall: heads divisible by N); auto (the default): alltoall "
+         "where the heads divide by N, else allgather")
   a("--resume", dest="resume", action="store_true", default=True,
     help="resume from DIR/checkpoints (default)")
   a("--no-resume", dest="resume", action="store_false",

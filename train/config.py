@@ -122,8 +122,9 @@ class TrainConfig:
   # stable_attn.context, so every device does the same causal work. 1: data parallel only.
   context_parallel: int = 1
   # How the attention meets the other devices' keys there (--context-strategy):
-  # stable_attn's context_strategy, "allgather" (every key gathered) or "ring".
-  context_strategy: str = "allgather"
+  # stable_attn's context_strategy: "auto" (alltoall where the heads divide by N, else
+  # allgather), "allgather" (every key gathered), "ring" or "alltoall" (positions traded for heads).
+  context_strategy: str = "auto"
 
   def __post_init__(self):
     for name in ("batch_size", "grad_accum", "max_steps", "eval_batches"):

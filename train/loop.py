@@ -405,8 +405,11 @@ def _parallelism(cfg: TrainConfig) -> str:
   n = cfg.context_parallel
   if n == 1:
     return "data parallel"
+  heads = cfg.model.n_head   # GPT-2: as many key/value heads
+  strategy = context.choose_strategy(cfg.context_strategy, heads, heads, n)
+  chosen = f"auto -> {strategy}" if cfg.context_strategy == "auto" else strategy
   return (f"{jax.device_count() // n} data x {n} context parallel (each sequence over {n} devices, "
-          f"zigzag order, {cfg.context_strategy})")
+          f"zigzag order, {chosen})")
 
 
 def _tensorboard_usable(log: _Log) -> bool:

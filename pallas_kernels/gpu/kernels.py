@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -213,18 +214,30 @@ def _delta_kernel(do_ref, o_ref, delta_ref):
   delta_ref[...] = tile.delta(do_ref[...], o_ref[...])
 
 
-def _tile_grads(call: _Call, refs: Operands, q, do, lse, delta, k, v, q_start, bq: int, k_start,
-                bk: int, lens: Lengths, q_seg, kv_seg, masked: bool, pair_index):
-  """One tile's P and dS (tile.backward_tile); pair_index: the tile's index into a bias or mask
-  block (pallas_kernels.operand_specs.read)."""
+class _Tile(NamedTuple):
+  """Where one tile of the backward stands: its query block [q_start, q_start + bq) and key block
+  [k_start, k_start + bk); pair_index is its index into a bias or mask block
+  (pallas_kernels.operand_specs.read)."""
+  q_start: object
+  bq: int
+  k_start: object
+  bk: int
+  pair_index: tuple
+
+
+def _tile_grads(call: _Call, ops: Operands, grads: BackwardInputs, at: _Tile, lens: Lengths,
+                masked: bool):
+  """One tile's P and dS (tile.backward_tile). ops: the kernel's refs with the tile's own q, k, v,
+  q_seg and kv_seg loaded in their place (bias and mask still refs, read here at at.pair_index);
+  grads: the tile's rows of dO, LSE and delta."""
   ok = None
   if masked:
-    mask = None if refs.mask is None else read(refs.mask, *pair_index)
-    ok = call.visible(q_start, bq, k_start, bk, lens, mask, q_seg, kv_seg)
-  bias = None if refs.bias is None else read(refs.bias, *pair_index)
-  s = call.scores(tile.matmul(q, k, transpose_b=True), ok, bias)
-  return tile.backward_tile(s, lse, tile.matmul(do, v, transpose_b=True), delta,
-                            in_dtype=call.dt.input, round_fn=call.round_fn)
+    mask = None if ops.mask is None else read(ops.mask, *at.pair_index)
+    ok = call.visible(at.q_start, at.bq, at.k_start, at.bk, lens, mask, ops.q_seg, ops.kv_seg)
+  bias = None if ops.bias is None else read(ops.bias, *at.pair_index)
+  s = call.scores(tile.matmul(ops.q, ops.k, transpose_b=True), ok, bias)
+  return tile.backward_tile(s, grads.lse, tile.matmul(grads.do, ops.v, transpose_b=True),
+                            grads.delta, in_dtype=call.dt.input, round_fn=call.round_fn)
 
 
 def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_ref, *,
@@ -244,10 +257,11 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dk_ref, dv_
       q_start = i * bq
       rows = pl.ds(q_start, bq)
       q, do = refs.q[rows, g, :], grads.do[rows, g, :]
-      t = _tile_grads(call, refs, q, do, grads.lse[g, rows], grads.delta[g, rows], k, v, q_start,
-                      bq, k_start, bk, lens,
-                      None if refs.q_seg is None else refs.q_seg[rows], kv_seg, masked,
-                      (g, rows, slice(None)))
+      t = _tile_grads(
+          call, refs._replace(q=q, k=k, v=v, kv_seg=kv_seg,
+                              q_seg=None if refs.q_seg is None else refs.q_seg[rows]),
+          BackwardInputs(do, grads.lse[g, rows], grads.delta[g, rows]),
+          _Tile(q_start, bq, k_start, bk, (g, rows, slice(None))), lens, masked)
       dv = dv + tile.matmul(t.p, do, transpose_a=True)
       dk = dk + tile.matmul(t.ds_op, q, transpose_a=True) * spec.scale
       return dk, dv
@@ -274,9 +288,11 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, sections_ref, dq_ref, ds_r
   def body(j, dq, *, masked):
     cols = pl.ds(j * bk, bk)
     k = refs.k[cols, :]
-    t = _tile_grads(call, refs, q, do, lse, delta, k, refs.v[cols, :], q_start, bq, j * bk, bk,
-                    lens, q_seg, None if refs.kv_seg is None else refs.kv_seg[cols],
-                    masked, (slice(None), cols))
+    t = _tile_grads(
+        call, refs._replace(q=q, k=k, v=refs.v[cols, :], q_seg=q_seg,
+                            kv_seg=None if refs.kv_seg is None else refs.kv_seg[cols]),
+        BackwardInputs(do, lse, delta), _Tile(q_start, bq, j * bk, bk, (slice(None), cols)),
+        lens, masked)
     if ds_ref is not None:
       ds_ref[:, cols] = t.ds
     return dq + tile.matmul(t.ds_op, k) * spec.scale
