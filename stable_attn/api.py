@@ -109,7 +109,9 @@ def dot_product_attention(
       raises ValueError.
     max_adjust: "off", "paper" (Qiu & Yao's rule) or "safe" (ours; see stable_attn.tile).
     beta: the paper's beta, used by max_adjust="paper".
-    numerics: "fast", "paper", "fast+fp32o", "paper+fp32o" or a `Numerics`.
+    numerics: "fast", "paper", "fast+fp32o", "paper+fp32o", a preset with rounding points moved
+      (stable_attn.numerics.resolve: e.g. "fast+p=e4m3+p_scale=256", P_bar cast to FP8 with a
+      pre-cast scale; reference and xla only, refused by the compiled kernels) or a `Numerics`.
     interpret: run Pallas implementations in interpret mode (CPU).
     config: the named implementation's tuning object (e.g. pallas_kernels.gpu.tuning.Config,
       pallas_kernels.tpu.BlockSizes); None uses its defaults.

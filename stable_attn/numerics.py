@@ -12,13 +12,18 @@ the residual O, which is where the paper locates the failure.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 _CHOICES = ("float32", "input")
+# P_bar may also be cast to FP8 (e4m3, as FP8 attention kernels feed their PV product).
+_P_CHOICES = _CHOICES + ("e4m3",)
+_DTYPES = {"e4m3": np.dtype(jnp.float8_e4m3fn)}
 # The rounding points a Numerics names, in the order the forward meets them.
-_FIELDS = ("score", "p", "pv", "acc", "sum", "sum_of_rounded_p", "out", "residual_o")
+_FIELDS = ("score", "p", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p", "out", "residual_o")
 
 
 class Dtypes(NamedTuple):
@@ -32,6 +37,7 @@ class Dtypes(NamedTuple):
   out: np.dtype         # the division O / l
   residual_o: np.dtype  # O as saved for delta in the backward
   sum_of_rounded_p: bool
+  p_scale: float = 1.0  # P_bar * p_scale is what is rounded to `p`; PV is divided by it after
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +46,13 @@ class Numerics:
 
   Attributes:
     score: dtype of the scores, the running max and S - m (exp is always evaluated in fp32).
-    p: dtype P_bar is rounded to before the PV product.
+    p: dtype P_bar is rounded to before the PV product: "float32", "input", or "e4m3" (FP8,
+      float8_e4m3fn: 3 mantissa bits, spacing 1/16 just below 1, subnormals from 2^-9, max 448),
+      whatever the input dtype. With "e4m3", V stays in its own dtype for that product.
+    p_scale: P_bar * p_scale is rounded to `p` and the PV product divided by p_scale (the fixed
+      pre-cast scale of FP8 kernels, 2^8 in FlashAttention-3): a power of two, so both are
+      exact; it moves P_bar's small values above the format's underflow. With "e4m3", at most
+      2^8 (P_bar <= 1, and 2^9 would pass e4m3's 448).
     pv: dtype each key block's P_bar V product is rounded to before accumulation.
     acc: dtype of the O accumulator (and of its rescaling).
     sum: dtype of the running row sum l. "input" (bf16) drops a long tail of small
@@ -55,6 +67,7 @@ class Numerics:
   name: str = "custom"
   score: str = "float32"
   p: str = "input"
+  p_scale: float = 1.0
   pv: str = "float32"
   acc: str = "float32"
   sum: str = "float32"
@@ -68,9 +81,25 @@ class Numerics:
         if not isinstance(self.sum_of_rounded_p, bool):
           raise ValueError(f"Numerics.sum_of_rounded_p must be a bool, got {self.sum_of_rounded_p!r}")
         continue
+      if field == "p_scale":
+        scale = self.p_scale
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or
+            not math.isfinite(scale) or scale <= 0 or math.frexp(scale)[0] != 0.5):
+          raise ValueError(f"Numerics.p_scale must be a power of two (exact scaling), got "
+                           f"{scale!r}")
+        if self.p == "e4m3" and scale > 2 ** 8:
+          raise ValueError(f"Numerics.p_scale must be at most 2^8 = 256 with p='e4m3' (P_bar * "
+                           f"p_scale must fit e4m3's largest value, 448), got {scale!r}")
+        continue
       value = getattr(self, field)
-      if value not in _CHOICES:
-        raise ValueError(f"Numerics.{field} must be one of {_CHOICES}, got {value!r}")
+      choices = _P_CHOICES if field == "p" else _CHOICES
+      if value not in choices:
+        raise ValueError(f"Numerics.{field} must be one of {choices}, got {value!r}")
+
+  @property
+  def fp8(self) -> bool:
+    """Whether some rounding point is an FP8 type (P_bar in e4m3)."""
+    return self.p in _DTYPES
 
   def replace(self, **changes) -> "Numerics":
     return dataclasses.replace(self, **changes)
@@ -83,10 +112,13 @@ class Numerics:
     input_dtype = np.dtype(input_dtype)
 
     def pick(choice):
+      if choice in _DTYPES:
+        return _DTYPES[choice]
       return np.dtype(np.float32) if choice == "float32" else input_dtype
 
     return Dtypes(input_dtype, pick(self.score), pick(self.p), pick(self.pv), pick(self.acc),
-                  pick(self.sum), pick(self.out), pick(self.residual_o), self.sum_of_rounded_p)
+                  pick(self.sum), pick(self.out), pick(self.residual_o), self.sum_of_rounded_p,
+                  float(self.p_scale))
 
 
 # fp32 scores and statistics, P cast to the input dtype for PV, one final rounding of O.
@@ -106,9 +138,11 @@ def resolve(numerics) -> Numerics:
   """A `Numerics`, a preset name, or a preset with some rounding points moved -> `Numerics`.
 
   The third form is "PRESET+FIELD=VALUE[+FIELD=VALUE...]", e.g. "paper+score=float32" (the paper's
-  arithmetic with fp32 scores) or "fast+sum=input+sum_of_rounded_p=true"; VALUE is "float32" or
-  "input" ("true"/"false" for sum_of_rounded_p). The result is named by the string, so one spelling
-  serves the API, the CLIs and the names of result files. Anything else raises ValueError.
+  arithmetic with fp32 scores), "fast+sum=input+sum_of_rounded_p=true" or "fast+p=e4m3+p_scale=256"
+  (FP8 P_bar with FlashAttention-3's pre-cast scale); VALUE is "float32" or "input" ("e4m3" too
+  for p, "true"/"false" for sum_of_rounded_p, a number for p_scale). The result is named by the
+  string, so one spelling serves the API, the CLIs and the names of result files. Anything else
+  raises ValueError.
   """
   if isinstance(numerics, Numerics):
     return numerics
@@ -129,6 +163,12 @@ def resolve(numerics) -> Numerics:
         if value not in _BOOL_FIELDS[field]:
           raise ValueError(f"numerics {numerics!r}: {field} takes true or false, got {value!r}")
         value = _BOOL_FIELDS[field][value]
+      elif field == "p_scale":
+        try:
+          value = float(value)
+        except ValueError:
+          raise ValueError(f"numerics {numerics!r}: p_scale takes a number, "
+                           f"got {value!r}") from None
       fields[field] = value
     return PRESETS[base].replace(name=numerics, **fields)
   raise ValueError(f"numerics must be one of {sorted(PRESETS)}, a preset with rounding points "

@@ -26,9 +26,10 @@ rows, heads and queries, in one of three ways:
 Every rule is derived from the operand table (`stable_attn.spec`): an array is split along its
 "batch" axis like the query's batch, along its "heads" / "kv_heads" axis like the query's heads
 and along its "query" axis like the query's sequence; "head_dim" stays whole and so does "key"
-(but under a ring, below); a broadcast dim of size 1 is replicated (the gradient of such a bias
-is then summed over the devices). The backward's own inputs (O residual, dO: ROW_AXES; LSE, dLSE: LSE_AXES) and every
-output follow the same rule, so adding an operand is one table row.
+(but under a ring or alltoall, below); a broadcast dim of size 1 is replicated (the gradient of
+such a bias is then summed over the devices). The backward's own inputs (O residual, dO:
+ROW_AXES; LSE, dLSE: LSE_AXES) and every output follow the same rule, so adding an operand is
+one table row.
 
 Context parallelism (backends built with `context_parallel`, whose kernels take the q_shift
 operand: the GPU ones). Where q's sequence is split over mesh axes, each device holds T / n of
@@ -61,7 +62,7 @@ over the sequence's devices gives each device every position of 1/n of its heads
 whole: n must divide the query and the key/value heads), the one-device kernels run on those
 heads (no q_shift: the zigzag order is undone on the device), and another all-to-all trades O
 and LSE back (the backward likewise trades O, dO, LSE and dLSE in and dQ, dK, dV out; per-head
-sinks are sliced, their gradient gathered). Every head's arithmetic is the one-device call's, so
+sinks are sliced). Every head's arithmetic is the one-device call's, so
 values and gradients are bitwise. No bias or mask. "auto" (the default) runs alltoall where
 the heads divide and no bias or mask is given, else allgather (stable_attn.context
 .choose_strategy, which says what measured this).
@@ -709,8 +710,8 @@ def _alltoall_forward(forward: Callable, spec, config, axes: _Axes, ops):
 
 def _alltoall_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res, lse, do, dlse):
   """One device's gradients under alltoall: the one-device backward on its share of the heads
-  (O residual, dO, LSE and dLSE traded like the operands), each gradient traded back; a per-head
-  operand's (sinks) gathered over the devices."""
+  (O residual, dO, LSE and dLSE traded like the operands), each gradient (dq, dk, dv or dqkv;
+  no bias here) traded back. The sinks' gradient is not the kernels' (flash.py)."""
   zigzag = _zigzag(spec, axes)
   rows = lambda x: _to_heads(x, axes, 2, 1, zigzag)
   stats = lambda x: None if x is None else _to_heads(x, axes, 1, 2, zigzag)
@@ -720,8 +721,7 @@ def _alltoall_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res
   for row, g in zip([r for r in type(ops).TABLE.rows if r.grad], grads):
     if g is not None:
       heads, seq = _dims(row, ("heads", "kv_heads")), _dims(row, ("query", "key"))
-      g = (_to_sequence(g, axes, heads[0], seq[0], zigzag) if seq else
-           lax.all_gather(g, axes.seq, axis=heads[0], tiled=True))
+      g = _to_sequence(g, axes, heads[0], seq[0], zigzag)
     out.append(g)
   return tuple(out)
 

@@ -278,7 +278,7 @@ def _forward(spec: AttentionSpec, blk: Blocks, ops: Operands):
                        q_pos, k_start + jnp.arange(bk, dtype=jnp.int32), lens)
       p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
                                      beta=spec.beta, offset=offset, round_fn=_ROUND)
-      pv = tile.matmul(p, v_blk.astype(dt.p))
+      pv = tile.pv_product(p, v_blk, dt)
       return tile.accumulate(acc, alpha, pv, dt=dt, round_fn=_ROUND), stats
 
     init = (jnp.zeros((bq, geo.H), jnp.float32), tile.init_stats(bq, dt))

@@ -38,7 +38,7 @@ def xla_attention(spec: AttentionSpec, ops: Operands):
                     dt=dt, round_fn=round_fn, soft_cap=spec.logits_soft_cap)
     p, alpha, stats = tile.rescale(tile.init_stats(T, dt), s, dt=dt, max_adjust=spec.max_adjust,
                                    beta=spec.beta, offset=offset, round_fn=round_fn)
-    acc = tile.accumulate(jnp.zeros((T, H), jnp.float32), alpha, tile.matmul(p, v_h.astype(dt.p)),
+    acc = tile.accumulate(jnp.zeros((T, H), jnp.float32), alpha, tile.pv_product(p, v_h, dt),
                           dt=dt, round_fn=round_fn)
     o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, round_fn=round_fn, sink=sink)
     return o, lse

@@ -55,6 +55,9 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
             "tile math); float64 runs on reference (or xla)")
   if H > tuning.MAX_HEAD_DIM:
     return f"pallas_gpu supports head dims up to {tuning.MAX_HEAD_DIM}, got query {tuple(ops.q.shape)}"
+  if spec.numerics.fp8 and not spec.interpret:
+    return (f"numerics {spec.numerics.name!r}: an FP8 P_bar is emulated by reference and xla "
+            f"(and in interpret mode); the compiled Triton kernels do not cast to FP8")
   return None
 
 

@@ -164,7 +164,7 @@ def _forward_kernel(refs: Operands, sections_ref, o_ref, res_ref, lse_ref, *, ca
     s = call.scores(tile.matmul(q, refs.k[cols, :], transpose_b=True), ok, bias)
     p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust, beta=spec.beta,
                                    offset=offset, round_fn=round_fn)
-    pv = tile.matmul(p, refs.v[cols, :].astype(dt.p))
+    pv = tile.pv_product(p, refs.v[cols, :], dt)
     return tile.accumulate(acc, alpha, pv, dt=dt, round_fn=round_fn), stats
 
   ranges = call.kv_ranges(q_start, bq, bk, lens, _segment_ranges(sections_ref))

@@ -27,9 +27,13 @@ def is_available() -> bool:
 
 
 def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
-  """Every call stable_attn accepts, except float64 inputs (reference runs those)."""
+  """Every call stable_attn accepts, except float64 inputs (reference runs those), a q_shift, and
+  compiled FP8 numerics."""
   if jnp.dtype(ops.q.dtype) == jnp.float64:
     return "float64: TPUs have no float64 arithmetic; float64 runs on reference (or xla)"
+  if spec.numerics.fp8 and not spec.interpret:
+    return (f"numerics {spec.numerics.name!r}: an FP8 P_bar is emulated by reference and xla "
+            f"(and in interpret mode); the compiled TPU kernels do not cast to FP8")
   if ops.q_shift is not None:
     return ("q_shift: the TPU kernels have no context parallelism (a sequence-sharded call); "
             "shard batch or heads, or use pallas_mosaic_gpu / pallas_gpu")

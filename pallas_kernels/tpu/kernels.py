@@ -334,7 +334,7 @@ def _forward_kernel(pre: _Prefetch, refs: Operands, o_ref, res_ref, lse_ref, m_r
     p, alpha, stats = tile.rescale(tile.RowStats(_rows(m_ref), _rows(l_ref)), s, dt=dt,
                                    max_adjust=spec.max_adjust, beta=spec.beta, offset=offset,
                                    round_fn=round_fn)
-    pv = tile.matmul(p, refs.v[...].astype(dt.p))
+    pv = tile.pv_product(p, refs.v[...], dt)
     acc_ref[...] = tile.accumulate(acc_ref[...], alpha, pv, dt=dt, round_fn=round_fn)
     _store_rows(m_ref, stats.m)
     _store_rows(l_ref, stats.l)

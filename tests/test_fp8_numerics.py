@@ -1,0 +1,110 @@
+"""FP8 numerics (issue 49, step 1): P_bar cast to float8_e4m3fn with a pre-cast scale.
+
+- the emulated rounding (tile.round_exact, what the jnp implementations and interpret mode use)
+  equals a real cast to e4m3, on e4m3's whole finite range: subnormals, and 240..448 where an
+  IEEE 4-bit exponent would overflow;
+- the reference's forward with numerics "fast+p=e4m3[+p_scale=S]" equals an independent float64
+  NumPy computation of the same arithmetic (one key block: P_bar = exp(S - max), P_bar * scale
+  rounded to e4m3 by ml_dtypes, PV / scale, fp32 row sum), and differs from the bf16 cast;
+- the Numerics checks, and the compiled Pallas kernels' refusal.
+"""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import stable_attn
+from stable_attn import numerics, tile
+
+e4m3 = ml_dtypes.float8_e4m3fn
+
+
+def test_round_exact_is_an_e4m3_cast():
+  rng = np.random.default_rng()
+  x = rng.standard_normal(50_000) * np.exp2(rng.uniform(-14, 9, 50_000))
+  edges = [2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11, 2.0 ** -6, 240.0, 248.0, 256.0, 440.0, 448.0]
+  x = np.concatenate([x, edges, np.negative(edges)]).astype(np.float32)
+  x = x[np.abs(x) <= 448]
+  want = x.astype(e4m3).astype(np.float32)
+  got = np.asarray(jax.jit(lambda x: tile.round_exact(x, jnp.float8_e4m3fn))(x))
+  np.testing.assert_array_equal(got, want)
+
+
+def _numpy_fp8_attention(q, k, v, scale_p):
+  """One head, one key block, in float64 but for P_bar = exp(S - max) in fp32 (jnp.exp: the
+  same exp as the reference's, so that both round the same P_bar) and its e4m3 cast (ml_dtypes):
+  O = sum_j round(P_j * scale) / scale * v_j / sum_j P_j."""
+  s = (q.astype(np.float64) @ k.astype(np.float64).T) * q.shape[-1] ** -0.5
+  p = np.asarray(jnp.exp(jnp.asarray(s - s.max(axis=-1, keepdims=True), jnp.float32)))
+  rounded = (p * np.float32(scale_p)).astype(e4m3).astype(np.float64) / scale_p
+  return rounded @ v.astype(np.float64) / p.astype(np.float64).sum(axis=-1, keepdims=True)
+
+
+def _inputs(rng, B, T, N, H):
+  """q and k of small integers (their scores, and so P_bar, exact in fp32 anywhere), v normal."""
+  ints = lambda: jnp.asarray(rng.integers(-2, 3, (B, T, N, H)), jnp.bfloat16)
+  return ints(), ints(), jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("scale_p", [1, 256])
+def test_the_reference_casts_p_to_e4m3(scale_p):
+  rng = np.random.default_rng()
+  q, k, v = _inputs(rng, 1, 64, 1, 16)
+  run = lambda name: stable_attn.dot_product_attention(q, k, v, implementation="reference",
+                                                       max_adjust="off", numerics=name)
+  o = np.asarray(run(f"fast+p=e4m3+p_scale={scale_p}"), np.float64)[0, :, 0]
+  want = _numpy_fp8_attention(*(np.asarray(x, np.float32)[0, :, 0] for x in (q, k, v)), scale_p)
+  # O is rounded once to bf16: within half an ulp (<= 2^-8 of the row's largest value).
+  unit = 2.0 ** -8 * np.max(np.abs(want), axis=-1, keepdims=True)
+  assert np.max(np.abs(o - want) / unit) <= 1.01
+  # The cast is there: e4m3's 1/16 spacing moves O by far more than bf16's.
+  bf16_o = np.asarray(run("fast"), np.float64)[0, :, 0]
+  assert np.max(np.abs(bf16_o - want) / unit) > 4
+
+
+def test_pallas_gpu_in_interpret_mode_casts_p_to_e4m3():
+  """The Triton kernel's body runs the same tile math (pv_product) in interpret mode: its FP8 O
+  moves from its bf16 O as the reference's does (not bitwise the reference's: the kernels fold
+  the "safe" offset into the max, the reference does not)."""
+  q, k, v = _inputs(np.random.default_rng(), 2, 64, 2, 16)
+  run = lambda impl, name: np.asarray(stable_attn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=impl, numerics=name,
+      interpret=impl == "pallas_gpu"), np.float64)
+  fp8 = {impl: run(impl, "fast+p=e4m3+p_scale=256") for impl in ("pallas_gpu", "reference")}
+  moved = np.abs(fp8["pallas_gpu"] - run("pallas_gpu", "fast"))
+  unit = 2.0 ** -8 * np.max(np.abs(fp8["reference"]), axis=-1, keepdims=True)
+  assert np.max(moved / unit) > 4
+  error = np.linalg.norm(fp8["pallas_gpu"] - fp8["reference"]) / np.linalg.norm(fp8["reference"])
+  assert error < 2e-2, error   # e4m3 rounds P_bar within 1/32
+
+
+def test_fp8_numerics_checks_and_refusals():
+  fp8 = numerics.resolve("fast+p=e4m3+p_scale=256")
+  assert fp8.fp8 and fp8.dtypes(jnp.bfloat16).p == np.dtype(e4m3) and fp8.p_scale == 256
+  assert not numerics.FAST.fp8
+  for bad, match in (("fast+p_scale=3", "power of two"), ("fast+p=e4m3+p_scale=512", "at most"),
+                     ("fast+p_scale=x", "takes a number"), ("fast+score=e4m3", "score must be")):
+    with pytest.raises(ValueError, match=match):
+      numerics.resolve(bad)
+  q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="do not cast to FP8"):
+    stable_attn.dot_product_attention(q, q, q, implementation="pallas_gpu",
+                                      numerics="fast+p=e4m3")
+
+
+def test_safe_offsets_leave_the_rounded_fp8_weight_unbiased():
+  """max_adjust="safe" puts each row's largest P_bar at w = exp(-offset), dithered within the
+  cells of P's grid. On e4m3's coarse grid a uniform dither rounds w low on average relative to
+  w (1/w is convex: about -3e-4, -0.05 ulp of O in the probe); a density proportional to w
+  within each cell makes E[round(w) / w] = 1."""
+  pos, head = jnp.arange(1 << 14, dtype=jnp.int32), jnp.int32(np.random.default_rng().integers(8))
+  relative = lambda w: np.mean(np.asarray(
+      w.astype(jnp.float8_e4m3fn).astype(jnp.float32), np.float64) / np.asarray(w, np.float64) - 1)
+  w = jnp.exp(-tile.safe_offset(pos, head, jnp.float8_e4m3fn))
+  assert float(jnp.min(w)) >= 0.5 and float(jnp.max(w)) < 1.0
+  assert abs(relative(w)) < 1e-4
+  cell = 1 / 16   # the uniform dither, for contrast
+  cells = jnp.floor(tile.SAFE_WEIGHT_MIN / cell + tile._weyl(pos, head, 1) *
+                    ((tile.SAFE_WEIGHT_MAX - tile.SAFE_WEIGHT_MIN) / cell))
+  assert relative((cells + tile._weyl(pos, head, 0)) * cell) < -2e-4
