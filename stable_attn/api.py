@@ -505,7 +505,7 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   if spec.context_layout == "zigzag" and (bias is not None or mask is not None):
     raise ValueError("context_layout='zigzag' takes no bias or mask (their key columns would need "
                      "the zigzag order too); use segment ids, windows and lengths, or 'contiguous'")
-  if spec.context_strategy in ("ring", "alltoall") and (bias is not None or mask is not None):
+  if spec.context_strategy in context.KEYS_SPLIT and (bias is not None or mask is not None):
     raise ValueError(f"context_strategy='{spec.context_strategy}' takes no bias or mask (their key "
                      f"columns would have to travel with the keys); use segment ids, windows and "
                      f"lengths, or 'allgather'")

@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional, Protocol
 
 import jax
 
+from stable_attn import context
 from stable_attn.spec import AttentionSpec, Operands
 
 
@@ -109,7 +110,7 @@ def _covers(backend: Backend, spec: AttentionSpec, ops: Operands) -> Optional[st
     if spec.context_layout == "zigzag":
       return ("context_layout='zigzag': this backend is partitioned by XLA, which knows nothing "
               "of the order; the GPU kernels (pallas_mosaic_gpu, pallas_gpu) run it")
-    if spec.context_strategy in ("ring", "alltoall"):
+    if spec.context_strategy in context.KEYS_SPLIT:
       return (f"context_strategy='{spec.context_strategy}': this backend is partitioned by XLA, "
               f"which chooses its own collectives; the GPU kernels (pallas_mosaic_gpu, pallas_gpu) "
               f"run it")

@@ -23,6 +23,10 @@ LAYOUTS = ("contiguous", "zigzag")
 # heads (an all-to-all: each device then holds every position of 1/n of the heads); "auto":
 # `choose_strategy`.
 STRATEGIES = ("auto", "allgather", "ring", "alltoall")
+# The strategies under which K and V stay split like the queries: only a kernel that partitions
+# itself runs them (XLA would choose its own collectives), and they take no bias or mask (its key
+# columns would have to travel with the keys).
+KEYS_SPLIT = ("ring", "alltoall")
 
 
 def choose_strategy(strategy: str, heads: int, kv_heads: int, ways: int, bias: bool = False) -> str:

@@ -471,9 +471,9 @@ def _zigzag(spec, axes: _Axes) -> bool:
 
 def _context_forward(forward: Callable, spec, config, axes: _Axes, ops, fp32_steps=False):
   """(O, O residual, LSE) of one device: its runs' kernel calls, joined along the queries."""
-  if axes.seq is not None and axes.strategy == "ring":
+  if axes.strategy == "ring":   # _axes: "allgather" wherever the sequence is whole
     return _ring_forward(forward, spec, config, axes, ops, fp32_steps)
-  if axes.seq is not None and axes.strategy == "alltoall":
+  if axes.strategy == "alltoall":
     return _alltoall_forward(forward, spec, config, axes, ops)
   outs = [forward(spec, config, run_ops) for _, run_ops in _context_calls(spec, axes, ops)]
   if len(outs) == 1:

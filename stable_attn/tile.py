@@ -335,9 +335,8 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   """Folds one key block's masked scores (from `scores`) into the row statistics.
 
   Returns (p, alpha, stats): P_bar * dt.p_scale in dt.p (the PV operand: `pv_product`), the
-  factor alpha (fp32, per query)
-  by which the O accumulator must be rescaled, and the new statistics. offset: per query, from
-  `safe_offset` in the same units, when max_adjust="safe".
+  factor alpha (fp32, per query) by which the O accumulator must be rescaled, and the new
+  statistics. offset: per query, from `safe_offset` in the same units, when max_adjust="safe".
   """
   exp = jnp.exp2 if base2 else jnp.exp
   k_axis = 1 - q_axis
@@ -357,8 +356,9 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
     p = exp(shifted if offset is None else shifted - tile_rows(offset))
   p_low = operand(p if dt.p_scale == 1 else p * dt.p_scale, dt.p, round_fn)
   alpha = exp(round_fn(_above_lowest(stats.m - m_new, dt.score), dt.score))
-  rounded = lambda: p_low.astype(f32) * (1.0 / dt.p_scale)   # p_scale: a power of two, exact
-  row_sum = jnp.sum(rounded() if dt.sum_of_rounded_p else p, axis=k_axis)
+  # p_scale is a power of two: undoing it is exact.
+  row_sum = jnp.sum(p_low.astype(f32) * (1.0 / dt.p_scale) if dt.sum_of_rounded_p else p,
+                    axis=k_axis)
   l_new = round_fn(round_fn(round_fn(alpha, dt.sum) * stats.l, dt.sum) + round_fn(row_sum, dt.sum),
                    dt.sum)
   return p_low, alpha, RowStats(m_new, l_new)
