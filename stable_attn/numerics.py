@@ -22,8 +22,11 @@ _CHOICES = ("float32", "input")
 # P_bar may also be cast to FP8 (e4m3, as FP8 attention kernels feed their PV product).
 _P_CHOICES = _CHOICES + ("e4m3",)
 _DTYPES = {"e4m3": np.dtype(jnp.float8_e4m3fn)}
+_BOOL_FIELDS = {"sum_of_rounded_p": {"true": True, "false": False},
+                "sum_keeps_max": {"true": True, "false": False}}
 # The rounding points a Numerics names, in the order the forward meets them.
-_FIELDS = ("score", "p", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p", "out", "residual_o")
+_FIELDS = ("score", "p", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p", "sum_keeps_max", "out",
+           "residual_o")
 
 
 class Dtypes(NamedTuple):
@@ -38,6 +41,7 @@ class Dtypes(NamedTuple):
   residual_o: np.dtype  # O as saved for delta in the backward
   sum_of_rounded_p: bool
   p_scale: float = 1.0  # P_bar * p_scale is what is rounded to `p`; PV is divided by it after
+  sum_keeps_max: bool = False  # with sum_of_rounded_p: each block's largest P_bar adds unrounded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,10 @@ class Numerics:
       row, with or without a max adjustment; in the ablation this point alone drove the W_Q and
       logit growth of the paper's arithmetic, and "float32" stopped it (docs/reproduction.md, 5).
     sum_of_rounded_p: l sums the rounded P_bar (as the paper's code does) instead of fp32 P_bar.
+    sum_keeps_max: with sum_of_rounded_p, the keys at their key block's largest score add their
+      fp32 P_bar to l instead: O becomes a convex combination of the rounded P for every other
+      key (their rounding bias cancels between O and l), while the dither that "safe" gives the
+      row's maximum stays out of the denominator (docs/fp8.md).
     out: dtype of the final division O / l (the result is then cast to the input dtype).
     residual_o: dtype of the O saved for the backward's delta; "float32" is the paper's
       diagnostic fix (keep O in fp32 for delta).
@@ -72,14 +80,18 @@ class Numerics:
   acc: str = "float32"
   sum: str = "float32"
   sum_of_rounded_p: bool = False
+  sum_keeps_max: bool = False
   out: str = "float32"
   residual_o: str = "input"
 
   def __post_init__(self):
+    if self.sum_keeps_max and not self.sum_of_rounded_p:
+      raise ValueError("Numerics.sum_keeps_max=True needs sum_of_rounded_p=True (it keeps the "
+                       "block maximum's P_bar out of a sum of rounded P_bar)")
     for field in _FIELDS:
-      if field == "sum_of_rounded_p":
-        if not isinstance(self.sum_of_rounded_p, bool):
-          raise ValueError(f"Numerics.sum_of_rounded_p must be a bool, got {self.sum_of_rounded_p!r}")
+      if field in _BOOL_FIELDS:
+        if not isinstance(getattr(self, field), bool):
+          raise ValueError(f"Numerics.{field} must be a bool, got {getattr(self, field)!r}")
         continue
       if field == "p_scale":
         scale = self.p_scale
@@ -118,7 +130,7 @@ class Numerics:
 
     return Dtypes(input_dtype, pick(self.score), pick(self.p), pick(self.pv), pick(self.acc),
                   pick(self.sum), pick(self.out), pick(self.residual_o), self.sum_of_rounded_p,
-                  float(self.p_scale))
+                  float(self.p_scale), self.sum_keeps_max)
 
 
 # fp32 scores and statistics, P cast to the input dtype for PV, one final rounding of O.
@@ -127,11 +139,14 @@ FAST = Numerics(name="fast")
 PAPER = Numerics(name="paper", score="input", p="input", pv="input", acc="input", sum="input",
                  sum_of_rounded_p=True, out="input")
 
-PRESETS = {"fast": FAST, "paper": PAPER,
+# FP8 P_bar (issue 49): e4m3 with FlashAttention-3's 2^8 pre-cast scale, and a row sum of the
+# rounded P_bar but for each block's top key, which keeps "safe" within 0.02 ulp (docs/fp8.md).
+FP8 = FAST.replace(name="fp8", p="e4m3", p_scale=256.0, sum_of_rounded_p=True, sum_keeps_max=True)
+
+PRESETS = {"fast": FAST, "paper": PAPER, "fp8": FP8,
            "fast+fp32o": FAST.with_fp32_residual(), "paper+fp32o": PAPER.with_fp32_residual()}
 
 
-_BOOL_FIELDS = {"sum_of_rounded_p": {"true": True, "false": False}}
 
 
 def resolve(numerics) -> Numerics:
@@ -140,7 +155,7 @@ def resolve(numerics) -> Numerics:
   The third form is "PRESET+FIELD=VALUE[+FIELD=VALUE...]", e.g. "paper+score=float32" (the paper's
   arithmetic with fp32 scores), "fast+sum=input+sum_of_rounded_p=true" or "fast+p=e4m3+p_scale=256"
   (FP8 P_bar with FlashAttention-3's pre-cast scale); VALUE is "float32" or "input" ("e4m3" too
-  for p, "true"/"false" for sum_of_rounded_p, a number for p_scale). The result is named by the
+  for p, "true"/"false" for sum_of_rounded_p and sum_keeps_max, a number for p_scale). The result is named by the
   string, so one spelling serves the API, the CLIs and the names of result files. Anything else
   raises ValueError.
   """

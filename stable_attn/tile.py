@@ -356,9 +356,12 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
     p = exp(shifted if offset is None else shifted - tile_rows(offset))
   p_low = operand(p if dt.p_scale == 1 else p * dt.p_scale, dt.p, round_fn)
   alpha = exp(round_fn(_above_lowest(stats.m - m_new, dt.score), dt.score))
-  # p_scale is a power of two: undoing it is exact.
-  row_sum = jnp.sum(p_low.astype(f32) * (1.0 / dt.p_scale) if dt.sum_of_rounded_p else p,
-                    axis=k_axis)
+  summed = p
+  if dt.sum_of_rounded_p:
+    summed = p_low.astype(f32) * (1.0 / dt.p_scale)   # a power of two: undoing it is exact
+    if dt.sum_keeps_max:   # the block's top key unrounded in l: safe's dither on the max stays out
+      summed = jnp.where(s.values >= tile_rows(jnp.max(s.values, axis=k_axis)), p, summed)
+  row_sum = jnp.sum(summed, axis=k_axis)
   l_new = round_fn(round_fn(round_fn(alpha, dt.sum) * stats.l, dt.sum) + round_fn(row_sum, dt.sum),
                    dt.sum)
   return p_low, alpha, RowStats(m_new, l_new)

@@ -67,7 +67,8 @@ def _rel(got, want, keys=None):
 # gradients; "paper" presets keep an fp16 running sum, accumulator and division (up to ~1e-2, ~3e-2
 # on dQ). Without it every implementation and preset was off by 0.16-1.0 (O by 0.67-1.0).
 _TOL = {"fast": (2e-3, 5e-3), "paper": (5e-2, 1e-1)}
-_PRESETS = tuple(stable_attn.numerics.PRESETS)
+# FP8 presets round P_bar to e4m3 (spacing 1/16 below 1): their accuracy is docs/fp8.md's.
+_PRESETS = tuple(name for name, nx in stable_attn.numerics.PRESETS.items() if not nx.fp8)
 # pallas_gpu's interpret-mode blocks hold 16 keys, too few for the "paper" preset's fp16 running
 # sum to keep such a tail (each block's share is about half an ulp of l): that is the preset's
 # documented row-sum loss, not rounding, so it runs the fast preset only.

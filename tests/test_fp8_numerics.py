@@ -6,6 +6,9 @@
 - the reference's forward with numerics "fast+p=e4m3[+p_scale=S]" equals an independent float64
   NumPy computation of the same arithmetic (one key block: P_bar = exp(S - max), P_bar * scale
   rounded to e4m3 by ml_dtypes, PV / scale, fp32 row sum), and differs from the bf16 cast;
+- with the "fp8" preset's row sum (the rounded P_bar, but each block's top key unrounded) the
+  reference equals the same float64 computation, and the bias probe puts "safe" within 0.05 ulp
+  where the fp32 row sum leaves it at -0.1 (keys 4-8 below the max) and "off" at -0.26 (ties);
 - the Numerics checks, and the compiled Pallas kernels' refusal.
 """
 import jax
@@ -15,7 +18,8 @@ import numpy as np
 import pytest
 
 import stable_attn
-from stable_attn import numerics, tile
+from stable_attn import api, numerics, tile
+from stable_attn.diagnostics import measure
 
 e4m3 = ml_dtypes.float8_e4m3fn
 
@@ -63,6 +67,57 @@ def test_the_reference_casts_p_to_e4m3(scale_p):
   assert np.max(np.abs(bf16_o - want) / unit) > 4
 
 
+@pytest.mark.parametrize("row_sum", ["float32", "rounded", "rounded_but_max"])
+def test_the_references_row_sum_under_fp8(row_sum):
+  """"safe" (P_bar = exp(S - max - c) with the row's offset c, so the max's P_bar is below 1 and
+  rounds) and each of the three row sums: l = sum of fp32 P_bar, of the rounded P_bar, or of the
+  rounded P_bar but at the row's largest scores (one key block), in float64 beside the same
+  P_bar."""
+  rng = np.random.default_rng()
+  q, k, v = _inputs(rng, 1, 64, 1, 16)
+  changes = {"float32": "", "rounded": "+sum_of_rounded_p=true",
+             "rounded_but_max": "+sum_of_rounded_p=true+sum_keeps_max=true"}
+  run = lambda name: np.asarray(stable_attn.dot_product_attention(
+      q, k, v, implementation="reference", max_adjust="safe", numerics=name), np.float64)[0, :, 0]
+  o = {sum_: run("fast+p=e4m3+p_scale=256" + change) for sum_, change in changes.items()}
+  qf, kf, vf = (np.asarray(x, np.float32)[0, :, 0] for x in (q, k, v))
+  s = (qf.astype(np.float64) @ kf.astype(np.float64).T) * 16 ** -0.5   # exact in fp32
+  c = np.asarray(api.safe_offsets(1, 64, jnp.float8_e4m3fn))[0][:, None]
+  top = s == s.max(axis=-1, keepdims=True)
+  p = np.asarray(jnp.exp(jnp.asarray(s - s.max(axis=-1, keepdims=True), jnp.float32) - c))
+  rounded = (p * np.float32(256)).astype(e4m3).astype(np.float64) / 256
+  l = {"float32": p.astype(np.float64), "rounded": rounded,
+       "rounded_but_max": np.where(top, p, rounded)}[row_sum].sum(axis=-1, keepdims=True)
+  want = rounded @ vf.astype(np.float64) / l
+  unit = 2.0 ** -8 * np.max(np.abs(want), axis=-1, keepdims=True)
+  assert np.max(np.abs(o[row_sum] - want) / unit) <= 1.01
+  for other in set(o) - {row_sum}:   # each row sum is its own: l moves O by more than rounding
+    assert np.max(np.abs(o[other] - want) / unit) > 2, other
+
+
+_PROBE = dict(batch=1, rows=1024, keys=1024)   # the dither averages out over ~1000 rows
+
+
+@pytest.mark.parametrize("tail", [(15.0, 18.0), (4.0, 8.0)])
+def test_fp8_preset_keeps_safe_unbiased(tail):
+  """The bias probe (mean signed error of O in bf16 ulps) under "fp8": "safe" within 0.05 with
+  and without ties, 0 NaN. Contrasts of the same probe: ties under "off" round inward by ~0.26
+  (far tail), and the fp32 row sum (FlashAttention-3's arithmetic) leaves "safe" at ~-0.1 where
+  the other keys sit 4-8 below the max."""
+  seed = int(np.random.default_rng().integers(1 << 16))
+  probe = lambda nx, mode, regime, placement: measure("reference", nx, mode, regime, placement,
+                                                      tail=tail, seed=seed, **_PROBE)
+  for regime, placement in (("positive", "adjacent"), ("tiny", "split"), ("zero", "none")):
+    r = probe("fp8", "safe", regime, placement)
+    assert abs(r.bias_ulp) < 0.05 and r.nan_count == 0, (r, seed)
+  if tail[0] > 10:
+    r = probe("fp8", "off", "positive", "adjacent")
+    assert r.bias_ulp < -0.15, (r, seed)
+  else:
+    r = probe("fast+p=e4m3+p_scale=256", "safe", "positive", "adjacent")
+    assert r.bias_ulp < -0.06, (r, seed)
+
+
 def test_pallas_gpu_in_interpret_mode_casts_p_to_e4m3():
   """The Triton kernel's body runs the same tile math (pv_product) in interpret mode: its FP8 O
   moves from its bf16 O as the reference's does (not bitwise the reference's: the kernels fold
@@ -83,8 +138,17 @@ def test_fp8_numerics_checks_and_refusals():
   fp8 = numerics.resolve("fast+p=e4m3+p_scale=256")
   assert fp8.fp8 and fp8.dtypes(jnp.bfloat16).p == np.dtype(e4m3) and fp8.p_scale == 256
   assert not numerics.FAST.fp8
+  preset = numerics.resolve("fp8")
+  assert preset == numerics.resolve("fast+p=e4m3+p_scale=256+sum_of_rounded_p=true+"
+                                    "sum_keeps_max=true").replace(name="fp8")
+  assert preset.dtypes(jnp.bfloat16).sum_keeps_max and preset.fp8
+  with pytest.raises(ValueError, match="needs sum_of_rounded_p=True"):
+    numerics.resolve("fast+p=e4m3+sum_keeps_max=true")
+  with pytest.raises(ValueError, match="sum_keeps_max must be a bool"):
+    numerics.FP8.replace(sum_keeps_max=1)
   for bad, match in (("fast+p_scale=3", "power of two"), ("fast+p=e4m3+p_scale=512", "at most"),
-                     ("fast+p_scale=x", "takes a number"), ("fast+score=e4m3", "score must be")):
+                     ("fast+p_scale=x", "takes a number"), ("fast+score=e4m3", "score must be"),
+                     ("fp8+sum_keeps_max=yes", "true or false")):
     with pytest.raises(ValueError, match=match):
       numerics.resolve(bad)
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)

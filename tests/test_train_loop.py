@@ -372,7 +372,7 @@ def test_cli_choices_follow_stable_attn():
     (["--config", "gpt5"], "--config 'gpt5' is unknown"),
     (["--attention", "flash"], "attention='flash' is not one of"),
     (["--max-adjust", "sometimes"], "max_adjust='sometimes'"),
-    (["--numerics", "fp8"], "numerics='fp8'"),
+    (["--numerics", "fp4"], "numerics='fp4'"),
     (["--attention", "cudnn", "--max-adjust", "paper"], "does not apply"),
     (["--max-steps", "0"], r"max_steps \(--max-steps\) must be positive"),
     (["--corpus", "owt"], "--corpus 'owt' is unknown"),
