@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stable_attn import backends, context
+from stable_attn import backends, context, fp8
 from stable_attn import numerics as numerics_lib
 from stable_attn.backends import IMPLEMENTATIONS, default_implementation
 from stable_attn.numerics import Numerics
@@ -109,9 +109,11 @@ def dot_product_attention(
       raises ValueError.
     max_adjust: "off", "paper" (Qiu & Yao's rule) or "safe" (ours; see stable_attn.tile).
     beta: the paper's beta, used by max_adjust="paper".
-    numerics: "fast", "paper", "fast+fp32o", "paper+fp32o", a preset with rounding points moved
-      (stable_attn.numerics.resolve: e.g. "fast+p=e4m3+p_scale=256", P_bar cast to FP8 with a
-      pre-cast scale; reference and xla only, refused by the compiled kernels) or a `Numerics`.
+    numerics: "fast", "paper", "fast+fp32o", "paper+fp32o", "fp8", a preset with rounding points
+      moved (stable_attn.numerics.resolve: e.g. "fast+p=e4m3+p_scale=256", P_bar cast to FP8
+      with a pre-cast scale) or a `Numerics`. An FP8 P_bar ("fp8", "p=e4m3") runs on reference,
+      xla and in interpret mode (the compiled kernels refuse it); FP8 q, k, v ("qkv=e4m3", in
+      "fp8") are quantized with per-head scales before any backend (stable_attn.fp8).
     interpret: run Pallas implementations in interpret mode (CPU).
     config: the named implementation's tuning object (e.g. pallas_kernels.gpu.tuning.Config,
       pallas_kernels.tpu.BlockSizes); None uses its defaults.
@@ -213,7 +215,8 @@ def dot_product_attention_qkvpacked(qkv, bias=None, mask=None, **options):
   q, k, v = (qkv[..., i, :, :] for i in range(3))
   spec, ops, unbatched = canonicalize(q, k, v, bias, mask, opts)
   packed = qkv[None] if unbatched else qkv
-  out, lse = _run(opts, spec, ops, qkv=packed)
+  # FP8 inputs are the quantized slices (stable_attn.fp8), not the packed array.
+  out, lse = _run(opts, spec, ops, qkv=packed if spec.numerics.qkv == "input" else None)
   return _results(opts, ops, unbatched, out, lse)
 
 
@@ -496,6 +499,7 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   S, K = k.shape[1], k.shape[2]
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
   spec = _spec(options, H)
+  q, k, v = fp8.quantize_inputs(q, k, v, spec.numerics.qkv)
   if spec.window is not None:
     # No query and key are max(T, S) or more positions apart, so a wider window is no limit on
     # that side; clamped, position +- window stays within int32 (2**31 - 9 wrapped round to "no

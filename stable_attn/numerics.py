@@ -21,11 +21,13 @@ import numpy as np
 _CHOICES = ("float32", "input")
 # P_bar may also be cast to FP8 (e4m3, as FP8 attention kernels feed their PV product).
 _P_CHOICES = _CHOICES + ("e4m3",)
+# q, k and v may be quantized to FP8 before any backend runs (stable_attn.fp8).
+_QKV_CHOICES = ("input", "e4m3")
 _DTYPES = {"e4m3": np.dtype(jnp.float8_e4m3fn)}
 _BOOL_FIELDS = {"sum_of_rounded_p": {"true": True, "false": False},
                 "sum_keeps_max": {"true": True, "false": False}}
 # The rounding points a Numerics names, in the order the forward meets them.
-_FIELDS = ("score", "p", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p", "sum_keeps_max", "out",
+_FIELDS = ("qkv", "score", "p", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p", "sum_keeps_max", "out",
            "residual_o")
 
 
@@ -49,6 +51,10 @@ class Numerics:
   """Rounding points of the forward pass; see the module docstring.
 
   Attributes:
+    qkv: "input" (q, k, v as given) or "e4m3": each of q, k and v rounded to float8_e4m3fn with a
+      power-of-two scale per head, before any backend runs (stable_attn.fp8; the gradient passes
+      straight through the rounding). Not a rounding point of the tile math, so every backend,
+      the compiled ones too, computes it exactly: the products of FP8 values are exact in fp32.
     score: dtype of the scores, the running max and S - m (exp is always evaluated in fp32).
     p: dtype P_bar is rounded to before the PV product: "float32", "input", or "e4m3" (FP8,
       float8_e4m3fn: 3 mantissa bits, spacing 1/16 just below 1, subnormals from 2^-9, max 448),
@@ -73,6 +79,7 @@ class Numerics:
       diagnostic fix (keep O in fp32 for delta).
   """
   name: str = "custom"
+  qkv: str = "input"
   score: str = "float32"
   p: str = "input"
   p_scale: float = 1.0
@@ -104,13 +111,13 @@ class Numerics:
                            f"p_scale must fit e4m3's largest value, 448), got {scale!r}")
         continue
       value = getattr(self, field)
-      choices = _P_CHOICES if field == "p" else _CHOICES
+      choices = {"p": _P_CHOICES, "qkv": _QKV_CHOICES}.get(field, _CHOICES)
       if value not in choices:
         raise ValueError(f"Numerics.{field} must be one of {choices}, got {value!r}")
 
   @property
   def fp8(self) -> bool:
-    """Whether some rounding point is an FP8 type (P_bar in e4m3)."""
+    """Whether the tile math rounds to an FP8 type (P_bar in e4m3); `qkv` is not tile math."""
     return self.p in _DTYPES
 
   def replace(self, **changes) -> "Numerics":
@@ -139,9 +146,11 @@ FAST = Numerics(name="fast")
 PAPER = Numerics(name="paper", score="input", p="input", pv="input", acc="input", sum="input",
                  sum_of_rounded_p=True, out="input")
 
-# FP8 P_bar (issue 49): e4m3 with FlashAttention-3's 2^8 pre-cast scale, and a row sum of the
-# rounded P_bar but for each block's top key, which keeps "safe" within 0.02 ulp (docs/fp8.md).
-FP8 = FAST.replace(name="fp8", p="e4m3", p_scale=256.0, sum_of_rounded_p=True, sum_keeps_max=True)
+# FP8 attention (issue 49): e4m3 q, k, v with per-head scales; P_bar in e4m3 with
+# FlashAttention-3's 2^8 pre-cast scale, and a row sum of the rounded P_bar but for each block's
+# top key, which keeps "safe" within 0.03 ulp (docs/fp8.md).
+FP8 = FAST.replace(name="fp8", qkv="e4m3", p="e4m3", p_scale=256.0, sum_of_rounded_p=True,
+                   sum_keeps_max=True)
 
 PRESETS = {"fast": FAST, "paper": PAPER, "fp8": FP8,
            "fast+fp32o": FAST.with_fp32_residual(), "paper+fp32o": PAPER.with_fp32_residual()}
@@ -155,7 +164,7 @@ def resolve(numerics) -> Numerics:
   The third form is "PRESET+FIELD=VALUE[+FIELD=VALUE...]", e.g. "paper+score=float32" (the paper's
   arithmetic with fp32 scores), "fast+sum=input+sum_of_rounded_p=true" or "fast+p=e4m3+p_scale=256"
   (FP8 P_bar with FlashAttention-3's pre-cast scale); VALUE is "float32" or "input" ("e4m3" too
-  for p, "true"/"false" for sum_of_rounded_p and sum_keeps_max, a number for p_scale). The result is named by the
+  for p and qkv, "true"/"false" for sum_of_rounded_p and sum_keeps_max, a number for p_scale). The result is named by the
   string, so one spelling serves the API, the CLIs and the names of result files. Anything else
   raises ValueError.
   """

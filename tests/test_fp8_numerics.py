@@ -6,6 +6,9 @@
 - the reference's forward with numerics "fast+p=e4m3[+p_scale=S]" equals an independent float64
   NumPy computation of the same arithmetic (one key block: P_bar = exp(S - max), P_bar * scale
   rounded to e4m3 by ml_dtypes, PV / scale, fp32 row sum), and differs from the bf16 cast;
+- FP8 q, k, v (numerics qkv="e4m3", stable_attn.fp8): ml_dtypes' cast under per-head
+  power-of-two scales, the same call on the quantized inputs in every backend and entry point,
+  gradients straight through;
 - with the "fp8" preset's row sum (the rounded P_bar, but each block's top key unrounded) the
   reference equals the same float64 computation, and the bias probe puts "safe" within 0.05 ulp
   where the fp32 row sum leaves it at -0.1 (keys 4-8 below the max) and "off" at -0.26 (ties);
@@ -96,26 +99,80 @@ def test_the_references_row_sum_under_fp8(row_sum):
 
 
 _PROBE = dict(batch=1, rows=1024, keys=1024)   # the dither averages out over ~1000 rows
+# The "fp8" preset's P arithmetic alone (bf16 q, k, v): where the tie bias shows.
+_FP8_P = "fast+p=e4m3+p_scale=256+sum_of_rounded_p=true+sum_keeps_max=true"
 
 
 @pytest.mark.parametrize("tail", [(15.0, 18.0), (4.0, 8.0)])
 def test_fp8_preset_keeps_safe_unbiased(tail):
-  """The bias probe (mean signed error of O in bf16 ulps) under "fp8": "safe" within 0.05 with
-  and without ties, 0 NaN. Contrasts of the same probe: ties under "off" round inward by ~0.26
-  (far tail), and the fp32 row sum (FlashAttention-3's arithmetic) leaves "safe" at ~-0.1 where
-  the other keys sit 4-8 below the max."""
+  """The bias probe (mean signed error of O in bf16 ulps) under the "fp8" preset's P arithmetic,
+  with bf16 and with FP8 q, k, v (the whole preset; the truth is then the exact attention of the
+  quantized values): "safe" within 0.05 with and without ties, 0 NaN. Contrasts of the same probe:
+  ties under "off" round inward by ~0.26 (far tail), and the fp32 row sum (FlashAttention-3's
+  arithmetic) leaves "safe" at ~-0.1 where the other keys sit 4-8 below the max."""
   seed = int(np.random.default_rng().integers(1 << 16))
   probe = lambda nx, mode, regime, placement: measure("reference", nx, mode, regime, placement,
                                                       tail=tail, seed=seed, **_PROBE)
-  for regime, placement in (("positive", "adjacent"), ("tiny", "split"), ("zero", "none")):
-    r = probe("fp8", "safe", regime, placement)
-    assert abs(r.bias_ulp) < 0.05 and r.nan_count == 0, (r, seed)
+  for nx in (_FP8_P, "fp8"):
+    for regime, placement in (("positive", "adjacent"), ("tiny", "split"), ("zero", "none")):
+      r = probe(nx, "safe", regime, placement)
+      assert abs(r.bias_ulp) < 0.05 and r.nan_count == 0, (r, seed)
   if tail[0] > 10:
-    r = probe("fp8", "off", "positive", "adjacent")
+    r = probe(_FP8_P, "off", "positive", "adjacent")
     assert r.bias_ulp < -0.15, (r, seed)
   else:
     r = probe("fast+p=e4m3+p_scale=256", "safe", "positive", "adjacent")
     assert r.bias_ulp < -0.06, (r, seed)
+
+
+def _numpy_quantize(x):
+  """x (float64 [B, T, N, H]) -> its e4m3 rounding under one power-of-two scale per head that
+  puts the head's max |x| in (224, 448] (ml_dtypes' cast), unscaled."""
+  amax = np.max(np.abs(x), axis=(0, 1, 3))
+  scale = np.where(amax > 0, 2.0 ** np.floor(np.log2(448 / np.where(amax > 0, amax, 1))), 1.0)
+  assert np.all((amax == 0) | ((amax * scale > 224) & (amax * scale <= 448)))
+  scale = scale[None, None, :, None]
+  return (x * scale).astype(np.float32).astype(e4m3).astype(np.float64) / scale
+
+
+def test_fp8_inputs_are_e4m3_under_per_head_scales():
+  """stable_attn.fp8.quantize: ml_dtypes' cast under the per-head power-of-two scale, bitwise,
+  for heads of very different sizes (and one of zeros); its gradient is the identity."""
+  from stable_attn import fp8
+  rng = np.random.default_rng()
+  sizes = np.exp2(rng.uniform(-20, 20, 6))
+  sizes[rng.integers(6)] = 0
+  x = jnp.asarray(rng.standard_normal((2, 40, 6, 32)) * sizes[None, None, :, None], jnp.bfloat16)
+  got = np.asarray(jax.jit(fp8.quantize)(x), np.float64)
+  np.testing.assert_array_equal(got, _numpy_quantize(np.asarray(x, np.float64)))
+  assert jax.jit(fp8.quantize)(x).dtype == jnp.bfloat16
+  cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16)
+  np.testing.assert_array_equal(jax.vjp(fp8.quantize, x)[1](cotangent)[0], cotangent)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas_gpu"])
+def test_fp8_inputs_reach_every_backend(impl):
+  """numerics qkv="e4m3" is the same call on the quantized inputs (values and gradients, which
+  pass straight through the rounding), for the split and the packed entry points."""
+  rng = np.random.default_rng()
+  x = [jnp.asarray(rng.standard_normal((2, 64, 2, 32)) * 3, jnp.bfloat16) for _ in range(4)]
+  q, k, v, d_out = x
+  quantized = [jnp.asarray(_numpy_quantize(np.asarray(a, np.float64)), jnp.bfloat16)
+               for a in (q, k, v)]
+  call = lambda nx: lambda q, k, v: stable_attn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=impl, numerics=nx,
+      interpret=impl == "pallas_gpu")
+  o, pullback = jax.vjp(call("fast+qkv=e4m3"), q, k, v)
+  o_want, pullback_want = jax.vjp(call("fast"), *quantized)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o_want, np.float32))
+  for g, want in zip(pullback(d_out), pullback_want(d_out)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
+  packed = stable_attn.dot_product_attention_qkvpacked(
+      jnp.stack([q, k, v], axis=2), is_causal=True, implementation=impl, numerics="fast+qkv=e4m3",
+      interpret=impl == "pallas_gpu")
+  np.testing.assert_array_equal(np.asarray(packed, np.float32), np.asarray(o, np.float32))
+  assert not np.array_equal(np.asarray(o, np.float32),
+                            np.asarray(call("fast")(q, k, v), np.float32))
 
 
 def test_pallas_gpu_in_interpret_mode_casts_p_to_e4m3():
@@ -139,8 +196,9 @@ def test_fp8_numerics_checks_and_refusals():
   assert fp8.fp8 and fp8.dtypes(jnp.bfloat16).p == np.dtype(e4m3) and fp8.p_scale == 256
   assert not numerics.FAST.fp8
   preset = numerics.resolve("fp8")
-  assert preset == numerics.resolve("fast+p=e4m3+p_scale=256+sum_of_rounded_p=true+"
+  assert preset == numerics.resolve("fast+qkv=e4m3+p=e4m3+p_scale=256+sum_of_rounded_p=true+"
                                     "sum_keeps_max=true").replace(name="fp8")
+  assert not numerics.resolve("fast+qkv=e4m3").fp8   # inputs only: no FP8 in the tile math
   assert preset.dtypes(jnp.bfloat16).sum_keeps_max and preset.fp8
   with pytest.raises(ValueError, match="needs sum_of_rounded_p=True"):
     numerics.resolve("fast+p=e4m3+sum_keeps_max=true")
@@ -148,7 +206,7 @@ def test_fp8_numerics_checks_and_refusals():
     numerics.FP8.replace(sum_keeps_max=1)
   for bad, match in (("fast+p_scale=3", "power of two"), ("fast+p=e4m3+p_scale=512", "at most"),
                      ("fast+p_scale=x", "takes a number"), ("fast+score=e4m3", "score must be"),
-                     ("fp8+sum_keeps_max=yes", "true or false")):
+                     ("fp8+sum_keeps_max=yes", "true or false"), ("fast+qkv=e5m2", "qkv must be")):
     with pytest.raises(ValueError, match=match):
       numerics.resolve(bad)
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)

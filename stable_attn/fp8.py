@@ -1,0 +1,56 @@
+"""FP8 inputs (numerics qkv="e4m3", the "fp8" preset): q, k and v quantized before any backend.
+
+Each of q, k and v is rounded to float8_e4m3fn with one scale per head: a power of two that puts
+the head's largest |value| (over batch, positions and head dim) in e4m3's top binade, (224, 448].
+Being a power of two, the scale undoes exactly, so the quantized values are e4m3 values times
+2^-e, held in the input dtype (exact in bf16, fp16 and fp32 alike): every backend then computes
+the scores and P V of FP8 operands, whose products are exact in the fp32 accumulators. The scales
+come from the call's own inputs (current scaling, as an FP8 kernel's caller computes its descale
+factors); inside a caller's shard_map each device scales its own shard.
+
+The gradient passes straight through the rounding (d quantize(x) / dx taken as the identity), so
+dQ, dK and dV are the gradients of the attention of the quantized inputs.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stable_attn import tile
+
+E4M3 = jnp.float8_e4m3fn
+_MAX = float(jnp.finfo(E4M3).max)                 # 448 = 0.875 * 2^9
+_MAX_MANTISSA, _MAX_EXPONENT = np.frexp(_MAX)     # (0.875, 9)
+
+
+def head_scales(x: jax.Array) -> jax.Array:
+  """x [B, T, N, H] -> [N] fp32 powers of two s: max |x[:, :, n]| * s in (224, 448], the largest
+  such s (1 for a head of zeros or with a non-finite value)."""
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 1, 3))
+  mantissa, exponent = jnp.frexp(amax)   # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+  shift = _MAX_EXPONENT - exponent - (mantissa > _MAX_MANTISSA).astype(exponent.dtype)
+  shift = jnp.minimum(shift, 127)   # fp32's largest power of two (a head of subnormals)
+  usable = (amax > 0) & jnp.isfinite(amax)
+  return jnp.where(usable, jnp.ldexp(jnp.ones_like(amax), jnp.where(usable, shift, 0)), 1.0)
+
+
+@jax.custom_vjp
+def quantize(x: jax.Array) -> jax.Array:
+  """x [B, T, N, H] rounded to e4m3 under its per-head scale (`head_scales`), returned unscaled
+  in x's dtype. The gradient is the identity."""
+  s = jax.lax.stop_gradient(head_scales(x))[None, None, :, None]
+  # tile.round_exact, not a cast pair: XLA's excess-precision simplification drops
+  # f32 -> e4m3 -> f32 (the compiled kernels then got the unquantized inputs).
+  rounded = tile.round_exact(x.astype(jnp.float32) * s, E4M3)
+  return (rounded / s).astype(x.dtype)
+
+
+quantize.defvjp(lambda x: (quantize(x), None), lambda _, g: (g,))
+
+
+def quantize_inputs(q, k, v, qkv: str):
+  """q, k, v as the numerics' `qkv` field says: unchanged ("input") or each `quantize`d ("e4m3")."""
+  if qkv == "input":
+    return q, k, v
+  return quantize(q), quantize(k), quantize(v)
