@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +27,7 @@ _DTYPES = {"e4m3": np.dtype(jnp.float8_e4m3fn)}
 _BOOL_FIELDS = {"sum_of_rounded_p": {"true": True, "false": False},
                 "sum_keeps_max": {"true": True, "false": False}}
 # The rounding points a Numerics names, in the order the forward meets them.
-_FIELDS = ("qkv", "score", "p", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p", "sum_keeps_max", "out",
+_FIELDS = ("qkv", "score", "p", "p_top", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p", "sum_keeps_max", "out",
            "residual_o")
 
 
@@ -44,6 +44,7 @@ class Dtypes(NamedTuple):
   sum_of_rounded_p: bool
   p_scale: float = 1.0  # P_bar * p_scale is what is rounded to `p`; PV is divided by it after
   sum_keeps_max: bool = False  # with sum_of_rounded_p: each block's largest P_bar adds unrounded
+  p_top: Optional[np.dtype] = None  # each block's top key's P_bar for PV; None: as `p`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,11 @@ class Numerics:
     p: dtype P_bar is rounded to before the PV product: "float32", "input", or "e4m3" (FP8,
       float8_e4m3fn: 3 mantissa bits, spacing 1/16 just below 1, subnormals from 2^-9, max 448),
       whatever the input dtype. With "e4m3", V stays in its own dtype for that product.
+    p_top: the dtype each key block's top key (its largest score) has its P_bar rounded to for
+      the PV product: "p" (as every key) or "input"/"float32". With an FP8 p, "input" keeps
+      "safe"'s weight of the row's maximum on bf16's grid instead of e4m3's 1/16 one (an error
+      of up to 3% in a key that may hold most of the row: docs/fp8.md); an FP8 kernel adds
+      that key's term apart from its FP8 product (one row of V per query row and block).
     p_scale: P_bar * p_scale is rounded to `p` and the PV product divided by p_scale (the fixed
       pre-cast scale of FP8 kernels, 2^8 in FlashAttention-3): a power of two, so both are
       exact; it moves P_bar's small values above the format's underflow. With "e4m3", at most
@@ -82,6 +88,7 @@ class Numerics:
   qkv: str = "input"
   score: str = "float32"
   p: str = "input"
+  p_top: str = "p"
   p_scale: float = 1.0
   pv: str = "float32"
   acc: str = "float32"
@@ -111,7 +118,8 @@ class Numerics:
                            f"p_scale must fit e4m3's largest value, 448), got {scale!r}")
         continue
       value = getattr(self, field)
-      choices = {"p": _P_CHOICES, "qkv": _QKV_CHOICES}.get(field, _CHOICES)
+      choices = {"p": _P_CHOICES, "qkv": _QKV_CHOICES, "p_top": ("p",) + _CHOICES}.get(
+          field, _CHOICES)
       if value not in choices:
         raise ValueError(f"Numerics.{field} must be one of {choices}, got {value!r}")
 
@@ -137,7 +145,8 @@ class Numerics:
 
     return Dtypes(input_dtype, pick(self.score), pick(self.p), pick(self.pv), pick(self.acc),
                   pick(self.sum), pick(self.out), pick(self.residual_o), self.sum_of_rounded_p,
-                  float(self.p_scale), self.sum_keeps_max)
+                  float(self.p_scale), self.sum_keeps_max,
+                  None if self.p_top == "p" else pick(self.p_top))
 
 
 # fp32 scores and statistics, P cast to the input dtype for PV, one final rounding of O.
@@ -147,10 +156,10 @@ PAPER = Numerics(name="paper", score="input", p="input", pv="input", acc="input"
                  sum_of_rounded_p=True, out="input")
 
 # FP8 attention (issue 49): e4m3 q, k, v with per-head scales; P_bar in e4m3 with
-# FlashAttention-3's 2^8 pre-cast scale, and a row sum of the rounded P_bar but for each block's
-# top key, which keeps "safe" within 0.03 ulp (docs/fp8.md).
-FP8 = FAST.replace(name="fp8", qkv="e4m3", p="e4m3", p_scale=256.0, sum_of_rounded_p=True,
-                   sum_keeps_max=True)
+# FlashAttention-3's 2^8 pre-cast scale but for each block's top key (bf16), and a row sum of the
+# rounded P_bar but for that key: "safe" unbiased and about as accurate as in bf16 (docs/fp8.md).
+FP8 = FAST.replace(name="fp8", qkv="e4m3", p="e4m3", p_top="input", p_scale=256.0,
+                   sum_of_rounded_p=True, sum_keeps_max=True)
 
 PRESETS = {"fast": FAST, "paper": PAPER, "fp8": FP8,
            "fast+fp32o": FAST.with_fp32_residual(), "paper+fp32o": PAPER.with_fp32_residual()}
@@ -164,7 +173,7 @@ def resolve(numerics) -> Numerics:
   The third form is "PRESET+FIELD=VALUE[+FIELD=VALUE...]", e.g. "paper+score=float32" (the paper's
   arithmetic with fp32 scores), "fast+sum=input+sum_of_rounded_p=true" or "fast+p=e4m3+p_scale=256"
   (FP8 P_bar with FlashAttention-3's pre-cast scale); VALUE is "float32" or "input" ("e4m3" too
-  for p and qkv, "true"/"false" for sum_of_rounded_p and sum_keeps_max, a number for p_scale). The result is named by the
+  for p and qkv, "p" too for p_top, "true"/"false" for sum_of_rounded_p and sum_keeps_max, a number for p_scale). The result is named by the
   string, so one spelling serves the API, the CLIs and the names of result files. Anything else
   raises ValueError.
   """

@@ -334,7 +334,8 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
             offset=None, round_fn: RoundFn = round_convert, base2: bool = False, q_axis: int = 0):
   """Folds one key block's masked scores (from `scores`) into the row statistics.
 
-  Returns (p, alpha, stats): P_bar * dt.p_scale in dt.p (the PV operand: `pv_product`), the
+  Returns (p, alpha, stats): P_bar * dt.p_scale in dt.p (the PV operand: `pv_product`; fp32
+  holding dt.p's values and, at each row's top key, dt.p_top's, where that is set), the
   factor alpha (fp32, per query) by which the O accumulator must be rescaled, and the new
   statistics. offset: per query, from `safe_offset` in the same units, when max_adjust="safe".
   """
@@ -355,12 +356,18 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
     shifted = round_fn(_above_lowest(s.minus(tile_rows(m_new)), dt.score), dt.score)
     p = exp(shifted if offset is None else shifted - tile_rows(offset))
   p_low = operand(p if dt.p_scale == 1 else p * dt.p_scale, dt.p, round_fn)
+  top = None
+  if dt.sum_keeps_max or dt.p_top is not None:
+    top = s.values >= tile_rows(jnp.max(s.values, axis=k_axis))   # each row's top key(s)
+  if dt.p_top is not None:   # the top key's P_bar on a finer grid than `p` (pv_product takes fp32)
+    scaled_top = operand(p * dt.p_scale, dt.p_top, round_fn).astype(f32)
+    p_low = jnp.where(top, scaled_top, p_low.astype(f32))
   alpha = exp(round_fn(_above_lowest(stats.m - m_new, dt.score), dt.score))
   summed = p
   if dt.sum_of_rounded_p:
     summed = p_low.astype(f32) * (1.0 / dt.p_scale)   # a power of two: undoing it is exact
     if dt.sum_keeps_max:   # the block's top key unrounded in l: safe's dither on the max stays out
-      summed = jnp.where(s.values >= tile_rows(jnp.max(s.values, axis=k_axis)), p, summed)
+      summed = jnp.where(top, p, summed)
   row_sum = jnp.sum(summed, axis=k_axis)
   l_new = round_fn(round_fn(round_fn(alpha, dt.sum) * stats.l, dt.sum) + round_fn(row_sum, dt.sum),
                    dt.sum)
@@ -372,7 +379,9 @@ def pv_product(p, v, dt: Dtypes) -> jax.Array:
   dt.p -- or kept in its own dtype where P_bar is FP8 (V's own quantization is not P's; the FP8
   values are exact in V's dtype) -- and the product divided by dt.p_scale (exact)."""
   if jnp.dtype(dt.p).itemsize == 1:
-    pv = matmul(p.astype(v.dtype), v)
+    # FP8 values, exact in V's dtype; with dt.p_top, fp32 also holding the top key's P_bar
+    wide = dt.p_top is not None and jnp.dtype(dt.p_top).itemsize > jnp.dtype(v.dtype).itemsize
+    pv = matmul(p, v.astype(f32)) if wide else matmul(p.astype(v.dtype), v)
   else:
     pv = matmul(p, v.astype(dt.p))
   return pv if dt.p_scale == 1 else pv * (1.0 / dt.p_scale)
