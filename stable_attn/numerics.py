@@ -24,11 +24,11 @@ _P_CHOICES = _CHOICES + ("e4m3",)
 # q, k and v may be quantized to FP8 before any backend runs (stable_attn.fp8).
 _QKV_CHOICES = ("input", "e4m3")
 _DTYPES = {"e4m3": np.dtype(jnp.float8_e4m3fn)}
-_BOOL_FIELDS = {"sum_of_rounded_p": {"true": True, "false": False},
-                "sum_keeps_max": {"true": True, "false": False}}
+_BOOL_FIELDS = ("sum_of_rounded_p", "sum_keeps_max")
+_BOOLS = {"true": True, "false": False}
 # The rounding points a Numerics names, in the order the forward meets them.
-_FIELDS = ("qkv", "score", "p", "p_top", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p", "sum_keeps_max", "out",
-           "residual_o")
+_FIELDS = ("qkv", "score", "p", "p_top", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p",
+           "sum_keeps_max", "out", "residual_o")
 
 
 class Dtypes(NamedTuple):
@@ -165,17 +165,15 @@ PRESETS = {"fast": FAST, "paper": PAPER, "fp8": FP8,
            "fast+fp32o": FAST.with_fp32_residual(), "paper+fp32o": PAPER.with_fp32_residual()}
 
 
-
-
 def resolve(numerics) -> Numerics:
   """A `Numerics`, a preset name, or a preset with some rounding points moved -> `Numerics`.
 
   The third form is "PRESET+FIELD=VALUE[+FIELD=VALUE...]", e.g. "paper+score=float32" (the paper's
   arithmetic with fp32 scores), "fast+sum=input+sum_of_rounded_p=true" or "fast+p=e4m3+p_scale=256"
   (FP8 P_bar with FlashAttention-3's pre-cast scale); VALUE is "float32" or "input" ("e4m3" too
-  for p and qkv, "p" too for p_top, "true"/"false" for sum_of_rounded_p and sum_keeps_max, a number for p_scale). The result is named by the
-  string, so one spelling serves the API, the CLIs and the names of result files. Anything else
-  raises ValueError.
+  for p and qkv, "p" too for p_top, "true"/"false" for sum_of_rounded_p and sum_keeps_max, a
+  number for p_scale). The result is named by the string, so one spelling serves the API, the
+  CLIs and the names of result files. Anything else raises ValueError.
   """
   if isinstance(numerics, Numerics):
     return numerics
@@ -193,9 +191,9 @@ def resolve(numerics) -> Numerics:
       if field not in _FIELDS:
         raise ValueError(f"numerics {numerics!r}: {field!r} is not a rounding point ({_FIELDS})")
       if field in _BOOL_FIELDS:
-        if value not in _BOOL_FIELDS[field]:
+        if value not in _BOOLS:
           raise ValueError(f"numerics {numerics!r}: {field} takes true or false, got {value!r}")
-        value = _BOOL_FIELDS[field][value]
+        value = _BOOLS[value]
       elif field == "p_scale":
         try:
           value = float(value)

@@ -355,13 +355,12 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   else:
     shifted = round_fn(_above_lowest(s.minus(tile_rows(m_new)), dt.score), dt.score)
     p = exp(shifted if offset is None else shifted - tile_rows(offset))
-  p_low = operand(p if dt.p_scale == 1 else p * dt.p_scale, dt.p, round_fn)
-  top = None
+  scaled = p if dt.p_scale == 1 else p * dt.p_scale
+  p_low = operand(scaled, dt.p, round_fn)
   if dt.sum_keeps_max or dt.p_top is not None:
     top = s.values >= tile_rows(jnp.max(s.values, axis=k_axis))   # each row's top key(s)
   if dt.p_top is not None:   # the top key's P_bar on a finer grid than `p` (pv_product takes fp32)
-    scaled_top = operand(p * dt.p_scale, dt.p_top, round_fn).astype(f32)
-    p_low = jnp.where(top, scaled_top, p_low.astype(f32))
+    p_low = jnp.where(top, operand(scaled, dt.p_top, round_fn).astype(f32), p_low.astype(f32))
   alpha = exp(round_fn(_above_lowest(stats.m - m_new, dt.score), dt.score))
   summed = p
   if dt.sum_of_rounded_p:
