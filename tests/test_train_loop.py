@@ -71,6 +71,7 @@ def test_loss_falls_and_outputs_written(tmp_path):
   assert float(m["loss"]) == recs[0]["loss"]
 
 
+@pytest.mark.slow   # an end-to-end run (the README's test command stays under 15 min)
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
   cfg = micro(max_steps=6, lr_decay_steps=6, grad_accum=2)
   run(cfg, tmp_path / "straight")
@@ -111,6 +112,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
 
 
 # Orbax's failed reads leave callbacks into a closed event loop; each would print a traceback.
+@pytest.mark.slow   # an end-to-end run (the README's test command stays under 15 min)
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_a_resume_after_a_crash_logs_each_step_once(tmp_path, monkeypatch):
   """A run killed after its last checkpoint had logged later steps: the resumed run logs them again,
@@ -208,6 +210,7 @@ def test_time_limit_checkpoints_and_the_same_run_resumes(tmp_path):
     run(cfg, tmp_path / "other", time_limit=0)
 
 
+@pytest.mark.slow   # an end-to-end run (the README's test command stays under 15 min)
 def test_interrupt_checkpoints_and_resume_refusals(tmp_path, monkeypatch):
   """Ctrl-C during a run leaves a resumable checkpoint; --no-resume and incompatible runs refuse
   it."""
@@ -418,6 +421,7 @@ def test_cli_refuses_bad_inputs_before_writing_anything(tmp_path, capsys):
   assert a_file.read_text() == "not a directory"
 
 
+@pytest.mark.slow   # an end-to-end run (the README's test command stays under 15 min)
 @pytest.mark.usefixtures("restore_cache_config")
 def test_cli_runs_a_job_and_reports_unreadable_checkpoints_in_one_line(tmp_path, capsys):
   out, cache = tmp_path / "cli", tmp_path / "jax_cache"
