@@ -4,8 +4,9 @@ flash backward. Implementations supply the two passes; this module owns the diff
 The residuals carry `jax.ad_checkpoint.checkpoint_name`s, "attn_out" (the O residual) and
 "attn_lse", so that `jax.checkpoint` policies can keep them (and skip re-running the attention
 forward in the backward) or drop them. Read them as the backward's inputs, not as O: under
-context_strategy="alltoall" the O residual holds O's elements in the order its device keeps them
-(stable_attn.partition._relabel).
+context_strategy="alltoall" without sinks the O residual holds O's elements in the order its
+device keeps them (stable_attn.partition._relabel). The sinks' gradient below reads it as O, so
+with sinks it is O.
 """
 from __future__ import annotations
 

@@ -62,8 +62,9 @@ over the sequence's devices gives each device every position of 1/n of its heads
 whole: n must divide the query and the key/value heads), the one-device kernels run on those
 heads (no q_shift: the zigzag order is undone on the device), and another all-to-all trades O
 and LSE back (the backward likewise trades dO, LSE and dLSE in and dQ, dK, dV out, and re-trades
-q, k and v; the O residual never leaves its device; per-head sinks are sliced). Every head's
-arithmetic is the one-device call's, so values and gradients are bitwise. No bias or mask.
+q, k and v; without sinks the O residual never leaves its device; per-head sinks are sliced).
+Every head's arithmetic is the one-device call's, so values and gradients are bitwise. No bias or
+mask.
 "auto" (the default) runs alltoall where the heads divide and no bias or mask is given, else
 allgather (stable_attn.context.choose_strategy, which says what measured this).
 
@@ -708,26 +709,29 @@ def _relabel(x, n: int, to_block: bool):
 
 def _alltoall_forward(forward: Callable, spec, config, axes: _Axes, ops):
   """(O, O residual, LSE) of one device under alltoall: the one-device forward on its share of
-  the heads, O and LSE traded back for its own positions and every head. The O residual stays on
-  the device as the kernels left it (its heads, every position, natural order), relabelled to the
-  shape of its block of O (`_relabel`): only this module's backward reads it, and it crosses no
-  device (trading it out and back cost 0.5-1.3% of fwd+bwd on 2 H200s at T 64k)."""
+  the heads, O and LSE traded back for its own positions and every head. Without sinks the O
+  residual stays on the device as the kernels left it (its heads, every position, natural order),
+  relabelled to the shape of its block of O (`_relabel`): only this module's backward reads it,
+  and it crosses no device (trading it out and back cost 0.5-1.3% of fwd+bwd on 2 H200s at T
+  64k). With sinks it is traded like O: flash.py reads it as O for the sinks' gradient."""
   zigzag = _zigzag(spec, axes)
   o, o_res, lse = forward(spec, config, _heads_ops(spec, axes, ops))
-  return (_to_sequence(o, axes, 2, 1, zigzag), _relabel(o_res, axes.seq_devices, True),
-          _to_sequence(lse, axes, 1, 2, zigzag))
+  rows = lambda x: _to_sequence(x, axes, 2, 1, zigzag)
+  o_res = rows(o_res) if ops.sinks is not None else _relabel(o_res, axes.seq_devices, True)
+  return rows(o), o_res, _to_sequence(lse, axes, 1, 2, zigzag)
 
 
 def _alltoall_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res, lse, do, dlse):
   """One device's gradients under alltoall: the one-device backward on its share of the heads
   (dO, LSE and dLSE traded like the operands, the O residual read back where the forward left
-  it), each gradient (dq, dk, dv or dqkv; no bias here) traded back. The sinks' gradient is not
-  the kernels' (flash.py)."""
+  it, or traded with sinks), each gradient (dq, dk, dv or dqkv; no bias here) traded back. The
+  sinks' gradient is not the kernels' (flash.py)."""
   zigzag = _zigzag(spec, axes)
   rows = lambda x: _to_heads(x, axes, 2, 1, zigzag)
   stats = lambda x: None if x is None else _to_heads(x, axes, 1, 2, zigzag)
-  grads = backward(spec, config, _heads_ops(spec, axes, ops),
-                   _relabel(o_res, axes.seq_devices, False), stats(lse), rows(do), stats(dlse))
+  o_res = rows(o_res) if ops.sinks is not None else _relabel(o_res, axes.seq_devices, False)
+  grads = backward(spec, config, _heads_ops(spec, axes, ops), o_res, stats(lse), rows(do),
+                   stats(dlse))
   out = []
   for row, g in zip([r for r in type(ops).TABLE.rows if r.grad], grads):
     if g is not None:
