@@ -19,6 +19,7 @@ median of --blocks blocks of --calls calls. Writes benchmarks/results/context_pa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stable_attn  # noqa: E402
@@ -41,7 +42,10 @@ ARM_NOTES = {
     "ours_ring": "zigzag with context_strategy='ring' (K, V passed round the devices; each holds "
                  "two key blocks, not every key)",
     "ours_alltoall": "context_strategy='alltoall' (each device trades its positions for a share "
-                     "of the heads: all-to-all in, the one-GPU kernels, all-to-all out)",
+                     "of the heads: all-to-all in, the one-GPU kernels, all-to-all out), on "
+                     "Auto mesh axes (plain jit over NamedShardings)",
+    "ours_alltoall_explicit": "the same on Explicit mesh axes, traced and called under "
+                              "jax.set_mesh: the trainer's --context-parallel route",
     "ours_heads": "stable_attn after resharding q, k, v from sequence to heads (all-to-all)",
     "cudnn": "jax.nn's cuDNN attention on the sequence-sharded inputs (XLA refuses: 'Sharding on "
              "sequence dim is not allowed')",
@@ -58,7 +62,8 @@ def attention(arm: str, causal: bool, mesh, implementation="pallas_mosaic_gpu",
                                                       implementation="cudnn")
   else:
     layout = "zigzag" if arm in ("ours_zigzag", "ours_ring") else "contiguous"
-    strategy = {"ours_ring": "ring", "ours_alltoall": "alltoall"}.get(arm, "allgather")
+    strategy = {"ours_ring": "ring", "ours_alltoall": "alltoall",
+                "ours_alltoall_explicit": "alltoall"}.get(arm, "allgather")
     fn = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, is_causal=causal, implementation=implementation, max_adjust="safe",
         context_layout=layout, context_strategy=strategy, interpret=interpret)
@@ -88,7 +93,11 @@ def rel_err(got, ref) -> float:
 def measure(arm, shape, n, args, w, calls, blocks, reference=None, **kernel):
   """One row: per-GPU TFLOP/s, memory per GPU, errors against `reference` (the one-GPU result)."""
   B, T, N, K, H, causal = shape
-  mesh = Mesh(np.asarray(jax.devices()[:n]), ("seq",))
+  explicit = arm.endswith("_explicit")
+  mesh = Mesh(np.asarray(jax.devices()[:n]), ("seq",),
+              axis_types=(AxisType.Explicit if explicit else AxisType.Auto,))
+  # On Explicit axes the library shard_maps at trace time, so tracing and calls run under the mesh.
+  under_mesh = (lambda: jax.set_mesh(mesh)) if explicit else contextlib.nullcontext
   rows = NamedSharding(mesh, P(None, "seq"))
   # The same (natural-order) data in the zigzag order the arm takes; results put back after.
   order, natural = ((lambda x: context.zigzag(x, n), lambda x: context.unzigzag(x, n))
@@ -97,14 +106,16 @@ def measure(arm, shape, n, args, w, calls, blocks, reference=None, **kernel):
   w = order(w)
   fn = jax.jit(step(attention(arm, causal, mesh, **kernel), jax.device_put(w, rows)),
                in_shardings=(rows,) * 3)
-  compiled = fn.lower(*placed).compile()
+  with under_mesh():
+    compiled = fn.lower(*placed).compile()
   memory = compiled.memory_analysis()
   per_gpu = None
   if memory is not None:
     per_gpu = (memory.argument_size_in_bytes + memory.output_size_in_bytes +
                memory.temp_size_in_bytes - memory.alias_size_in_bytes) / 2 ** 30
-  seconds = time_calls(compiled, placed, calls, blocks, warmup=1)
-  o, grads = jax.device_get(compiled(*placed))
+  with under_mesh():
+    seconds = time_calls(compiled, placed, calls, blocks, warmup=1)
+    o, grads = jax.device_get(compiled(*placed))
   o, grads = natural(o), [natural(g) for g in grads]
   row = dict(arm=arm, T=T, K=K, devices=n, ms=seconds * 1e3,
              tflops_per_gpu=3.5 * fwd_flops(B, T, N, K, H, causal) / seconds / n / 1e12,
@@ -154,10 +165,14 @@ def plot(rows, device: str, path: str):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-  for key in sorted({(r["arm"], r["T"], r["K"]) for r in rows if "ms" in r}):
+  ax.set_prop_cycle(color=plt.cm.tab20.colors)   # up to 20 lines, none sharing a colour
+  # One line per arm, shape and process (rows merged from several runs carry a "process").
+  line = lambda r: (r.get("process", ""), r["arm"], r["T"], r["K"])
+  for key in sorted({line(r) for r in rows if "ms" in r}):
     pts = sorted((r["devices"], r["tflops_per_gpu"]) for r in rows
-                 if "ms" in r and (r["arm"], r["T"], r["K"]) == key)
-    ax.plot(*zip(*pts), "o-", label=f"{key[0]} T={key[1] // 1024}k K={key[2]}")
+                 if "ms" in r and line(r) == key)
+    tag = f" ({key[0]})" if key[0] else ""
+    ax.plot(*zip(*pts), "o-", label=f"{key[1]} T={key[2] // 1024}k K={key[3]}{tag}")
   ax.set_xlabel("GPUs (sequence sharded)")
   ax.set_ylabel("fwd+bwd TFLOP/s per GPU")
   ax.set_title(f"Context parallel causal attention, {device}")

@@ -186,3 +186,31 @@ def test_scale_out_reads_losses_and_compares(tmp_path):
   table = scale_out.markdown(rows, "cpu", jax.__version__)
   assert "| 1 | 100 | 80 | 1.250 |" in table
   assert "| kill -9 mid-training, resume on 4 | 0 | 0-5 | 4/6 | 0.001 |" in table
+
+
+CONTEXT_PARALLEL_SMOKE = """
+import json, sys, tempfile
+from benchmarks import context_parallel as cp
+out = tempfile.mkdtemp()
+cp.main(["--lengths", "256", "--devices", "1,4", "--heads", "4", "--arms",
+         "ours_alltoall,ours_alltoall_explicit,ours_heads", "--implementation", "pallas_gpu",
+         "--interpret", "--calls", "1", "--blocks", "1", "--out", out])
+rows = json.load(open(out + "/context_parallel_cpu.json"))
+print("RESULT" + json.dumps(rows))
+"""
+
+
+@pytest.mark.slow
+def test_context_parallel_arms_on_four_devices():
+  """benchmarks/context_parallel.py on 4 CPU devices (pallas_gpu in interpret mode): each arm,
+  the Explicit-axes alltoall included, runs on 1 and 4 devices and its 4-device values and
+  gradients are bitwise its one-device call's."""
+  from tests.cases import run_on_cpu_devices
+  rows = run_on_cpu_devices(CONTEXT_PARALLEL_SMOKE, devices=4)
+  assert sorted((r["arm"], r["devices"]) for r in rows) == sorted(
+      (arm, n) for arm in ("ours_alltoall", "ours_alltoall_explicit", "ours_heads")
+      for n in (1, 4)), rows
+  for r in rows:
+    assert "error" not in r, r
+    if r["devices"] == 4:
+      assert r["err_o"] == 0.0 and r["err_grads"] == 0.0, r
