@@ -13,8 +13,9 @@ Per GPU TFLOP/s by the FlashAttention convention (fwd+bwd 3.5 x 4*B*N*T*T*H, hal
 divided by n), the efficiency against the same arm on one GPU, memory per GPU (XLA's
 memory_analysis of the compiled step: arguments + outputs + temporaries), and the relative
 Frobenius error of O and of dQ, dK, dV against the one-GPU call of the same arm. Timing: the
-median of --blocks blocks of --calls calls. Writes benchmarks/results/context_parallel_<device>
-.md, .json and .png and prints the table last.
+median of --blocks blocks of --calls calls. With --profile, a trace of --calls more calls splits
+each row's GPU time per device into attention kernels, collectives and the rest. Writes
+benchmarks/results/context_parallel_<device>.md, .json and .png and prints the table last.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -77,6 +79,24 @@ def attention(arm: str, causal: bool, mesh, implementation="pallas_mosaic_gpu",
   return by_heads
 
 
+# What a profiled step's GPU time goes to, by kernel name (the rest, "other", is XLA's copies,
+# transposes and fusions around the kernels).
+KINDS = (("attention", re.compile(r"stable_attn_|sdpa|cudnn", re.I)),
+         ("collectives", re.compile(r"nccl|all-to-all|all_to_all|all-gather|all_gather|"
+                                    r"reduce-scatter|collective-permute|sendrecv", re.I)))
+
+
+def gpu_time(kernel_us: dict, n: int) -> dict:
+  """{kind: GPU ms per step and device} from per-kernel-name us per step summed over n devices
+  (benchmarks/train_profile.kernel_times). Kernels on different streams may overlap, so the kinds
+  can add up to more than the step."""
+  out = dict.fromkeys([kind for kind, _ in KINDS] + ["other"], 0.0)
+  for name, us in kernel_us.items():
+    kind = next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
+    out[kind] += us / n / 1e3
+  return out
+
+
 def step(fn, w):
   """(q, k, v) -> (O, (dQ, dK, dV)) of sum(O * w)."""
   def run(q, k, v):
@@ -90,8 +110,9 @@ def rel_err(got, ref) -> float:
   return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def measure(arm, shape, n, args, w, calls, blocks, reference=None, **kernel):
-  """One row: per-GPU TFLOP/s, memory per GPU, errors against `reference` (the one-GPU result)."""
+def measure(arm, shape, n, args, w, calls, blocks, reference=None, profile=False, **kernel):
+  """One row: per-GPU TFLOP/s, memory per GPU, errors against `reference` (the one-GPU result);
+  with `profile`, the step's GPU time by kind (`gpu_time`) from a trace of `calls` more calls."""
   B, T, N, K, H, causal = shape
   explicit = arm.endswith("_explicit")
   mesh = Mesh(np.asarray(jax.devices()[:n]), ("seq",),
@@ -116,10 +137,15 @@ def measure(arm, shape, n, args, w, calls, blocks, reference=None, **kernel):
   with under_mesh():
     seconds = time_calls(compiled, placed, calls, blocks, warmup=1)
     o, grads = jax.device_get(compiled(*placed))
+    if profile:
+      from benchmarks.train_profile import kernel_times
+      gpu_ms = gpu_time(kernel_times(lambda: compiled(*placed), calls), n)
   o, grads = natural(o), [natural(g) for g in grads]
   row = dict(arm=arm, T=T, K=K, devices=n, ms=seconds * 1e3,
              tflops_per_gpu=3.5 * fwd_flops(B, T, N, K, H, causal) / seconds / n / 1e12,
              gib_per_gpu=per_gpu)
+  if profile:
+    row["gpu_ms"] = gpu_ms
   if reference is not None:
     row["err_o"] = rel_err(o, reference[0])
     row["err_grads"] = max(rel_err(g, r) for g, r in zip(grads, reference[1]))
@@ -157,7 +183,24 @@ def markdown(rows, device: str, notes) -> str:
                  f"{r['tflops_per_gpu']:.0f} | {fmt(eff and 100 * eff, '.1f')}% | "
                  f"{fmt(r['gib_per_gpu'], '.2f')} | {fmt(r.get('err_o'), '.1e')} | "
                  f"{fmt(r.get('err_grads'), '.1e')} |")
+  lines += profile_table(rows)
   return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
+
+
+def profile_table(rows) -> list:
+  """Markdown lines: each profiled row's GPU time per step and device, by kind."""
+  rows = [r for r in rows if "gpu_ms" in r]
+  if not rows:
+    return []
+  kinds = list(rows[0]["gpu_ms"])
+  lines = ["", "GPU time per step and device from a profiler trace (kernel durations summed by "
+           "kind; streams may overlap, so the kinds can add up to more than the step):", "",
+           "| T | K | GPUs | arm | process | step ms | " + " | ".join(f"{k} ms" for k in kinds)
+           + " |", "|---:|---:|---:|---|---|---:|" + "---:|" * len(kinds)]
+  for r in rows:
+    lines.append(f"| {r['T']} | {r['K']} | {r['devices']} | {r['arm']} | {r.get('process', '')} | "
+                 f"{r['ms']:.1f} | " + " | ".join(f"{r['gpu_ms'][k]:.2f}" for k in kinds) + " |")
+  return lines
 
 
 def plot(rows, device: str, path: str):
@@ -192,6 +235,9 @@ def main(argv=None) -> int:
   p.add_argument("--implementation", default="pallas_mosaic_gpu",
                  help="ours' backend (pallas_gpu with --interpret: a CPU smoke run of the script)")
   p.add_argument("--interpret", action="store_true")
+  p.add_argument("--profile", action="store_true",
+                 help="also trace --calls calls of each row: GPU time by kind (attention kernels, "
+                      "collectives, other)")
   p.add_argument("--calls", type=int, default=3)
   p.add_argument("--blocks", type=int, default=3)
   p.add_argument("--out", default=RESULTS)
@@ -213,7 +259,8 @@ def main(argv=None) -> int:
         for n in counts:
           try:
             row, result = measure(arm, shape, n, qkv, w, args.calls, args.blocks, reference,
-                                  implementation=args.implementation, interpret=args.interpret)
+                                  profile=args.profile, implementation=args.implementation,
+                                  interpret=args.interpret)
             reference = reference or result
           except Exception as e:   # a failed arm is a row of the table, not the end of the run
             traceback.print_exc()

@@ -194,7 +194,7 @@ from benchmarks import context_parallel as cp
 out = tempfile.mkdtemp()
 cp.main(["--lengths", "256", "--devices", "1,4", "--heads", "4", "--arms",
          "ours_alltoall,ours_alltoall_explicit,ours_heads", "--implementation", "pallas_gpu",
-         "--interpret", "--calls", "1", "--blocks", "1", "--out", out])
+         "--interpret", "--calls", "1", "--blocks", "1", "--profile", "--out", out])
 rows = json.load(open(out + "/context_parallel_cpu.json"))
 print("RESULT" + json.dumps(rows))
 """
@@ -204,7 +204,8 @@ print("RESULT" + json.dumps(rows))
 def test_context_parallel_arms_on_four_devices():
   """benchmarks/context_parallel.py on 4 CPU devices (pallas_gpu in interpret mode): each arm,
   the Explicit-axes alltoall included, runs on 1 and 4 devices and its 4-device values and
-  gradients are bitwise its one-device call's."""
+  gradients are bitwise its one-device call's; --profile adds each row's GPU time by kind (none
+  on a CPU)."""
   from tests.cases import run_on_cpu_devices
   rows = run_on_cpu_devices(CONTEXT_PARALLEL_SMOKE, devices=4)
   assert sorted((r["arm"], r["devices"]) for r in rows) == sorted(
@@ -214,3 +215,25 @@ def test_context_parallel_arms_on_four_devices():
     assert "error" not in r, r
     if r["devices"] == 4:
       assert r["err_o"] == 0.0 and r["err_grads"] == 0.0, r
+    assert r["gpu_ms"] == {"attention": 0.0, "collectives": 0.0, "other": 0.0}, r
+
+
+def test_context_parallel_gpu_time_by_kind():
+  """benchmarks/context_parallel.gpu_time: per-kernel-name us per step, summed over n devices ->
+  ms per step and device for attention kernels (ours, cuDNN's), collectives (NCCL's kernels,
+  XLA's collective thunks) and the rest."""
+  from benchmarks import context_parallel
+  rng = np.random.default_rng()
+  us = {name: float(rng.uniform(1, 1000)) for name in (
+      "stable_attn_forward", "stable_attn_dkv", "cudnn::fusion::compute_sdpa_fwd",
+      "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "all-to-all-start.3",
+      "loop_transpose_fusion_1", "input_concatenate_fusion")}
+  n = int(rng.integers(1, 9))
+  got = context_parallel.gpu_time(us, n)
+  want = lambda *names: sum(us[k] for k in names) / n / 1e3
+  assert got == pytest.approx({
+      "attention": want("stable_attn_forward", "stable_attn_dkv",
+                        "cudnn::fusion::compute_sdpa_fwd"),
+      "collectives": want("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
+                          "all-to-all-start.3"),
+      "other": want("loop_transpose_fusion_1", "input_concatenate_fusion")})
