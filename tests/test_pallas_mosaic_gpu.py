@@ -656,6 +656,42 @@ def test_gpu_fp8_inputs_are_the_call_on_their_quantized_values():
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("version,warns", [("0.12.0.1", True), ("0.12.0", True),
+                                           ("0.11.2", False), ("0.10.2", False),
+                                           ("0.13.0.dev20261101", False)])
+def test_slow_toolchain_warns_once_on_jax_0_12(monkeypatch, version, warns):
+  """JAX 0.12 (its Mosaic GPU's ptxas drops setmaxnreg: 2.4-3x slower at head dim 128, measured
+  on 0.12.0.1) gets one RuntimeWarning per process saying what to do; other versions none."""
+  import warnings
+  monkeypatch.setattr(mosaic, "_warned", False)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    assert mosaic.warn_if_slow_toolchain(version) is warns
+    assert mosaic.warn_if_slow_toolchain(version) is False       # once per process
+  assert len(seen) == warns, [str(w.message) for w in seen]
+  if warns:
+    assert seen[0].category is RuntimeWarning
+    assert f"JAX {version}" in str(seen[0].message) and "jax<0.12" in str(seen[0].message)
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_gpu_first_call_warns_only_on_jax_0_12(monkeypatch):
+  """A compiled call on this machine's JAX: the slow-toolchain warning where it is 0.12 (and the
+  call still right), nothing where it is not."""
+  import warnings
+  monkeypatch.setattr(mosaic, "_warned", False)
+  q = jnp.asarray(np.random.default_rng().standard_normal((1, 128, 2, 128)), bf16)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    o = stable_attn.dot_product_attention(q, q, q, is_causal=True, implementation=IMPL)
+  slow = [w for w in seen if "setmaxnreg" in str(w.message)]
+  assert len(slow) == (jax.__version__.startswith("0.12.")), [str(w.message) for w in seen]
+  want = jax.nn.dot_product_attention(q, q, q, is_causal=True)
+  np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(want, np.float32), atol=2e-2,
+                             rtol=2e-2)
+
+
 WGS_CASES = [name for name, case in GPU_CASES.items()
              if "bias" not in case and "mask" not in case and case["H"] < 256]
 

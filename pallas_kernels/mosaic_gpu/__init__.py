@@ -20,6 +20,7 @@ raises ValueError with the reason).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import jax
@@ -200,4 +201,24 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
   if not is_available():
     raise ValueError("implementation='pallas_mosaic_gpu' needs a Hopper (sm_90) GPU; the default "
                      f"backend is {jax.default_backend()!r}")
+  warn_if_slow_toolchain()
   return config
+
+
+SLOW_TOOLCHAIN = (
+    "stable_attn: on JAX {version} ptxas ignores the Hopper kernels' register reallocation "
+    "(setmaxnreg, C7504), so implementation='pallas_mosaic_gpu' runs 2.4-3x slower at head dim "
+    "128; for full speed pin jax<0.12 (0.11.2 is tested). Why: docs/ptxas_setmaxnreg.md")
+_warned = False
+
+
+def warn_if_slow_toolchain(version: str = jax.__version__) -> bool:
+  """Warns once per process (RuntimeWarning, SLOW_TOOLCHAIN) where `version` is JAX 0.12, whose
+  Mosaic GPU hands ptxas the kernels in a form where it drops `setmaxnreg` (measured on 0.12.0.1;
+  docs/ptxas_setmaxnreg.md). True if it warned on this call."""
+  global _warned
+  if _warned or tuple(version.split(".")[:2]) != ("0", "12"):
+    return False
+  _warned = True
+  warnings.warn(SLOW_TOOLCHAIN.format(version=version), RuntimeWarning, stacklevel=2)
+  return True
