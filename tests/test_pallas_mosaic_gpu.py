@@ -681,6 +681,7 @@ def test_gpu_first_call_warns_only_on_jax_0_12(monkeypatch):
   call still right), nothing where it is not."""
   import warnings
   monkeypatch.setattr(mosaic, "_warned", False)
+  jax.clear_caches()   # the warning comes with tracing: no earlier trace of this call may serve it
   q = jnp.asarray(np.random.default_rng().standard_normal((1, 128, 2, 128)), bf16)
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
