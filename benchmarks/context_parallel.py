@@ -242,6 +242,9 @@ def main(argv=None) -> int:
   p.add_argument("--blocks", type=int, default=3)
   p.add_argument("--out", default=RESULTS)
   args = p.parse_args(argv)
+  unknown = [arm for arm in args.arms.split(",") if arm not in ARM_NOTES]
+  if unknown:
+    p.error(f"--arms: {', '.join(unknown)} not among {', '.join(ARM_NOTES)}")
   counts = [int(n) for n in args.devices.split(",") if int(n) <= jax.device_count()]
   device = jax.devices()[0].device_kind
   rows, notes = [], [f"jax {jax.__version__}, {jax.device_count()} x {device}"]

@@ -237,3 +237,13 @@ def test_context_parallel_gpu_time_by_kind():
       "collectives": want("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
                           "all-to-all-start.3"),
       "other": want("loop_transpose_fusion_1", "input_concatenate_fusion")})
+
+
+def test_context_parallel_refuses_an_unknown_arm(capsys):
+  """A misspelt --arms name stops the script before anything runs, naming the flag and the arms."""
+  from benchmarks import context_parallel
+  with pytest.raises(SystemExit) as exit_info:
+    context_parallel.main(["--arms", "ours_alltoall,ours_alltoal"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert "--arms: ours_alltoal not among" in err and "ours_alltoall_explicit" in err
