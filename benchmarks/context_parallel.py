@@ -56,6 +56,11 @@ ARM_NOTES = {
 }
 
 
+# How each of our arms calls stable_attn (allgather and the contiguous order otherwise).
+STRATEGY = {"ours_ring": "ring", "ours_alltoall": "alltoall", "ours_alltoall_explicit": "alltoall"}
+ZIGZAG = ("ours_zigzag", "ours_ring")
+
+
 def attention(arm: str, causal: bool, mesh, implementation="pallas_mosaic_gpu",
               interpret=False):
   """f(q, k, v) -> O over sequence-sharded q, k, v for one arm."""
@@ -63,12 +68,10 @@ def attention(arm: str, causal: bool, mesh, implementation="pallas_mosaic_gpu",
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                       implementation="cudnn")
   else:
-    layout = "zigzag" if arm in ("ours_zigzag", "ours_ring") else "contiguous"
-    strategy = {"ours_ring": "ring", "ours_alltoall": "alltoall",
-                "ours_alltoall_explicit": "alltoall"}.get(arm, "allgather")
     fn = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, is_causal=causal, implementation=implementation, max_adjust="safe",
-        context_layout=layout, context_strategy=strategy, interpret=interpret)
+        context_layout="zigzag" if arm in ZIGZAG else "contiguous",
+        context_strategy=STRATEGY.get(arm, "allgather"), interpret=interpret)
   if not arm.endswith("_heads"):
     return fn
   heads, rows = NamedSharding(mesh, P(None, None, "seq")), NamedSharding(mesh, P(None, "seq"))
@@ -122,24 +125,23 @@ def measure(arm, shape, n, args, w, calls, blocks, reference=None, profile=False
   rows = NamedSharding(mesh, P(None, "seq"))
   # The same (natural-order) data in the zigzag order the arm takes; results put back after.
   order, natural = ((lambda x: context.zigzag(x, n), lambda x: context.unzigzag(x, n))
-                    if arm in ("ours_zigzag", "ours_ring") else (lambda x: x, lambda x: x))
+                    if arm in ZIGZAG else (lambda x: x, lambda x: x))
   placed = [jax.device_put(order(a), rows) for a in args]
   w = order(w)
   fn = jax.jit(step(attention(arm, causal, mesh, **kernel), jax.device_put(w, rows)),
                in_shardings=(rows,) * 3)
   with under_mesh():
     compiled = fn.lower(*placed).compile()
-  memory = compiled.memory_analysis()
-  per_gpu = None
-  if memory is not None:
-    per_gpu = (memory.argument_size_in_bytes + memory.output_size_in_bytes +
-               memory.temp_size_in_bytes - memory.alias_size_in_bytes) / 2 ** 30
-  with under_mesh():
     seconds = time_calls(compiled, placed, calls, blocks, warmup=1)
     o, grads = jax.device_get(compiled(*placed))
     if profile:
       from benchmarks.train_profile import kernel_times
       gpu_ms = gpu_time(kernel_times(lambda: compiled(*placed), calls), n)
+  memory = compiled.memory_analysis()
+  per_gpu = None
+  if memory is not None:
+    per_gpu = (memory.argument_size_in_bytes + memory.output_size_in_bytes +
+               memory.temp_size_in_bytes - memory.alias_size_in_bytes) / 2 ** 30
   o, grads = natural(o), [natural(g) for g in grads]
   row = dict(arm=arm, T=T, K=K, devices=n, ms=seconds * 1e3,
              tflops_per_gpu=3.5 * fwd_flops(B, T, N, K, H, causal) / seconds / n / 1e12,

@@ -707,31 +707,37 @@ def _relabel(x, n: int, to_block: bool):
   return x.reshape((B, T // n, N * n, H) if to_block else (B, T * n, N // n, H))
 
 
+def _o_residual(x, ops, axes: _Axes, zigzag: bool, to_block: bool):
+  """The O residual between alltoall's forward and backward (to_block: leaving the forward).
+  Without sinks it stays on its device, relabelled (`_relabel`): only this module's backward
+  reads it. With sinks it is traded like O, since flash.py reads it as O for the sinks' gradient."""
+  if ops.sinks is None:
+    return _relabel(x, axes.seq_devices, to_block)
+  trade = _to_sequence if to_block else _to_heads
+  return trade(x, axes, 2, 1, zigzag)
+
+
 def _alltoall_forward(forward: Callable, spec, config, axes: _Axes, ops):
   """(O, O residual, LSE) of one device under alltoall: the one-device forward on its share of
-  the heads, O and LSE traded back for its own positions and every head. Without sinks the O
-  residual stays on the device as the kernels left it (its heads, every position, natural order),
-  relabelled to the shape of its block of O (`_relabel`): only this module's backward reads it,
-  and it crosses no device (trading it out and back cost 0.5-1.3% of fwd+bwd on 2 H200s at T
-  64k). With sinks it is traded like O: flash.py reads it as O for the sinks' gradient."""
+  the heads, O and LSE traded back for its own positions and every head, the O residual as
+  `_o_residual` says (without sinks it crosses no device: trading it out and back cost 0.5-1.3%
+  of fwd+bwd on 2 H200s at T 64k)."""
   zigzag = _zigzag(spec, axes)
   o, o_res, lse = forward(spec, config, _heads_ops(spec, axes, ops))
-  rows = lambda x: _to_sequence(x, axes, 2, 1, zigzag)
-  o_res = rows(o_res) if ops.sinks is not None else _relabel(o_res, axes.seq_devices, True)
-  return rows(o), o_res, _to_sequence(lse, axes, 1, 2, zigzag)
+  return (_to_sequence(o, axes, 2, 1, zigzag), _o_residual(o_res, ops, axes, zigzag, True),
+          _to_sequence(lse, axes, 1, 2, zigzag))
 
 
 def _alltoall_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res, lse, do, dlse):
   """One device's gradients under alltoall: the one-device backward on its share of the heads
-  (dO, LSE and dLSE traded like the operands, the O residual read back where the forward left
-  it, or traded with sinks), each gradient (dq, dk, dv or dqkv; no bias here) traded back. The
+  (dO, LSE and dLSE traded like the operands, the O residual as `_o_residual` says), each
+  gradient (dq, dk, dv or dqkv; no bias here) traded back. The
   sinks' gradient is not the kernels' (flash.py)."""
   zigzag = _zigzag(spec, axes)
-  rows = lambda x: _to_heads(x, axes, 2, 1, zigzag)
   stats = lambda x: None if x is None else _to_heads(x, axes, 1, 2, zigzag)
-  o_res = rows(o_res) if ops.sinks is not None else _relabel(o_res, axes.seq_devices, False)
-  grads = backward(spec, config, _heads_ops(spec, axes, ops), o_res, stats(lse), rows(do),
-                   stats(dlse))
+  grads = backward(spec, config, _heads_ops(spec, axes, ops),
+                   _o_residual(o_res, ops, axes, zigzag, False), stats(lse),
+                   _to_heads(do, axes, 2, 1, zigzag), stats(dlse))
   out = []
   for row, g in zip([r for r in type(ops).TABLE.rows if r.grad], grads):
     if g is not None:
