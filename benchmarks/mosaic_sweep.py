@@ -30,7 +30,13 @@ VARIANTS = {   # TuningConfig fields each variant replaces
     # take three (their second Q buffer fits shared memory at head dim 64)
     "fwd": [dict(fwd=t, fwd_wgs=w, fwd_persistent=p) for w in (2, 3) for p in (False, True)
             for t in _FWD if (w == 2 and not p) or (w == 3 and t.block_kv <= 128)],
-    "dkv": [dict(dkv=t) for t in (T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(128, 64, 2))],
+    "dkv": [dict(dkv=t, dkv_passes=1) for t in (T(64, 64, 2), T(64, 64, 3), T(64, 64, 4),
+                                                T(128, 64, 2), T(32, 64, 2), T(32, 64, 3),
+                                                T(32, 64, 4))],
+    # dK and dV in two passes, one fp32 accumulator each: what fits where the toolchain keeps
+    # every thread at its entry registers (ptxas ignoring setmaxnreg: docs/ptxas_setmaxnreg.md)
+    "dkv2": [dict(dkv=t, dkv_passes=2) for t in (T(64, 64, 2), T(64, 64, 3), T(32, 64, 2),
+                                                 T(32, 64, 4))],
     "dq": [dict(dq=t, dq_wgs=w) for w in (2, 3)
            for t in (T(64, 64, 2), T(64, 64, 3), T(64, 128, 2), T(64, 128, 3))],
 }
@@ -38,13 +44,15 @@ VARIANTS = {   # TuningConfig fields each variant replaces
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--shapes", default="targets2", choices=("targets2", "targets"))
+  p.add_argument("--shapes", default="targets2", choices=("targets2", "targets", "h128"),
+                 help="h128: B4 T4096 N16 H128 causal alone")
   p.add_argument("--kernels", default="fwd,dkv,dq")
   p.add_argument("--max-adjust", default="safe")
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--blocks", type=int, default=3)
   args = p.parse_args(argv)
-  shapes = bench.TARGETS[:2] if args.shapes == "targets2" else bench.TARGETS
+  shapes = {"targets2": bench.TARGETS[:2], "targets": bench.TARGETS,
+            "h128": bench.TARGETS[1:2]}[args.shapes]
   for shape in shapes:
     B, T_, N, K, H, causal = shape
     q, k, v, do = bench.make_inputs(*shape[:5], jnp.bfloat16)
@@ -59,7 +67,7 @@ def main(argv=None):
 
     cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                          implementation="cudnn")
-    base = tuning.table_config(H)
+    base = tuning.table_config(H, entry_registers=tuning.registers_fixed_at_entry(jax.__version__))
     for forward_only in (True, False):
       ms, tf = timed(cudnn, forward_only)
       print(f"sweep {bench.shape_name(shape)} cudnn {'fwd' if forward_only else 'f+b'}: "
@@ -67,10 +75,11 @@ def main(argv=None):
     for kernel in args.kernels.split(","):
       for variant in VARIANTS[kernel]:
         config = base.replace(**variant)
-        tiles = variant[kernel]
+        tiles = variant[kernel.rstrip("2")]
         tag = " (table)" if all(getattr(base, k) == v for k, v in variant.items()) else ""
         wgs = "".join(f" wg{w}" for name, w in variant.items() if name.endswith("_wgs"))
         wgs += " persistent" if variant.get("fwd_persistent") else ""
+        wgs += " 2 passes" if variant.get("dkv_passes") == 2 else ""
         try:
           config.check_smem(H, 2)
           fn = functools.partial(

@@ -656,6 +656,31 @@ def test_gpu_fp8_inputs_are_the_call_on_their_quantized_values():
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("version,fixed", [("0.12.0.1", True), ("0.12.0", True),
+                                           ("0.11.2", False), ("0.10.2", False),
+                                           ("0.13.0.dev20261101", False)])
+def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
+  """On JAX 0.12 (ptxas drops setmaxnreg: every thread keeps 65536 / threads registers) the head
+  dim 128 table takes two compute warpgroups (168 registers a thread) and dK, dV in two passes
+  (one fp32 accumulator each); head dims 64 and 256, and calls with bias or mask tiles, keep the
+  table's. Every config it gives fits shared memory and validates."""
+  assert tuning.registers_fixed_at_entry(version) is fixed
+  for h in tuning.HEAD_DIMS:
+    for kw in (dict(), dict(full=True), dict(dense=True), dict(packed=True),
+               dict(kv_shape=(1, 2, 1024)), dict(beside=1), dict(beside=2, ds_itemsize=2)):
+      plain = tuning.table_config(h, **kw)
+      config = tuning.table_config(h, entry_registers=fixed, **kw)
+      config.check_smem(h, 2, **{k: v for k, v in kw.items() if k in ("beside", "ds_itemsize")})
+      if not fixed or h != 128 or "beside" in kw:
+        assert config == plain, (h, kw)
+        continue
+      assert (config.fwd_wgs, config.dq_wgs, config.dkv_wgs, config.dkv_passes) == (2, 2, 2, 2)
+      assert not (config.fwd_persistent or config.dkv_persistent or config.fused_dq)
+      # 384 threads: 65536 / 384 registers at entry, what the two-pass dK/dV kernel fits
+      assert 65536 // (128 * (config.fwd_wgs + 1)) >= 168
+      assert (config.fwd, config.dkv, config.dq) == (plain.fwd, plain.dkv, plain.dq)
+
+
 @pytest.mark.parametrize("version,warns", [("0.12.0.1", True), ("0.12.0", True),
                                            ("0.11.2", False), ("0.10.2", False),
                                            ("0.13.0.dev20261101", False)])

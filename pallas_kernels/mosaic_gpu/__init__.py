@@ -81,7 +81,9 @@ def default_config(spec: AttentionSpec, ops: Operands) -> tuning.TuningConfig:
   B, S, K, H = ops.k.shape
   return tuning.table_config(H, jnp.dtype(ops.q.dtype).itemsize, full=full,
                              dense=full and K == ops.q.shape[2], packed=ops.q_seg is not None,
-                             kv_shape=(B, K, S), **_extras(ops))
+                             kv_shape=(B, K, S),
+                             entry_registers=tuning.registers_fixed_at_entry(jax.__version__),
+                             **_extras(ops))
 
 
 def _ds_dtype(ops: Operands):
@@ -207,17 +209,18 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
 
 SLOW_TOOLCHAIN = (
     "stable_attn: on JAX {version} ptxas ignores the Hopper kernels' register reallocation "
-    "(setmaxnreg, C7504), so implementation='pallas_mosaic_gpu' runs 2.4-3x slower at head dim "
-    "128; for full speed pin jax<0.12 (0.11.2 is tested). Why: docs/ptxas_setmaxnreg.md")
+    "(setmaxnreg, C7504); implementation='pallas_mosaic_gpu' takes tiles that do without it, but "
+    "its fwd+bwd still takes about 1.2x its JAX 0.11 time at head dim 128 and 2.5x at 256; for "
+    "full speed pin jax<0.12 (0.11.2 is tested). Why, and a workaround: docs/ptxas_setmaxnreg.md")
 _warned = False
 
 
 def warn_if_slow_toolchain(version: str = jax.__version__) -> bool:
   """Warns once per process (RuntimeWarning, SLOW_TOOLCHAIN) where `version` is JAX 0.12, whose
   Mosaic GPU hands ptxas the kernels in a form where it drops `setmaxnreg` (measured on 0.12.0.1;
-  docs/ptxas_setmaxnreg.md). True if it warned on this call."""
+  `tuning.registers_fixed_at_entry`, docs/ptxas_setmaxnreg.md). True if it warned on this call."""
   global _warned
-  if _warned or tuple(version.split(".")[:2]) != ("0", "12"):
+  if _warned or not tuning.registers_fixed_at_entry(version):
     return False
   _warned = True
   warnings.warn(SLOW_TOOLCHAIN.format(version=version), RuntimeWarning, stacklevel=2)

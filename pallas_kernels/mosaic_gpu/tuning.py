@@ -2,8 +2,9 @@
 
 Every kernel runs CTAs of two compute warpgroups (each owning `block_q` query rows, or `block_kv`
 key rows in the dK/dV kernel; three in the forward and the dQ kernel at head dims 64 and 128:
-`fwd_wgs`, `dq_wgs`) and one producer warpgroup that streams the other operand through `stages`
-shared-memory slots with TMA.
+`fwd_wgs`, `dq_wgs`; two at 128 where ptxas ignores setmaxnreg, JAX 0.12: `_ENTRY_REGISTERS`)
+and one producer warpgroup that streams the other operand through `stages` shared-memory slots
+with TMA.
 
     config = tuning.TuningConfig(fwd=tuning.Tiles(64, 128, 2), dkv=..., dq=...)
     stable_attn.dot_product_attention(..., implementation="pallas_mosaic_gpu", config=config)
@@ -256,6 +257,24 @@ FEW_KEY_TILES = 1024
 _FEW = {128: dict(dkv_persistent=True)}
 
 
+# Where ptxas ignores setmaxnreg (JAX 0.12's Mosaic GPU compiles each kernel as a relocatable
+# module through libnvJitLink: docs/ptxas_setmaxnreg.md), every thread keeps its share of the
+# register file at entry, 65536 / threads: 128 with three compute warpgroups and the producer, 168
+# with two. At head dim 128 the table's three-warpgroup forward and dQ kernel then spill (1,456
+# bytes a thread in the forward) and serialise their wgmma (ptxas C7512), and the dK/dV kernel's
+# two fp32 accumulators (128 registers a thread) leave no room beside its score tiles. Two compute
+# warpgroups and dK, dV in two passes fit 168. H200, JAX 0.12.0.1, one process, time against
+# cuDNN at B4 T4096 N16 / B2 T8192 N32 K8 / B1 T16384 N16 causal: forward 0.98x / 1.03x / 1.09x
+# (the table's 0.32x / 0.33x / 0.29x), fwd+bwd 0.84x / 0.80x / 0.80x (0.42x / 0.39x / 0.42x).
+# The dK/dV sweep there (fwd+bwd, B4 T4096): two passes of 64-key tiles 2.51 ms, one pass 3.43 ms
+# (64-query blocks) and 3.01 ms (32), cuDNN 2.03 ms. Head dim 64 keeps its tiles (its forward ran
+# 1.30x cuDNN there); at 256 nothing measured helps yet (0.35-0.39x cuDNN fwd+bwd). Not with bias
+# or mask tiles: the one call of the compiled tests that faulted there (an illegal address) had
+# a block mask, fp16, and these tiles; with bias or mask the table already runs two warpgroups.
+_ENTRY_REGISTERS = {128: dict(fwd_wgs=2, dq_wgs=2, dkv_wgs=COMPUTE_WGS, dkv_passes=2,
+                              fwd_persistent=False, dkv_persistent=False)}
+
+
 def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
   """How many key tiles (one dK/dV CTA's keys each) the table's dK/dV kernel has."""
   dkv = TABLE[head_dim]
@@ -264,16 +283,33 @@ def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
 
 def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense: bool = False,
                  packed: bool = False, kv_shape: tuple[int, int, int] | None = None,
-                 **extras) -> TuningConfig:
+                 entry_registers: bool = False, **extras) -> TuningConfig:
   """The table's config for a head dim (full: the call masks no (query, key) pair by position or
   segment: `_FULL`'s changes; dense: full, and each kv head has one query head: `_DENSE`'s too;
   packed: it has segment ids, `_PACKED`'s; kv_shape (batch, kv heads, kv length) giving at most
   FEW_KEY_TILES dK/dV key tiles (`dkv_key_tiles`), neither full nor packed: `_FEW`'s); with
   `extras` (bias / mask tiles: see `smem_needs`), each kernel's first tiling of the table's,
   `_BESIDE` and `_NARROW` that fits shared memory beside them (ValueError when one kernel has
-  none)."""
+  none); entry_registers (a toolchain that ignores setmaxnreg: `registers_fixed_at_entry`), last,
+  `_ENTRY_REGISTERS`' changes where there are no bias or mask tiles."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
+  config = _table_config(head_dim, itemsize, full=full, dense=dense, packed=packed,
+                         kv_shape=kv_shape, **extras)
+  if not entry_registers or extras:
+    return config
+  return config.replace(**_ENTRY_REGISTERS.get(head_dim, {}))
+
+
+def registers_fixed_at_entry(version: str) -> bool:
+  """Whether JAX `version`'s Mosaic GPU compiles the kernels where ptxas ignores setmaxnreg: 0.12
+  (0.12.0.1 measured on an H200: XLA's compilation provider takes libnvJitLink, which compiles
+  each kernel relocatably, C7504; docs/ptxas_setmaxnreg.md). 0.10 and 0.11 compile whole-program."""
+  return tuple(version.split(".")[:2]) == ("0", "12")
+
+
+def _table_config(head_dim: int, itemsize: int, *, full: bool, dense: bool, packed: bool,
+                  kv_shape, **extras) -> TuningConfig:
   config = TABLE[head_dim]
   if not extras:
     few = (kv_shape is not None and not (full or dense or packed)
