@@ -257,3 +257,21 @@ def test_safe_offsets_leave_the_rounded_fp8_weight_unbiased():
   cells = jnp.floor(tile.SAFE_WEIGHT_MIN / cell + tile._weyl(pos, head, 1) *
                     ((tile.SAFE_WEIGHT_MAX - tile.SAFE_WEIGHT_MIN) / cell))
   assert relative((cells + tile._weyl(pos, head, 0)) * cell) < -2e-4
+
+
+def test_fp8_kernel_building_blocks_lower_for_cuda():
+  """The Hopper FP8 kernel's plan (docs/fp8.md, step 2) rests on three e4m3 wgmma arrangements
+  that Mosaic GPU must lower (on this CPU host, for CUDA): Q K^T with K viewed transposed, P V with
+  V stored transposed, and P cast to e4m3 into shared memory as the A operand. A JAX that stops
+  lowering one of them breaks the plan; docs/repro/fp8_wgmma_lowering.py prints every case."""
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parent.parent / "docs" / "repro" / "fp8_wgmma_lowering.py"
+  spec = importlib.util.spec_from_file_location("fp8_wgmma_lowering", path)
+  repro = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(repro)
+  for name in ("Q K^T, B = K.T", "P V, B = (V^T).T", "P through SMEM, A from SMEM",
+               "P through SMEM, A registers (WGMMA_8BIT)"):
+    assert repro.lowering_error(repro.CASES[name]) is None, name
+  # the constraint the plan works around: 8-bit B operands cannot be transposed
+  assert "transpose" in repro.lowering_error(repro.CASES["P V, B = V as stored"])
