@@ -1076,6 +1076,27 @@ def test_features_lower_for_cuda(feature):
   assert lowered(spec, ops).count("mosaic_gpu") >= 3   # a lowering error here fails the test
 
 
+@pytest.mark.parametrize("feature", ["plain", "segments", "sinks", "soft_cap", "qkvpacked"])
+def test_entry_register_tiles_lower_for_cuda(feature):
+  """JAX 0.12's head-dim-128 tiles (two compute warpgroups, dK and dV in two passes:
+  tuning._ENTRY_REGISTERS) lower for CUDA, forward and backward, with each feature they serve
+  (not bias or mask: those keep the table's tiles), on a CPU host."""
+  B, T, N, K, H = 1, 384, 4, 2, 128
+  ids = jnp.asarray(np.repeat(np.arange(3), T // 3)[None], jnp.int32)
+  kwargs = dict(plain={}, qkvpacked={}, segments=dict(q_segment_ids=ids),
+                sinks=dict(sinks=jnp.zeros(N, f32)), soft_cap=dict(logits_soft_cap=20.0))[feature]
+  spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=N if feature == "qkvpacked" else K,
+                        is_causal=True, **kwargs)
+  config = tuning.table_config(H, 2, packed=feature == "segments", entry_registers=True)
+  assert (config.fwd_wgs, config.dq_wgs, config.dkv_passes) == (2, 2, 2)
+  if feature == "qkvpacked":
+    ops = pack(jnp.stack([ops.q, ops.k, ops.v], axis=2), ops)
+  text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+  # the forward, the dQ kernel and the dK/dV kernel once per pass (a lowering error fails first)
+  kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  assert len(kernels) == 4, (feature, len(kernels))
+
+
 def test_safe_offsets_are_trace_time_constants():
   """max_adjust="safe" adds no per-call XLA work: its offsets (an operand, tile.safe_offset of every
   head and position) are computed when the call is traced and enter the program as a constant."""
