@@ -1,10 +1,12 @@
 """Tiling sweep of the Hopper kernels (pallas_mosaic_gpu): one line per variant, same process.
 
-    PYTHONPATH=. python benchmarks/mosaic_sweep.py [--shapes targets] [--kernels fwd,dkv,dq]
+    PYTHONPATH=. python benchmarks/mosaic_sweep.py [--shapes targets] [--kernels fwd,dkv,dkv2,dq]
 
-Each variant replaces one kernel's Tiles in the table's TuningConfig (the forward's and the dQ
-kernel's also their compute warpgroups, 2 or 3: `TuningConfig.fwd_wgs`, `dq_wgs`); "fwd" variants
-are timed forward only, the others forward+backward, against cuDNN timed in the same run.
+Each variant replaces one kernel's Tiles in the table's TuningConfig for this JAX (on 0.12 the
+entry-register tiles: `tuning.registers_fixed_at_entry`); the forward's and the dQ kernel's also
+their compute warpgroups, 2 or 3 (`TuningConfig.fwd_wgs`, `dq_wgs`), "dkv" one pass of the dK/dV
+kernel and "dkv2" two (`dkv_passes`). "fwd" variants are timed forward only, the others
+forward+backward, against cuDNN timed in the same run.
 Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks).
 """
 from __future__ import annotations
@@ -23,8 +25,8 @@ from benchmarks import attention as bench  # noqa: E402
 from pallas_kernels.mosaic_gpu import tuning  # noqa: E402
 
 T = tuning.Tiles
-_FWD = [T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(64, 128, 2), T(64, 128, 3), T(64, 192, 2),
-        T(64, 256, 2)]
+_FWD = [T(64, 32, 2), T(64, 32, 3), T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(64, 128, 2),
+        T(64, 128, 3), T(64, 192, 2), T(64, 256, 2)]
 VARIANTS = {   # TuningConfig fields each variant replaces
     # three warpgroups get 160 registers per thread: key blocks up to 128 rows; persistent CTAs
     # take three (their second Q buffer fits shared memory at head dim 64)
@@ -38,21 +40,22 @@ VARIANTS = {   # TuningConfig fields each variant replaces
     "dkv2": [dict(dkv=t, dkv_passes=2) for t in (T(64, 64, 2), T(64, 64, 3), T(32, 64, 2),
                                                  T(32, 64, 4))],
     "dq": [dict(dq=t, dq_wgs=w) for w in (2, 3)
-           for t in (T(64, 64, 2), T(64, 64, 3), T(64, 128, 2), T(64, 128, 3))],
+           for t in (T(64, 32, 2), T(64, 32, 3), T(64, 64, 2), T(64, 64, 3), T(64, 128, 2),
+                     T(64, 128, 3))],
 }
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--shapes", default="targets2", choices=("targets2", "targets", "h128"),
-                 help="h128: B4 T4096 N16 H128 causal alone")
+  p.add_argument("--shapes", default="targets2", choices=("targets2", "targets", "h128", "h256"),
+                 help="h128: B4 T4096 N16 H128 causal alone; h256: the head-dim-256 rows")
   p.add_argument("--kernels", default="fwd,dkv,dq")
   p.add_argument("--max-adjust", default="safe")
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--blocks", type=int, default=3)
   args = p.parse_args(argv)
   shapes = {"targets2": bench.TARGETS[:2], "targets": bench.TARGETS,
-            "h128": bench.TARGETS[1:2]}[args.shapes]
+            "h128": bench.TARGETS[1:2], "h256": bench.H256}[args.shapes]
   for shape in shapes:
     B, T_, N, K, H, causal = shape
     q, k, v, do = bench.make_inputs(*shape[:5], jnp.bfloat16)
