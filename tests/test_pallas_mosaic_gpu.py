@@ -498,11 +498,13 @@ def test_dense_calls_take_three_dkv_warpgroups():
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
 
 
-def test_persistent_dkv_where_key_tiles_differ():
+def test_persistent_dkv_where_key_tiles_differ(monkeypatch):
   """The dK/dV kernel runs persistent CTAs at head dim 64 where its key tiles differ in work
   (causal, windowed, packed) and lowers so, and at head dim 128 where they differ and are few
   (tuning.FEW_KEY_TILES) without segment ids; a grid where every query sees every key (equal
-  tiles, with or without GQA), for many tiles at 128, and with a bias or mask."""
+  tiles, with or without GQA), for many tiles at 128, and with a bias or mask. (The table where
+  setmaxnreg holds, whatever this JAX: JAX 0.12's tiles have their own test.)"""
+  monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: False)
   many = 1 + tuning.FEW_KEY_TILES // (1024 // 128)   # rows of 1024 keys: 8 tiles each
   assert tuning.dkv_key_tiles(128, many, 1, 1024) > tuning.FEW_KEY_TILES
   assert tuning.dkv_key_tiles(128, many - 1, 1, 1024) == tuning.FEW_KEY_TILES
@@ -532,11 +534,12 @@ def test_persistent_dkv_where_key_tiles_differ():
       assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
 
 
-def test_packed_calls_take_two_query_warpgroups():
+def test_packed_calls_take_two_query_warpgroups(monkeypatch):
   """With segment ids the dQ kernel takes two warpgroups (128-row CTAs line up with documents), and
   at head dim 128 the forward too, three without; at 64 the persistent three-warpgroup forward
   stays. (At 128 the few key tiles of this call also make the unpacked dK/dV kernel persistent,
-  tuning._FEW, which packed rows are not.)"""
+  tuning._FEW, which packed rows are not.) The table where setmaxnreg holds, whatever this JAX."""
+  monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: False)
   for H, packed_wgs in ((128, (2, 2)), (64, (3, 2))):
     spec, ops = _spec_ops(shape=(2, 256, 4, H), kv_heads=2, is_causal=True)
     packed = ops._replace(q_seg=jnp.zeros((2, 256), jnp.int32),
@@ -1074,6 +1077,25 @@ def test_features_lower_for_cuda(feature):
   spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=K, is_causal=True, **kwargs)
   assert mosaic.covers(spec, ops) is None
   assert lowered(spec, ops).count("mosaic_gpu") >= 3   # a lowering error here fails the test
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_calls_take_the_tiles_of_this_jax(monkeypatch, fixed):
+  """A call's default config follows the JAX it runs on (`tuning.registers_fixed_at_entry` of
+  jax.__version__): on 0.12 the entry-register tiles at head dim 128 without bias or mask, the
+  table's with a mask and at head dim 64; elsewhere the table's."""
+  seen = []
+  monkeypatch.setattr(tuning, "registers_fixed_at_entry",
+                      lambda version: seen.append(version) or fixed)
+  spec, ops = _spec_ops(shape=(2, 256, 4, 128), kv_heads=2, is_causal=True)
+  config = mosaic.default_config(spec, ops)
+  assert seen == [jax.__version__]
+  assert (config.fwd_wgs, config.dkv_passes) == ((2, 2) if fixed else (3, 1))
+  spec, ops = _spec_ops(shape=(2, 256, 4, 128), kv_heads=2, is_causal=True,
+                        mask=jnp.ones((1, 1, 256, 256), bool))
+  assert mosaic.default_config(spec, ops).dkv_passes == 1
+  spec, ops = _spec_ops(shape=(2, 256, 4, 64), kv_heads=2, is_causal=True)
+  assert mosaic.default_config(spec, ops).fwd_wgs == 3
 
 
 @pytest.mark.parametrize("feature", ["plain", "segments", "sinks", "soft_cap", "qkvpacked"])
