@@ -78,7 +78,7 @@ def main(argv=None):
     for kernel in args.kernels.split(","):
       for variant in VARIANTS[kernel]:
         config = base.replace(**variant)
-        tiles = variant[kernel.rstrip("2")]
+        tiles = variant["dkv" if kernel == "dkv2" else kernel]
         tag = " (table)" if all(getattr(base, k) == v for k, v in variant.items()) else ""
         wgs = "".join(f" wg{w}" for name, w in variant.items() if name.endswith("_wgs"))
         wgs += " persistent" if variant.get("fwd_persistent") else ""

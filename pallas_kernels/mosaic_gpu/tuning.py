@@ -294,22 +294,6 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   `_ENTRY_REGISTERS`' changes where there are no bias or mask tiles."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
-  config = _table_config(head_dim, itemsize, full=full, dense=dense, packed=packed,
-                         kv_shape=kv_shape, **extras)
-  if not entry_registers or extras:
-    return config
-  return config.replace(**_ENTRY_REGISTERS.get(head_dim, {}))
-
-
-def registers_fixed_at_entry(version: str) -> bool:
-  """Whether JAX `version`'s Mosaic GPU compiles the kernels where ptxas ignores setmaxnreg: 0.12
-  (0.12.0.1 measured on an H200: XLA's compilation provider takes libnvJitLink, which compiles
-  each kernel relocatably, C7504; docs/ptxas_setmaxnreg.md). 0.10 and 0.11 compile whole-program."""
-  return tuple(version.split(".")[:2]) == ("0", "12")
-
-
-def _table_config(head_dim: int, itemsize: int, *, full: bool, dense: bool, packed: bool,
-                  kv_shape, **extras) -> TuningConfig:
   config = TABLE[head_dim]
   if not extras:
     few = (kv_shape is not None and not (full or dense or packed)
@@ -317,7 +301,8 @@ def _table_config(head_dim: int, itemsize: int, *, full: bool, dense: bool, pack
     changes = {**(_FULL.get(head_dim, {}) if full or dense else {}),
                **(_DENSE.get(head_dim, {}) if dense else {}),
                **(_PACKED.get(head_dim, {}) if packed else {}),
-               **(_FEW.get(head_dim, {}) if few else {})}
+               **(_FEW.get(head_dim, {}) if few else {}),
+               **(_ENTRY_REGISTERS.get(head_dim, {}) if entry_registers else {})}
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False)
@@ -335,3 +320,10 @@ def _table_config(head_dim: int, itemsize: int, *, full: bool, dense: bool, pack
   config = config.replace(**chosen)
   config.check_smem(head_dim, itemsize, **extras)
   return config
+
+
+def registers_fixed_at_entry(version: str) -> bool:
+  """Whether JAX `version`'s Mosaic GPU compiles the kernels where ptxas ignores setmaxnreg: 0.12
+  (0.12.0.1 measured on an H200: XLA's compilation provider takes libnvJitLink, which compiles
+  each kernel relocatably, C7504; docs/ptxas_setmaxnreg.md). 0.10 and 0.11 compile whole-program."""
+  return tuple(version.split(".")[:2]) == ("0", "12")
