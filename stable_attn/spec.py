@@ -177,6 +177,10 @@ OPERANDS = OperandTable([
     # Attention sinks: one logit per query head joining every row's denominator without a value
     # (gpt-oss / splash). Differentiable; its gradient needs only delta (flash.py).
     Operand("sinks", ("heads",), "float", optional=True, arg="sinks"),
+    # An FP8 kernel's descale factors, per query head (built by the backend from q, k and v's
+    # per-head scales, stable_attn.fp8): the scores' (q's times its kv head's k's) and O's (v's).
+    Operand("qk_descale", ("heads",), "float32", optional=True),
+    Operand("v_descale", ("heads",), "float32", optional=True),
 ])
 Operands = OPERANDS.tuple_type
 PACKED_OPERANDS = OPERANDS.packed()

@@ -124,7 +124,11 @@ def _round_narrow(x, dtype):
 def _round_narrow_jvp(dtype, primals, tangents):
   # The derivative of a cast, whose transpose casts the cotangent (subnormals kept); the
   # derivative of reduce_precision would flush subnormal cotangents, the grid's would be zero.
+  # FP8 passes it straight through (docs/fp8.md): a cotangent cast to e4m3 loses all below 2^-9,
+  # where P_bar's (scaled by 1 / (p_scale * l)) mostly are (`operand`).
   (x,), (t,) = primals, tangents
+  if jnp.dtype(dtype).itemsize == 1:
+    return _round_narrow(x, dtype), t
   return _round_narrow(x, dtype), t.astype(dtype).astype(t.dtype)
 
 
@@ -141,6 +145,10 @@ def operand(x: jax.Array, dtype, round_fn: RoundFn = round_convert) -> jax.Array
   """fp32 `x` cast to `dtype` for a matmul operand, rounded for certain (see `round_exact`)."""
   if round_fn is round_convert:
     return x.astype(dtype)   # one conversion, not a round trip and a second conversion
+  if jnp.dtype(dtype).itemsize == 1:
+    # FP8 values stay fp32 here: autodiff (the xla path) would cast the cotangent to e4m3 too,
+    # flushing all below 2^-9 (dQ 15-60% wrong). Every FP8 product widens them first anyway.
+    return round_fn(x, dtype)
   return round_fn(x, dtype).astype(dtype)
 
 
@@ -177,15 +185,20 @@ class Scores(NamedTuple):
   dtanh: Optional[jax.Array] = None
 
   def scaled(self) -> jax.Array:
-    return self.values if self.factor == 1.0 else self.values * self.factor
+    return self.values if _unit(self.factor) else self.values * self.factor
 
   def minus(self, rows: jax.Array) -> jax.Array:
     """The logits minus a per-query value already broadcast to the tile (fused when scaled)."""
-    return self.values - rows if self.factor == 1.0 else self.values * self.factor - rows
+    return self.values - rows if _unit(self.factor) else self.values * self.factor - rows
+
+
+def _unit(factor) -> bool:
+  """Whether a Scores factor is the constant 1 (a traced factor, an FP8 call's, never is)."""
+  return isinstance(factor, (int, float, np.floating)) and factor == 1.0
 
 
 def scores(qk, ok=None, *, scale: float, bias=None, dt: Dtypes, round_fn: RoundFn = round_convert,
-           base2: bool = False, soft_cap: Optional[float] = None) -> Scores:
+           base2: bool = False, soft_cap: Optional[float] = None, descale=None) -> Scores:
   """Logits of a tile from its product qk = Q K^T (fp32, either orientation).
 
   scale * qk + bias, soft-capped to soft_cap * tanh(. / soft_cap) when soft_cap is given, rounded
@@ -194,18 +207,21 @@ def scores(qk, ok=None, *, scale: float, bias=None, dt: Dtypes, round_fn: RoundF
   P = 0 exactly in every later step, with no second select. With the scale kept outside the tile
   (factor != 1, compiled base-2 kernels only) masked scores are -inf: MASKED_SCORE * factor would
   rise above the initial max when factor < 1.
+  descale: None, or an fp32 scalar (traced: an FP8 kernel's per-head q and k descale) that qk is
+  multiplied by; folded into the scale, so it costs nothing per element. A power of two: exact.
   """
+  qk_scale = scale if descale is None else scale * descale
   if base2 and jnp.dtype(dt.score) != jnp.float32:
     raise ValueError(f"base-2 scores need fp32 scores, not {jnp.dtype(dt.score).name}")
   if base2 and bias is None and soft_cap is None and scale > 0:
-    s, factor, dtanh = qk, scale * LOG2E, None
+    s, factor, dtanh = qk, qk_scale * LOG2E, None
   elif base2 and bias is None and scale > 0:
     # cap * tanh(scale * qk / cap) in log2 units: tanh of the product, with cap * log2(e) kept
     # outside the tile as the factor (one multiply and the tanh per element, then one FMA).
-    t = jnp.tanh(qk * (scale / soft_cap))
+    t = jnp.tanh(qk * (qk_scale / soft_cap))
     s, factor, dtanh = t, soft_cap * LOG2E, 1.0 - t * t
   else:
-    s = qk * scale if bias is None else qk * scale + bias.astype(f32)
+    s = qk * qk_scale if bias is None else qk * qk_scale + bias.astype(f32)
     dtanh = None
     if soft_cap is not None:
       t = jnp.tanh(s * (1.0 / soft_cap))
@@ -213,7 +229,7 @@ def scores(qk, ok=None, *, scale: float, bias=None, dt: Dtypes, round_fn: RoundF
     s = round_fn(s, dt.score)
     s, factor = (s * LOG2E if base2 else s), 1.0
   if ok is not None:
-    s = jnp.where(ok, s, MASKED_SCORE if factor == 1.0 else -jnp.inf)
+    s = jnp.where(ok, s, MASKED_SCORE if _unit(factor) else -jnp.inf)
   return Scores(s, factor, dtanh)
 
 
@@ -347,7 +363,7 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
                                    base2=base2, q_axis=q_axis)
   else:
     block_max = jnp.max(s.values, axis=k_axis)
-    block_max = block_max if s.factor == 1.0 else block_max * s.factor   # factor > 0 commutes
+    block_max = block_max if _unit(s.factor) else block_max * s.factor   # factor > 0 commutes
   m_new = jnp.maximum(stats.m, block_max)
   tile_rows = lambda x: _rows(x, s.values, q_axis)
   if offset is not None and jnp.dtype(dt.score) == jnp.float32:

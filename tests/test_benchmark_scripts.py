@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import attention, compile_time, features, peers, profile_mosaic
+from benchmarks import attention, compile_time, features, fp8, peers, profile_mosaic
 
 
 @pytest.mark.slow
@@ -28,6 +28,19 @@ def test_features_smoke(capsys):
     import tokamax  # noqa: F401
   except ImportError:
     assert "| tokamax | B1 T64 N2 H32 causal, soft cap 50 | nan | not run: tokamax is not " in text
+
+
+@pytest.mark.slow
+def test_fp8_smoke(capsys):
+  """benchmarks/fp8.py's arms that run on a CPU (the reference in each numerics) and its error
+  table; the FP8 arm's O is further from float64 than bf16's (q, k, v and P in e4m3)."""
+  fp8.main(["--smoke"])
+  text = capsys.readouterr().out
+  errors = {row[0]: float(row[1]) for row in
+            re.findall(r"^\| (bf16|bf16_q|fp8) \| ([0-9.e+-]+) \|", text, re.M)}
+  assert set(errors) == {"bf16", "bf16_q", "fp8"}, text
+  assert errors["bf16"] < 5e-3 < errors["bf16_q"] < errors["fp8"] < 0.1, errors
+  assert "| B1 T256 N2 H128 | fp8 |" in text
 
 
 def test_features_figure_from_a_written_table(tmp_path):

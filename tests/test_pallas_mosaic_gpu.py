@@ -38,6 +38,9 @@ from pallas_kernels.mosaic_gpu import common, tuning  # noqa: E402
 on_hopper = pytest.mark.skipif(not mosaic.is_available(), reason="needs a Hopper (sm_90) GPU")
 
 
+FP8 = "fast+qkv=e4m3+p=e4m3+p_scale=256"   # the FP8 forward's numerics (FlashAttention-3's)
+
+
 def _spec_ops(shape=(2, 128, 4, 64), kv_heads=2, dtype=bf16, **kwargs):
   B, T, N, H = shape
   q = jnp.zeros((B, T, N, H), dtype)
@@ -73,9 +76,17 @@ def _spec_ops(shape=(2, 128, 4, 64), kv_heads=2, dtype=bf16, **kwargs):
           mask=jnp.ones((2, 1, 1, 128), bool)), None),
     (dict(numerics="paper"), "numerics 'paper'"),
     (dict(numerics="fast+fp32o"), "numerics 'fast\\+fp32o'"),
-    # FP8 q, k, v are quantized before the kernel, whose products of e4m3 values are exact; an
-    # FP8 P_bar is not cast by the kernels (yet).
+    # FP8 q, k, v are quantized before the kernel, whose products of e4m3 values are exact; with
+    # P cast to e4m3 too, the FP8 forward (head dim 128, no bias or mask); the "fp8" preset's
+    # top key in bf16 and rounded row sum it does not compute.
     (dict(numerics="fast+qkv=e4m3"), None),
+    (dict(shape=(2, 128, 4, 128), numerics=FP8), None),
+    (dict(shape=(2, 128, 4, 128), numerics="fast+qkv=e4m3+p=e4m3"), None),
+    (dict(numerics=FP8), "head dim 64: the FP8 forward"),
+    (dict(shape=(2, 128, 4, 128), numerics=FP8, mask=jnp.ones((1, 1, 128, 128), bool)),
+     "no bias or mask"),
+    (dict(shape=(2, 128, 4, 128), numerics="fast+p=e4m3+p_scale=256"),
+     "numerics 'fast\\+p=e4m3"),
     (dict(numerics="fp8"), "numerics 'fp8'"),
     (dict(interpret=True), "interpret"),
     (dict(q_segment_ids=jnp.zeros((2, 128), jnp.int32), is_causal=True), None),
@@ -659,6 +670,51 @@ def test_gpu_fp8_inputs_are_the_call_on_their_quantized_values():
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
 
 
+_FP8_IDS = np.repeat(np.arange(3), 128)[None].repeat(2, 0)
+FP8_CASES = {   # B2 T384 N4 K2 H128
+    "gqa_lens": dict(is_causal=True, query_seq_lengths=np.array([384, 300]),
+                     key_value_seq_lengths=np.array([384, 250])),
+    "packed_sinks_window": dict(is_causal=True, q_segment_ids=_FP8_IDS, kv_segment_ids=_FP8_IDS,
+                                sinks=np.array([0.0, 1.0, -1.0, 2.0]), local_window_size=(200, 0)),
+    "soft_cap": dict(logits_soft_cap=20.0),
+}
+
+
+def _fp8_errors(implementation, numerics, case, max_adjust, inputs):
+  """Relative errors of O, dQ, dK, dV against float64 attention of the e4m3-quantized q, k, v
+  (what is left is P's rounding and the products' accumulation), and O."""
+  from stable_attn import fp8
+  kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+            for k, v in FP8_CASES[case].items()}
+  q, k, v, d_out = inputs
+  f = lambda q, k, v: stable_attn.dot_product_attention(
+      q, k, v, implementation=implementation, numerics=numerics, max_adjust=max_adjust, **kwargs)
+  o, pullback = jax.vjp(jax.jit(f), q, k, v)
+  exact = exact_attention_vjp(*(fp8.quantize(x) for x in (q, k, v)), d_out, **kwargs)
+  got = (o,) + tuple(pullback(d_out))
+  return [cases.relative_error(x, want) for x, want in
+          zip(got, (exact.out, exact.dq, exact.dk, exact.dv))], np.asarray(o, np.float32)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("max_adjust", ["off", "paper", "safe"])
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_gpu_fp8_forward_is_as_accurate_as_the_reference(case, max_adjust):
+  """The compiled FP8 forward (with its bf16 backward) against float64 attention of the quantized
+  inputs: O, dQ, dK and dV within 1.25x (+ 2e-3) the error of implementation="reference" in the
+  same numerics -- their P round on different key blocks, so they differ by P's rounding, not
+  bitwise -- and O visibly not the bf16-P kernel's (P is cast to e4m3: ~2% apart)."""
+  rng = np.random.default_rng()
+  shapes = ((2, 384, 4, 128), (2, 384, 2, 128), (2, 384, 2, 128), (2, 384, 4, 128))
+  inputs = [jnp.asarray(rng.standard_normal(s), bf16) for s in shapes]
+  got, o = _fp8_errors(IMPL, FP8, case, max_adjust, inputs)
+  want, _ = _fp8_errors("reference", FP8, case, max_adjust, inputs)
+  assert all(g <= 1.25 * w + 2e-3 for g, w in zip(got, want)), (got, want)
+  _, o_bf16_p = _fp8_errors(IMPL, "fast+qkv=e4m3", case, max_adjust, inputs)
+  assert cases.relative_error(o, o_bf16_p.astype(np.float64)) > 5e-3
+
+
 @pytest.mark.parametrize("version,fixed", [("0.12.0.1", True), ("0.12.0", True),
                                            ("0.11.2", False), ("0.10.2", False),
                                            ("0.13.0.dev20261101", False)])
@@ -1117,6 +1173,38 @@ def test_entry_register_tiles_lower_for_cuda(feature):
   # the forward, the dQ kernel and the dK/dV kernel once per pass (a lowering error fails first)
   kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
   assert len(kernels) == 4, (feature, len(kernels))
+
+
+@pytest.mark.parametrize("feature", ["gqa", "segments_sinks_window", "soft_cap_paper",
+                                     "qkvpacked"])
+def test_fp8_forward_lowers_for_cuda(feature):
+  """The FP8 forward (e4m3 Q K^T, P cast to e4m3 through shared memory, V^T) lowers for CUDA with
+  the features it serves, and its backward is the bf16 kernels' (dQ, dK/dV) on the dequantized
+  q, k, v; on a CPU host."""
+  B, T, N, K, H = 1, 384, 4, 2, 128
+  ids = jnp.asarray(np.repeat(np.arange(3), T // 3)[None], jnp.int32)
+  kwargs = dict(gqa={}, qkvpacked={},
+                segments_sinks_window=dict(q_segment_ids=ids, sinks=jnp.zeros(N, f32),
+                                           local_window_size=(200, 0)),
+                soft_cap_paper=dict(logits_soft_cap=20.0, max_adjust="paper"))[feature]
+  spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=N if feature == "qkvpacked" else K,
+                        is_causal=True, numerics=FP8, **kwargs)
+  assert mosaic.covers(spec, ops) is None and mosaic.fp8_forward(spec, bf16)
+  config = mosaic.default_config(spec, ops)
+  if feature == "qkvpacked":   # the forward reads split copies; the backward writes in place
+    ops = pack(jnp.stack([ops.q, ops.k, ops.v], axis=2), ops)
+  text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+  kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  # the forward, the dQ kernel and the dK/dV kernel once per pass (two on JAX 0.12's tiles)
+  assert len(kernels) == 2 + config.dkv_passes, (feature, len(kernels))
+  assert sum("f8E4M3FN" in line for line in kernels) == 1, feature   # the forward's operands
+
+
+def test_fp8_forward_takes_128_key_blocks():
+  spec, ops = _spec_ops(shape=(1, 256, 2, 128), kv_heads=2, is_causal=True, numerics=FP8)
+  config = mosaic.default_config(spec, ops)
+  with pytest.raises(ValueError, match="block_kv=64"):
+    mosaic._checked_config(spec, ops, config.replace(fwd=tuning.Tiles(64, 64, 2)))
 
 
 def test_safe_offsets_are_trace_time_constants():

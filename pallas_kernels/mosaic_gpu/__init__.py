@@ -12,9 +12,12 @@ What it covers (`covers`): bf16/fp16 on an sm_90 GPU, head dims 64, 128 and 256,
 every max_adjust mode, causal, local windows, lengths, GQA/MQA, T != S and lengths that are not
 block multiples (padded), a logits soft cap, attention sinks, segment ids (packed sequences), bias
 (with its gradient) and boolean mask operands, streamed by TMA beside K/V (their all-False blocks
-neither streamed nor computed: block ranges and a compacted block order per CTA). Everything
-else -- other numerics presets, fp32, other head dims, a bias or mask whose tiles do not fit
-shared memory even beside 32-key blocks (head dim 256: an fp32 bias, a bias with a mask) -- is
+neither streamed nor computed: block ranges and a compacted block order per CTA). FP8: with
+numerics qkv="e4m3" and p="e4m3" (FlashAttention-3's arithmetic, `fp8_forward`) the forward runs
+e4m3 wgmma at head dim 128 (no bias or mask) and the backward the bf16/fp16 kernels on the
+dequantized inputs (docs/fp8.md). Everything else -- other numerics presets, fp32, other head
+dims, a bias or mask whose tiles do not fit shared memory even beside 32-key blocks (head dim
+256: an fp32 bias, a bias with a mask) -- is
 implementation="pallas_gpu" (implementation=None picks it; naming this backend for such a call
 raises ValueError with the reason).
 """
@@ -26,11 +29,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from stable_attn import fp8
 from stable_attn import numerics as numerics_lib
 from stable_attn import tile
 from stable_attn.flash import make_flash_attention, reduce_to_shape
 from stable_attn.layout import Geometry, pad_operands, pad_to, unpad
-from stable_attn.spec import LSE_AXES, ROW_AXES, AttentionSpec, Operands, pack
+from stable_attn.spec import LSE_AXES, ROW_AXES, AttentionSpec, Operands, pack, unpack
 
 from pallas_kernels.mosaic_gpu import tuning
 from pallas_kernels.mosaic_gpu.common import Call, block_ranges, input_dtype
@@ -60,14 +64,34 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
     return f"dtype {jnp.dtype(ops.q.dtype).name}: the Hopper kernels take bfloat16 and float16"
   if H not in tuning.HEAD_DIMS:
     return f"head dim {H}: the Hopper kernels cover {tuning.HEAD_DIMS}"
-  if spec.numerics.dtypes(ops.q.dtype) != numerics_lib.FAST.dtypes(ops.q.dtype):
+  if fp8_forward(spec, ops.q.dtype):
+    if H != FP8_HEAD_DIM:
+      return (f"head dim {H}: the FP8 forward (numerics {spec.numerics.name!r}) covers "
+              f"{FP8_HEAD_DIM}")
+    if ops.bias is not None or ops.mask is not None:
+      return f"numerics {spec.numerics.name!r}: the FP8 forward takes no bias or mask operands"
+  elif spec.numerics.dtypes(ops.q.dtype) != numerics_lib.FAST.dtypes(ops.q.dtype):
     return (f"numerics {spec.numerics.name!r}: the Hopper kernels compute the 'fast' rounding "
-            f"(fp32 scores and statistics, P in the input dtype)")
+            f"(fp32 scores and statistics, P in the input dtype), or that with qkv='e4m3' and "
+            f"p='e4m3' (any p_scale): the FP8 forward")
   try:
     default_config(spec, ops)
   except ValueError as e:
     return f"the bias and mask tiles do not fit shared memory: {e}"
   return None
+
+
+FP8_HEAD_DIM = 128   # e4m3 wgmma reduces over 128 elements at a time (the 128-byte swizzle)
+
+
+def fp8_forward(spec: AttentionSpec, dtype) -> bool:
+  """Whether the call's forward runs in FP8: numerics "fast" but for e4m3 q, k and v (qkv="e4m3")
+  and P cast to e4m3 (p="e4m3", any p_scale) -- FlashAttention-3's FP8 arithmetic. The backward
+  then runs the bf16/fp16 kernels on the dequantized q, k and v (exact in the input dtype)."""
+  dt = spec.numerics.dtypes(dtype)
+  fast = numerics_lib.FAST.dtypes(dtype)
+  return (spec.numerics.qkv == "e4m3" and jnp.dtype(dt.p) == jnp.dtype(fp8.E4M3)
+          and dt == fast._replace(p=dt.p, p_scale=dt.p_scale))
 
 
 def default_config(spec: AttentionSpec, ops: Operands) -> tuning.TuningConfig:
@@ -124,10 +148,28 @@ def _padded(ops: Operands, call: Call) -> Operands:
   return x._replace(**pairwise)
 
 
+def _fp8_operands(x: Operands, groups: int) -> Operands:
+  """Padded Operands (q, k, v already quantized: stable_attn.fp8) -> q and k as e4m3 [B, Tp, N|K,
+  H], v as e4m3 V^T [B, K, H, Sp] (FP8 wgmma takes both operands K-major: P V reduces over keys),
+  each times its per-head power of two (exact), and their descale factors per query head:
+  qk_descale (q's times its kv head's k's) and v_descale."""
+  def e4m3(a, axes=(0, 1, 2, 3)):   # V: transposed before the cast (one fusion, 2-byte reads)
+    scales = fp8.head_scales(a)
+    scaled = jnp.transpose(a.astype(jnp.float32) * scales[None, None, :, None], axes)
+    return scaled.astype(fp8.E4M3), scales
+  (q, q_scale), (k, k_scale), (v, v_scale) = e4m3(x.q), e4m3(x.k), e4m3(x.v, (0, 2, 3, 1))
+  per_query_head = lambda kv_scale: jnp.repeat(kv_scale, groups)
+  return x._replace(q=q, k=k, v=v,
+                    qk_descale=1.0 / (q_scale * per_query_head(k_scale)),
+                    v_descale=1.0 / per_query_head(v_scale))
+
+
 def _forward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands):
   from pallas_kernels.mosaic_gpu.forward import forward_call
   call = _call(spec, config, ops)
   x = _padded(ops, call)
+  if call.fp8:
+    x = _fp8_operands(unpack(x), call.geo.G)
   fwd = config.fwd
   o, lse = forward_call(call, x, block_ranges(x, fwd.block_q, fwd.block_kv, "query"))
   o = unpad(o, ROW_AXES, call.geo)
@@ -191,6 +233,9 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
                      "its gradients are not bitwise reproducible; deterministic=True takes the "
                      "two-kernel backward (fused_dq=False)")
   config.check_smem(H, itemsize, **_extras(ops))
+  if fp8_forward(spec, ops.q.dtype) and config.fwd.block_kv != 128:
+    raise ValueError(f"config.fwd.block_kv={config.fwd.block_kv}: the FP8 forward's P V product "
+                     f"reduces over 128 keys at a time (e4m3 wgmma); use 128")
   for name in ("fwd_wgs", "dq_wgs", "dkv_wgs"):
     if getattr(config, name) != tuning.COMPUTE_WGS and _extras(ops):
       raise ValueError(f"config.{name}={getattr(config, name)} takes no bias or mask operands "

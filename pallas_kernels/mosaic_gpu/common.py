@@ -95,6 +95,12 @@ class Call:
   def safe(self) -> bool:
     return self.spec.max_adjust == "safe"
 
+  @property
+  def fp8(self) -> bool:
+    """The forward runs in FP8: e4m3 Q, K and V^T, P cast to e4m3 for the PV product (numerics
+    with qkv="e4m3" and p="e4m3"; the backward kernels take the dequantized q, k and v)."""
+    return jnp.dtype(self.dt.p).itemsize == 1
+
   def lengths(self, refs, b) -> Lengths:
     """The batch row's query and key lengths and q_shift: static T, S and 0 unless the call has
     them (a CTA then starts its TMA loads without waiting for scalar loads from global memory)."""
@@ -103,11 +109,11 @@ class Call:
       return lens
     return Lengths(self.geo.T, self.geo.S, lens.shift)
 
-  def scores(self, qk, ok, bias=None) -> tile.Scores:
+  def scores(self, qk, ok, bias=None, descale=None) -> tile.Scores:
     """A tile's masked, soft-capped scores in log2 units (either orientation; bias, the bias
-    tile in the same orientation, or None)."""
+    tile in the same orientation, or None; descale: the FP8 forward's q and k descale, or None)."""
     return tile.scores(qk, ok, scale=self.spec.scale, bias=bias, dt=self.dt, base2=True,
-                       soft_cap=self.spec.logits_soft_cap)
+                       soft_cap=self.spec.logits_soft_cap, descale=descale)
 
   def iota_positions(self, shape, q_start, k_start, *, q_axis: int):
     """int32 query and key positions of a tile, in the WGMMA layout: a per-row and a per-column

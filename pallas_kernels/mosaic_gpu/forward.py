@@ -57,10 +57,10 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
   """ctas: 0 for one CTA per query tile (grid (B, N, CTAs per row)), else the number of
   persistent CTAs (grid (ctas,)) that take the tiles in zigzag rounds (`common.query_tiles`)."""
   (q_smem, k_smem, v_smem, off_smem, lse_smem, qseg_smem, kseg_smem, bias_smem, mask_smem,
-   o_smem), (loaded, free, schedule) = scratch[0], scratch[1:]
+   o_smem, p_smem), (loaded, free, schedule) = scratch[0], scratch[1:]
   q_loaded, k_loaded, v_loaded = loaded
   k_free, v_free = free
-  spec, dt, fwd, wgs = call.spec, call.dt, call.config.fwd, call.config.fwd_wgs
+  spec, dt, fwd, wgs, fp8 = call.spec, call.dt, call.config.fwd, call.config.fwd_wgs, call.fp8
   bq, bk, stages = fwd.block_q, fwd.block_kv, fwd.stages
   wg = lax.axis_index("wg")
   tiles = common.query_tiles(call, wgs, bq, ctas)
@@ -117,6 +117,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       # The rows' segment ids are read on the masked steps that need them, not held in registers
       # across the loop (held, the three-warpgroup forward spilled 220 bytes: ptxas, H128).
       q_ids = lambda: common.load_tile(qseg_smem.at[buf, wg], ROWS) if call.packed else None
+      descale = refs.qk_descale[n] if fp8 else None   # FP8: Q K^T of e4m3 values, times 2^-e
       slot_of = lambda p: common.slot_of(base + p - order.first, stages)
 
       def wait_k(p):
@@ -155,7 +156,10 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
             plgpu.barrier_wait(schedule)
 
         def pv_product(acc_ref):
-          plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+          if fp8:   # V^T in SMEM viewed transposed: K-major, as 8-bit wgmma operands must be
+            plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot].transpose((1, 0)))
+          else:
+            plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
           wait_k(p + 1)
 
         with jax.named_scope("pv"):
@@ -175,10 +179,14 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         if kind == "masked":
           ok = call.visible((bq, bk), q_start, j * bk, lens, q_ids=q_ids(),
                             kv_ids=kv_ids, mask=allowed)
-        s = call.scores(qk, ok, bias)
+        s = call.scores(qk, ok, bias, descale)
         probs, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
                                            beta=spec.beta, offset=offset, base2=True)
         acc = tile.scale_acc(acc, alpha, dt=dt)
+        if fp8:   # no register relayout to the 8-bit wgmma operand: P goes through SMEM
+          p_smem.at[wg][...] = probs
+          plgpu.commit_smem()
+          probs = None
         # Finish the softmax before handing the tensor cores over (as JAX's attention_mgpu does).
         return lax.optimization_barrier((acc, stats, probs))
 
@@ -192,13 +200,16 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       with jax.named_scope("epilogue"):
         pl.when(wg == 0)(rendezvous)
         sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
+        if fp8:   # acc holds P_bar * p_scale times V's e4m3 values (V times 2^e)
+          acc = acc * (refs.v_descale[n] * (1.0 / dt.p_scale))
         o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True, sink=sink)
 
         @if_rows
         def _store():
           # A persistent CTA stages O apart from Q (whose buffer takes a later tile's rows) and
-          # first waits for its previous tile's stores to have read the staging tiles.
-          staged = o_smem.at[wg] if ctas else q
+          # first waits for its previous tile's stores to have read the staging tiles; so does
+          # the FP8 forward (Q's e4m3 buffer cannot hold O).
+          staged = o_smem.at[wg] if ctas or fp8 else q
           if ctas:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           staged[...] = o
@@ -224,7 +235,8 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       def loader(ref, smem, barrier):
         def load(j, slot):
           keys = pl.ds(j * bk, bk)
-          plgpu.copy_gmem_to_smem(ref.at[b, keys, kv_head], smem.at[slot], barrier.at[slot])
+          rows = ref.at[b, kv_head, :, keys] if fp8 and ref is refs.v else ref.at[b, keys, kv_head]
+          plgpu.copy_gmem_to_smem(rows, smem.at[slot], barrier.at[slot])
           if ref is refs.k:   # the keys' segment ids and the CTA's bias and mask tiles: with K
             common.copy_beside(refs, b, n, pl.ds(cta.start, wgs * bq), keys, barrier.at[slot],
                                (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
@@ -243,11 +255,12 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   """Padded Operands or PackedOperands (x.offset: [N, Tp] fp32 natural units, or None; x.bias,
   x.mask: [Bx, Nx, Tp, Sp], the mask as int8) and their block ranges (common.block_ranges per
-  block_q rows) -> (O [B, Tp, N, H] in the input dtype, LSE fp32 [B, N, Tp])."""
-  tiles, wgs = call.config.fwd, call.config.fwd_wgs
+  block_q rows) -> (O [B, Tp, N, H] in the input dtype, LSE fp32 [B, N, Tp]). With call.fp8:
+  x.q, x.k e4m3, x.v e4m3 V^T [B, K, H, Sp], x.qk_descale and x.v_descale [N] fp32."""
+  tiles, wgs, fp8 = call.config.fwd, call.config.fwd_wgs, call.fp8
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
-  dtype = common.input_dtype(x)
+  dtype, out_dtype = common.input_dtype(x), call.dt.input
   mma = common.mma_transforms(dtype, bk)
 
   # Persistent CTAs (TuningConfig.fwd_persistent): as many as the device has SMs, each with two
@@ -256,13 +269,15 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   q_bufs = 2 if ctas else 1
   smem = (plgpu.SMEM((q_bufs, wgs, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
-          plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((stages, H, bk) if fp8 else (stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((q_bufs, wgs, bq), f32) if call.safe else None,
           plgpu.SMEM((wgs, bq), f32),
           plgpu.SMEM((q_bufs, wgs, bq), jnp.int32) if call.packed else None,
           plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None,
           *common.pairwise_smem(x, stages, wgs * bq, bk),
-          plgpu.SMEM((wgs, bq, H), dtype, transforms=mma) if ctas else None)
+          plgpu.SMEM((wgs, bq, H), out_dtype, transforms=common.mma_transforms(out_dtype, bk))
+          if ctas or fp8 else None,
+          plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma) if fp8 else None)
   with_k = 1 + call.packed + (x.bias is not None) + (x.mask is not None)
   loaded = (plgpu.Barrier(num_arrivals=1 + call.safe + call.packed, num_barriers=q_bufs * wgs),
             plgpu.Barrier(num_arrivals=with_k, num_barriers=stages),
@@ -272,7 +287,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   return common.launch(
       functools.partial(_kernel, call=call, ctas=ctas), (smem, loaded, free, schedule),
       name="stable_attn_forward", compute_wgs=wgs,
-      out_type=(jax.ShapeDtypeStruct((B, Tp, N, H), dtype),
+      out_type=(jax.ShapeDtypeStruct((B, Tp, N, H), out_dtype),
                 jax.ShapeDtypeStruct((B, N, Tp), f32)),
       grid=grid, grid_names=names,
   )(x, ranges)

@@ -1,0 +1,231 @@
+"""The FP8 forward (issue 49) against the bf16 Hopper kernel and cuDNN, in one process.
+
+    PYTHONPATH=. python benchmarks/fp8.py            # on an H100 / H200
+    PYTHONPATH=. python benchmarks/fp8.py --smoke    # tiny shapes, arms that run on the CPU
+
+Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu" unless named):
+  cudnn     jax.nn.dot_product_attention(implementation="cudnn")
+  bf16      numerics "fast": the bf16 kernels
+  bf16_q    numerics "fast+qkv=e4m3": the bf16 kernels on e4m3-quantized q, k, v (the FP8 arm's
+            inputs and backward; isolates the forward kernel from the quantization)
+  fp8       numerics FP8_NUMERICS: the FP8 forward (e4m3 Q K^T and P V, P cast with a 2^8 scale),
+            the bf16 backward on the dequantized inputs
+  quantize  what the fp8 arm does before its kernel: q, k, v quantized, scaled to e4m3 payloads,
+            V transposed (forward only)
+  *_kernel  the bf16 / FP8 forward kernel alone, on operands prepared outside the timed calls
+            (forward only; "fwd x bf16" is then against bf16_kernel)
+Times: the median of blocks of back-to-back calls (benchmarks/attention.py's protocol); fwd+bwd
+is jax.vjp and the pullback. Errors: the relative Frobenius error of O, dQ, dK, dV against
+float64 attention of the unquantized inputs (stable_attn.reference.exact_attention_vjp) at
+ERROR_SHAPE. Writes benchmarks/results/fp8_<device>.md and prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import stable_attn  # noqa: E402
+from benchmarks import attention as bench  # noqa: E402
+from pallas_kernels import mosaic_gpu as mosaic  # noqa: E402
+from stable_attn import fp8  # noqa: E402
+from stable_attn.api import Options, canonicalize  # noqa: E402
+from stable_attn.reference import exact_attention_vjp  # noqa: E402
+from stable_attn.spec import OPERANDS  # noqa: E402
+
+FP8_NUMERICS = "fast+qkv=e4m3+p=e4m3+p_scale=256"
+NUMERICS = {"bf16": "fast", "bf16_q": "fast+qkv=e4m3", "fp8": FP8_NUMERICS}
+ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "quantize", "bf16_kernel", "fp8_kernel")
+SHAPES = [(4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128)]   # (B, T, N, K, H), causal
+ERROR_SHAPE = (1, 2048, 4, 4, 128)
+
+
+def attention_fn(arm: str, implementation: str):
+  """f(q, k, v) -> O for an arm."""
+  if arm == "cudnn":
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                        implementation="cudnn")
+  return lambda q, k, v: stable_attn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=implementation, numerics=NUMERICS[arm])
+
+
+def quantize_only(q, k, v):
+  """The fp8 arm's preamble: quantize (the API) and e4m3 payloads with V^T (the backend's)."""
+  ops = OPERANDS.make(q=fp8.quantize(q), k=fp8.quantize(k), v=fp8.quantize(v))
+  x = mosaic._fp8_operands(ops, q.shape[2] // k.shape[2])
+  return x.q, x.k, x.v, x.qk_descale, x.v_descale
+
+
+def forward_kernel(arm, shape, changes=None):
+  """(the forward kernel alone as f(x), (its prepared operands x,)): no quantization, no
+  transpose, no padding (the shapes need none) -- what a caller holding FP8 q, k, V^T would run.
+  changes: to the table's config (TuningConfig.replace)."""
+  from pallas_kernels.mosaic_gpu.common import block_ranges
+  from pallas_kernels.mosaic_gpu.forward import forward_call
+  q, k, v, _ = bench.make_inputs(*shape, jnp.bfloat16)
+  spec, ops, _ = canonicalize(q, k, v, None, None, Options(
+      is_causal=True, implementation="pallas_mosaic_gpu", numerics=NUMERICS[arm]))
+  ops = ops._replace(**dict(zip("qkv", fp8.quantize_inputs(ops.q, ops.k, ops.v,
+                                                          spec.numerics.qkv))))
+  call = mosaic._call(spec, mosaic.default_config(spec, ops).replace(**(changes or {})), ops)
+  x = mosaic._padded(ops, call)
+  if call.fp8:
+    x = mosaic._fp8_operands(x, call.geo.G)
+  ranges = block_ranges(x, call.config.fwd.block_q, call.config.fwd.block_kv, "query")
+  return jax.jit(lambda x: forward_call(call, x, ranges)), (x,)
+
+
+# --sweep: the FP8 forward kernel's tilings (changes to the table's config).
+SWEEP = {"table": {}, "2 warpgroups": dict(fwd_wgs=2),
+         "3 stages": dict(fwd=mosaic.tuning.Tiles(64, 128, 3)),
+         "2 warpgroups, 3 stages": dict(fwd_wgs=2, fwd=mosaic.tuning.Tiles(64, 128, 3))}
+
+
+def sweep(shapes, calls, blocks) -> str:
+  """Markdown: each SWEEP variant's FP8 forward kernel time against the bf16 kernel's."""
+  lines = ["| shape | FP8 forward config | ms | x bf16 kernel |", "|---|---|---:|---:|"]
+  for shape in shapes:
+    base = bench.time_calls(*forward_kernel("bf16", shape), calls, blocks)
+    for name, changes in SWEEP.items():
+      try:
+        t = bench.time_calls(*forward_kernel("fp8", shape, changes), calls, blocks)
+        lines.append(f"| {shape} | {name} | {t * 1e3:.3f} | {base / t:.3f} |")
+      except Exception as e:  # noqa: BLE001 -- a variant that does not compile is a result
+        lines.append(f"| {shape} | {name} | {type(e).__name__}: {str(e).splitlines()[0][:80]} "
+                     f"| - |")
+  return "\n".join(lines) + "\n"
+
+
+def preamble(shape, calls, blocks) -> str:
+  """Markdown: what the FP8 arm's operand preparation costs, piece by piece (forward only)."""
+  q, k, v, _ = bench.make_inputs(*shape, jnp.bfloat16)
+  x = fp8.quantize(v)
+  s = fp8.head_scales(x)[None, None, :, None]
+  payload = lambda a, s: a.astype(jnp.float32) * s
+  B, S, K, H = x.shape
+  parts = {
+      "fp8.quantize (one of q, k, v)": (fp8.quantize, x),
+      "fp8.head_scales": (fp8.head_scales, x),
+      "e4m3 payload, scales given": (lambda a, s: payload(a, s).astype(fp8.E4M3), x, s),
+      "V^T e4m3, scales given": (lambda a, s: jnp.transpose(payload(a, s), (0, 2, 3, 1))
+                                 .astype(fp8.E4M3), x, s),
+      "V^T e4m3 as [B, S, K*H] swapped": (lambda a, s: jnp.swapaxes(
+          payload(a, s).astype(fp8.E4M3).reshape(B, S, K * H), 1, 2), x, s),
+      "V^T bf16 (no cast)": (lambda a: jnp.transpose(a, (0, 2, 3, 1)), x),
+      "all of it (quantize_only)": (quantize_only, q, k, v),
+  }
+  lines = ["| shape | step | ms |", "|---|---|---:|"]
+  for name, (fn, *args) in parts.items():
+    t = bench.time_calls(jax.jit(fn), tuple(args), calls, blocks)
+    lines.append(f"| {shape} | {name} | {t * 1e3:.3f} |")
+  return "\n".join(lines) + "\n"
+
+
+def timings(arm, implementation, shape, calls, blocks) -> dict:
+  q, k, v, do = bench.make_inputs(*shape, jnp.bfloat16)
+  if arm == "quantize":
+    return dict(fwd=bench.time_calls(jax.jit(quantize_only), (q, k, v), calls, blocks))
+  if arm.endswith("_kernel"):
+    return dict(fwd=bench.time_calls(*forward_kernel(arm[:-len("_kernel")], shape), calls, blocks))
+  f = attention_fn(arm, implementation)
+  fwd = jax.jit(f)
+
+  @jax.jit
+  def fwd_bwd(q, k, v, do):
+    o, pullback = jax.vjp(f, q, k, v)
+    return o, pullback(do)
+  return dict(fwd=bench.time_calls(fwd, (q, k, v), calls, blocks),
+              fb=bench.time_calls(fwd_bwd, (q, k, v, do), calls, blocks))
+
+
+def errors(arm, implementation, shape) -> dict:
+  """Relative errors of O, dQ, dK, dV against float64 attention of the unquantized inputs."""
+  q, k, v, do = bench.make_inputs(*shape, jnp.bfloat16, seed=1)
+  o, pullback = jax.vjp(jax.jit(attention_fn(arm, implementation)), q, k, v)
+  got = (o,) + tuple(pullback(do))
+  exact = exact_attention_vjp(q, k, v, do, is_causal=True)
+  want = (exact.out, exact.dq, exact.dk, exact.dv)
+  rel = lambda x, ref: float(np.linalg.norm(np.asarray(x, np.float64) - ref) /
+                             np.linalg.norm(ref))
+  return {name: rel(jnp.asarray(x, jnp.float32), ref)
+          for name, x, ref in zip(("O", "dQ", "dK", "dV"), got, want)}
+
+
+def markdown(device, results, errs, calls, blocks) -> str:
+  lines = [f"# FP8 forward on {device}, JAX {jax.__version__}",
+           "", f"`PYTHONPATH=. python benchmarks/fp8.py` ({blocks} blocks of {calls} calls, "
+           f"median). bf16 inputs, causal, max_adjust \"safe\"; fp8 = numerics "
+           f"`{FP8_NUMERICS}`.", "",
+           "| shape | arm | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd x bf16 | fwd+bwd x bf16 | "
+           "fwd x cuDNN | fwd+bwd x cuDNN |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for shape, by_arm in results.items():
+    B, T, N, K, H = shape
+    flops = bench.fwd_flops(B, T, N, K, H, True)
+    peer = by_arm.get("cudnn", {})
+    for arm, t in by_arm.items():
+      base = by_arm.get("bf16_kernel" if arm.endswith("_kernel") else "bf16", {})
+      ratio = lambda ref, key: (f"{ref[key] / t[key]:.3f}"
+                                if key in t and key in ref and arm != "quantize" else "-")
+      lines.append(f"| B{B} T{T} N{N} H{H} | {arm} | {t['fwd'] * 1e3:.3f} | "
+                   f"{t['fb'] * 1e3:.3f} | " if "fb" in t else
+                   f"| B{B} T{T} N{N} H{H} | {arm} | {t['fwd'] * 1e3:.3f} | - | ")
+      tflops = "-" if arm == "quantize" else f"{flops / t['fwd'] / 1e12:.0f}"
+      lines[-1] += (f"{tflops} | {ratio(base, 'fwd')} | {ratio(base, 'fb')} | "
+                    f"{ratio(peer, 'fwd')} | {ratio(peer, 'fb')} |")
+  B, T, N, K, H = ERROR_SHAPE
+  lines += ["", f"Relative Frobenius error against float64 attention of the unquantized inputs, "
+            f"B{B} T{T} N{N} H{H} causal:", "", "| arm | O | dQ | dK | dV |",
+            "|---|---:|---:|---:|---:|"]
+  for arm, e in errs.items():
+    lines.append(f"| {arm} | " + " | ".join(f"{e[name]:.2e}" for name in ("O", "dQ", "dK", "dV"))
+                 + " |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--smoke", action="store_true",
+                      help="tiny shapes, the reference implementation, no cuDNN (CPU)")
+  parser.add_argument("--calls", type=int, default=20)
+  parser.add_argument("--blocks", type=int, default=5)
+  parser.add_argument("--out", default=None, help="markdown path (default: benchmarks/results)")
+  parser.add_argument("--sweep", action="store_true", help="the FP8 forward's tilings only")
+  parser.add_argument("--preamble", action="store_true",
+                      help="the cost of the FP8 operands' preparation only")
+  args = parser.parse_args(argv)
+  if args.preamble:
+    print(preamble(SHAPES[0], args.calls, args.blocks))
+    return 0
+  if args.sweep:
+    print(sweep(SHAPES, args.calls, args.blocks))
+    return 0
+  implementation, shapes, error_shape = "pallas_mosaic_gpu", SHAPES, ERROR_SHAPE
+  arms = ARMS
+  if args.smoke:
+    implementation, shapes = "reference", [(1, 256, 2, 2, 128)]
+    arms = tuple(a for a in ARMS if a in NUMERICS)
+    args.calls, args.blocks = 2, 2
+    globals()["ERROR_SHAPE"] = error_shape = (1, 128, 2, 2, 128)
+  device = jax.devices()[0].device_kind
+  results = {shape: {arm: timings(arm, implementation, shape, args.calls, args.blocks)
+                     for arm in arms} for shape in shapes}
+  errs = {arm: errors(arm, implementation, error_shape) for arm in arms if arm in NUMERICS
+          or arm == "cudnn"}
+  text = markdown(device, results, errs, args.calls, args.blocks)
+  path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                  f"fp8_{re.sub('[^a-z0-9]+', '_', device.lower())}.md")
+  if not args.smoke or args.out:
+    with open(path, "w") as f:
+      f.write(text)
+  print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
