@@ -66,18 +66,14 @@ def forward_kernel(arm, shape, changes=None):
   """(the forward kernel alone as f(x), (its prepared operands x,)): no quantization, no
   transpose, no padding (the shapes need none) -- what a caller holding FP8 q, k, V^T would run.
   changes: to the table's config (TuningConfig.replace)."""
-  from pallas_kernels.mosaic_gpu.common import block_ranges
   from pallas_kernels.mosaic_gpu.forward import forward_call
   q, k, v, _ = bench.make_inputs(*shape, jnp.bfloat16)
   spec, ops, _ = canonicalize(q, k, v, None, None, Options(
       is_causal=True, implementation="pallas_mosaic_gpu", numerics=NUMERICS[arm]))
-  ops = ops._replace(**dict(zip("qkv", fp8.quantize_inputs(ops.q, ops.k, ops.v,
-                                                          spec.numerics.qkv))))
-  call = mosaic._call(spec, mosaic.default_config(spec, ops).replace(**(changes or {})), ops)
-  x = mosaic._padded(ops, call)
-  if call.fp8:
-    x = mosaic._fp8_operands(x, call.geo.G)
-  ranges = block_ranges(x, call.config.fwd.block_q, call.config.fwd.block_kv, "query")
+  q, k, v = fp8.quantize_inputs(ops.q, ops.k, ops.v, spec.numerics.qkv)   # as the API does
+  ops = ops._replace(q=q, k=k, v=v)
+  config = mosaic.default_config(spec, ops).replace(**(changes or {}))
+  call, x, ranges = mosaic.forward_inputs(spec, config, ops)
   return jax.jit(lambda x: forward_call(call, x, ranges)), (x,)
 
 

@@ -65,9 +65,8 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
   if H not in tuning.HEAD_DIMS:
     return f"head dim {H}: the Hopper kernels cover {tuning.HEAD_DIMS}"
   if fp8_forward(spec, ops.q.dtype):
-    if H != FP8_HEAD_DIM:
-      return (f"head dim {H}: the FP8 forward (numerics {spec.numerics.name!r}) covers "
-              f"{FP8_HEAD_DIM}")
+    if H != FP8_K:
+      return f"head dim {H}: the FP8 forward (numerics {spec.numerics.name!r}) covers {FP8_K}"
     if ops.bias is not None or ops.mask is not None:
       return f"numerics {spec.numerics.name!r}: the FP8 forward takes no bias or mask operands"
   elif spec.numerics.dtypes(ops.q.dtype) != numerics_lib.FAST.dtypes(ops.q.dtype):
@@ -81,7 +80,9 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
   return None
 
 
-FP8_HEAD_DIM = 128   # e4m3 wgmma reduces over 128 elements at a time (the 128-byte swizzle)
+# The FP8 forward's head dim and key block: a 128-byte swizzle holds 128 e4m3 values, the K of
+# one wgmma group (Q K^T reduces over the head dim, P V over the keys).
+FP8_K = 128
 
 
 def fp8_forward(spec: AttentionSpec, dtype) -> bool:
@@ -164,14 +165,20 @@ def _fp8_operands(x: Operands, groups: int) -> Operands:
                     v_descale=1.0 / per_query_head(v_scale))
 
 
-def _forward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands):
-  from pallas_kernels.mosaic_gpu.forward import forward_call
+def forward_inputs(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands):
+  """-> (Call, padded operands, block ranges): what `forward.forward_call` takes for this call
+  (the FP8 forward's e4m3 operands and descales included)."""
   call = _call(spec, config, ops)
   x = _padded(ops, call)
   if call.fp8:
     x = _fp8_operands(unpack(x), call.geo.G)
-  fwd = config.fwd
-  o, lse = forward_call(call, x, block_ranges(x, fwd.block_q, fwd.block_kv, "query"))
+  return call, x, block_ranges(x, config.fwd.block_q, config.fwd.block_kv, "query")
+
+
+def _forward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands):
+  from pallas_kernels.mosaic_gpu.forward import forward_call
+  call, x, ranges = forward_inputs(spec, config, ops)
+  o, lse = forward_call(call, x, ranges)
   o = unpad(o, ROW_AXES, call.geo)
   return o, o, unpad(lse, LSE_AXES, call.geo)
 
@@ -233,9 +240,9 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
                      "its gradients are not bitwise reproducible; deterministic=True takes the "
                      "two-kernel backward (fused_dq=False)")
   config.check_smem(H, itemsize, **_extras(ops))
-  if fp8_forward(spec, ops.q.dtype) and config.fwd.block_kv != 128:
+  if fp8_forward(spec, ops.q.dtype) and config.fwd.block_kv != FP8_K:
     raise ValueError(f"config.fwd.block_kv={config.fwd.block_kv}: the FP8 forward's P V product "
-                     f"reduces over 128 keys at a time (e4m3 wgmma); use 128")
+                     f"reduces over {FP8_K} keys at a time (e4m3 wgmma); use {FP8_K}")
   for name in ("fwd_wgs", "dq_wgs", "dkv_wgs"):
     if getattr(config, name) != tuning.COMPUTE_WGS and _extras(ops):
       raise ValueError(f"config.{name}={getattr(config, name)} takes no bias or mask operands "

@@ -269,8 +269,9 @@ _FEW = {128: dict(dkv_persistent=True)}
 # The dK/dV sweep there (fwd+bwd, B4 T4096): two passes of 64-key tiles 2.51 ms, one pass 3.43 ms
 # (64-query blocks) and 3.01 ms (32), cuDNN 2.03 ms. Head dim 64 keeps its tiles (its forward ran
 # 1.30x cuDNN there); at 256 nothing measured helps yet (0.35-0.39x cuDNN fwd+bwd). Not with bias
-# or mask tiles: the one call of the compiled tests that faulted there (an illegal address) had
+# or mask tiles: the one call of the compiled tests that faulted on 0.12 (an illegal address) had
 # a block mask, fp16, and these tiles; with bias or mask the table already runs two warpgroups.
+# (On 0.11.2 that call with these tiles passes: the fault comes with 0.12's compilation.)
 _ENTRY_REGISTERS = {128: dict(fwd_wgs=2, dq_wgs=2, dkv_wgs=COMPUTE_WGS, dkv_passes=2,
                               fwd_persistent=False, dkv_persistent=False)}
 
