@@ -128,15 +128,18 @@ def measure(arm, shape, n, args, w, calls, blocks, reference=None, profile=False
                     if arm in ZIGZAG else (lambda x: x, lambda x: x))
   placed = [jax.device_put(order(a), rows) for a in args]
   w = order(w)
+  # O and every gradient leave sharded like q, k, v (a training step needs them so): without
+  # out_shardings XLA returned the _heads arms' gradients in the heads layout, 3 trades short.
   fn = jax.jit(step(attention(arm, causal, mesh, **kernel), jax.device_put(w, rows)),
-               in_shardings=(rows,) * 3)
+               in_shardings=(rows,) * 3, out_shardings=(rows, (rows,) * 3))
   with under_mesh():
     compiled = fn.lower(*placed).compile()
     seconds = time_calls(compiled, placed, calls, blocks, warmup=1)
     o, grads = jax.device_get(compiled(*placed))
     if profile:
       from benchmarks.train_profile import kernel_times
-      gpu_ms = gpu_time(kernel_times(lambda: compiled(*placed), calls), n)
+      kernel_us = kernel_times(lambda: compiled(*placed), calls)
+      gpu_ms = gpu_time(kernel_us, n)
   memory = compiled.memory_analysis()
   per_gpu = None
   if memory is not None:
@@ -148,6 +151,9 @@ def measure(arm, shape, n, args, w, calls, blocks, reference=None, profile=False
              gib_per_gpu=per_gpu)
   if profile:
     row["gpu_ms"] = gpu_ms
+    # The longest kernels by name (ms per step and device), in the JSON: where a kind's time goes.
+    row["top_kernels"] = {name: round(us / n / 1e3, 3) for name, us in
+                          sorted(kernel_us.items(), key=lambda kv: -kv[1])[:12]}
   if reference is not None:
     row["err_o"] = rel_err(o, reference[0])
     row["err_grads"] = max(rel_err(g, r) for g, r in zip(grads, reference[1]))

@@ -499,7 +499,7 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   S, K = k.shape[1], k.shape[2]
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
   spec = _spec(options, H)
-  q, k, v = fp8.quantize_inputs(q, k, v, spec.numerics.qkv)
+  q, k, v, scales = fp8.quantize_inputs(q, k, v, spec.numerics.qkv)
   if spec.window is not None:
     # No query and key are max(T, S) or more positions apart, so a wider window is no limit on
     # that side; clamped, position +- window stays within int32 (2**31 - 9 wrapped round to "no
@@ -516,7 +516,7 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   given = dict(bias=bias, mask=mask, q_lens=options.query_seq_lengths,
                kv_lens=options.key_value_seq_lengths, q_seg=q_seg, kv_seg=kv_seg,
                sinks=options.sinks)
-  arrays = dict(q=q, k=k, v=v)
+  arrays = dict(q=q, k=k, v=v, **scales)
   for name, x in given.items():
     row = OPERANDS[name]
     if x is not None:

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional, Protocol
 
 import jax
 
-from stable_attn import context
+from stable_attn import context, fp8
 from stable_attn.spec import AttentionSpec, Operands
 
 
@@ -135,6 +135,10 @@ def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, confi
   reason = _covers(backend, spec, ops)
   if reason is not None:
     raise ValueError(f"implementation={implementation!r} does not cover this call: {reason}")
+  if not getattr(backend, "FP8_SCALES", False):
+    # q, k and v's FP8 scales are for a backend that builds e4m3 payloads from them (FP8_SCALES =
+    # True); the others compute on the quantized values alone.
+    ops = ops._replace(**dict.fromkeys(fp8.SCALE_ROWS))
   if qkv is not None and hasattr(backend, "attention_qkvpacked"):
     return backend.attention_qkvpacked(spec, ops, qkv, config)
   return backend.attention(spec, ops, config)

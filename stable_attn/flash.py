@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from stable_attn import tile
-from stable_attn.partition import partitioned
+from stable_attn.partition import explicit_mesh, partitioned
 from stable_attn.spec import AttentionSpec, Operands
 
 # forward(spec, config, ops) -> (O [B,T,N,H], O residual [B,T,N,H], LSE fp32 [B,N,T])
@@ -87,10 +87,22 @@ def make_flash_attention(forward: Forward, backward: Backward,
       # computed here once in jnp for every backend (and partitioned by XLA).
       delta = jnp.swapaxes(tile.delta(do, o_residual), 1, 2)           # [B, N, T]
       dsinks = tile.sink_grad(ops.sinks, lse, shifted_delta(delta, dlse)).astype(ops.sinks.dtype)
-    return (type(ops).TABLE.make(**dict(zip(_grad_names(ops), grads)), sinks=dsinks),)
+    grads = dict(zip(_grad_names(ops), grads), sinks=dsinks)
+    return (type(ops).TABLE.make(**{name: _like(g, getattr(ops, name))
+                                    for name, g in grads.items()}),)
 
   attention.defvjp(attention_fwd, attention_bwd)
   return attention
+
+
+def _like(grad, operand):
+  """grad with its operand's sharding type. On Explicit mesh axes a gradient computed from arrays
+  split otherwise -- the sinks' [N] from head-split rows, while the caller replicated the sinks --
+  has another type, which custom_vjp refuses; elsewhere (no Explicit axes) it is grad itself."""
+  if grad is None or explicit_mesh([operand]) is None:
+    return grad
+  want = jax.typeof(operand).sharding.spec
+  return grad if jax.typeof(grad).sharding.spec == want else jax.sharding.reshard(grad, want)
 
 
 def _grad_names(ops):

@@ -35,22 +35,37 @@ def head_scales(x: jax.Array) -> jax.Array:
   return jnp.where(usable, jnp.ldexp(jnp.ones_like(amax), jnp.where(usable, shift, 0)), 1.0)
 
 
-@jax.custom_vjp
 def quantize(x: jax.Array) -> jax.Array:
   """x [B, T, N, H] rounded to e4m3 under its per-head scale (`head_scales`), returned unscaled
   in x's dtype. The gradient is the identity."""
-  s = jax.lax.stop_gradient(head_scales(x))[None, None, :, None]
+  return quantize_under(x, jax.lax.stop_gradient(head_scales(x)))
+
+
+@jax.custom_vjp
+def quantize_under(x: jax.Array, scales: jax.Array) -> jax.Array:
+  """x [B, T, N, H] rounded to e4m3 under `scales` [N] (powers of two, `head_scales` of x or of
+  a larger array), returned unscaled in x's dtype: x * scales is then an e4m3 value, exactly. The
+  gradient is the identity in x and zero in the scales."""
+  s = scales[None, None, :, None]
   # tile.round_exact, not a cast pair: XLA's excess-precision simplification drops
   # f32 -> e4m3 -> f32 (the compiled kernels then got the unquantized inputs).
   rounded = tile.round_exact(x.astype(jnp.float32) * s, E4M3)
   return (rounded / s).astype(x.dtype)
 
 
-quantize.defvjp(lambda x: (quantize(x), None), lambda _, g: (g,))
+quantize_under.defvjp(lambda x, s: (quantize_under(x, s), s),
+                      lambda s, g: (g, jnp.zeros_like(s)))
+
+SCALE_ROWS = ("q_scale", "k_scale", "v_scale")
 
 
 def quantize_inputs(q, k, v, qkv: str):
-  """q, k, v as the numerics' `qkv` field says: unchanged ("input") or each `quantize`d ("e4m3")."""
+  """-> (q, k, v, scales): q, k, v as the numerics' `qkv` field says, unchanged ("input") or each
+  `quantize`d ("e4m3"); scales: {} or the per-head scales they were quantized under, by operand
+  row (SCALE_ROWS: [N], [K], [K] fp32), which an FP8 kernel multiplies by to get its e4m3
+  payloads without measuring the heads again."""
   if qkv == "input":
-    return q, k, v
-  return quantize(q), quantize(k), quantize(v)
+    return q, k, v, {}
+  scales = [jax.lax.stop_gradient(head_scales(x)) for x in (q, k, v)]
+  q, k, v = (quantize_under(x, s) for x, s in zip((q, k, v), scales))
+  return q, k, v, dict(zip(SCALE_ROWS, scales))

@@ -370,7 +370,7 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
       return forward(spec, config, ops)
     layout, arrays = flat(spec, ops)
     batched = lambda run: lambda *a: _batched(run, layout, a, grads=False)
-    mesh = _explicit_mesh(arrays)
+    mesh = explicit_mesh(arrays)
     if mesh is not None:
       return _shard_mapped(lambda axes, specs: batched(fwd_local(spec, config, layout, axes)),
                            layout, arrays, mesh, _forward_specs)
@@ -384,7 +384,7 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
     arrays = arrays + [o_res, lse, do] + ([dlse] if dlse is not None else [])
     batched = lambda run: lambda *a: _batched(run, layout, a, grads=True)
     grad_specs = lambda axes, specs: _grad_specs(layout, specs, axes)
-    mesh = _explicit_mesh(arrays)
+    mesh = explicit_mesh(arrays)
     if mesh is not None:
       grads = _shard_mapped(
           lambda axes, specs: batched(bwd_local(spec, config, layout, axes,
@@ -751,7 +751,7 @@ def _alltoall_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res
 # Explicit sharding: the types say how the operands are split, so the call is split at trace time
 # ---------------------------------------------------------------------------------------------
 
-def _explicit_mesh(arrays):
+def explicit_mesh(arrays):
   """The mesh of the first operand's type where every one of its axes that splits anything is
   Explicit (the types then say how every operand is split), else None."""
   mesh = getattr(jax.typeof(arrays[0]).sharding, "mesh", None)

@@ -177,8 +177,14 @@ OPERANDS = OperandTable([
     # Attention sinks: one logit per query head joining every row's denominator without a value
     # (gpt-oss / splash). Differentiable; its gradient needs only delta (flash.py).
     Operand("sinks", ("heads",), "float", optional=True, arg="sinks"),
-    # An FP8 kernel's descale factors, per query head (built by the backend from q, k and v's
-    # per-head scales, stable_attn.fp8): the scores' (q's times its kv head's k's) and O's (v's).
+    # numerics qkv="e4m3": the per-head powers of two q, k and v were quantized under (built by
+    # the api, stable_attn.fp8.quantize_inputs), so that an FP8 kernel gets its e4m3 payloads by
+    # one exact multiply instead of measuring every head again.
+    Operand("q_scale", ("heads",), "float32", optional=True),
+    Operand("k_scale", ("kv_heads",), "float32", optional=True),
+    Operand("v_scale", ("kv_heads",), "float32", optional=True),
+    # An FP8 kernel's descale factors, per query head (built by the backend from the scales
+    # above): the scores' (q's times its kv head's k's) and O's (v's).
     Operand("qk_descale", ("heads",), "float32", optional=True),
     Operand("v_descale", ("heads",), "float32", optional=True),
 ])

@@ -8,7 +8,7 @@ dV (dQKV) bitwise (each device runs the same kernels on its own rows and heads),
 within one rounding of the sum over the devices that a split axis makes (the order of that sum is
 all that changes). Every max_adjust mode, with segment ids, a bias broadcast over the batch, sinks
 and a soft cap. Split over the sequence too (context parallel): O and dQ bitwise, dK and dV within
-bf16 rounding.
+bf16 rounding. The FP8 forward split over the batch, the heads or the sequence (alltoall): bitwise.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu tests/test_multi_gpu.py
 """
@@ -273,3 +273,38 @@ def test_sequence_sharded_zigzag(mesh_kind, strategy):
   for name, g, r in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
     error = np.linalg.norm(natural(g) - f32(r)) / np.linalg.norm(f32(r))
     assert error <= 5e-3, (name, mesh_kind, seed, error)
+
+
+FP8 = "fast+qkv=e4m3+p=e4m3+p_scale=256"   # the FP8 forward's numerics (issue 49)
+FP8_SPLITS = {"batch": P("data"), "heads": P(None, None, "model"), "both": P("data", None, "model"),
+              "sequence": P("data", "model")}
+
+
+@pytest.mark.parametrize("split", sorted(FP8_SPLITS))
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_sharded_fp8_forward_equals_one_device(mesh_kind, split):
+  """The FP8 forward sharded over the batch, the heads, both, or the sequence (alltoall): the api
+  quantizes q, k and v under per-head scales of the whole arrays, before any partitioning, and
+  the scales travel to each device as operands (q_scale, k_scale, v_scale) by their table rows,
+  so every device makes the one-device call's e4m3 payloads: O, dQ, dK and dV bitwise, with GQA,
+  segment ids and sinks."""
+  seed = int(np.random.default_rng().integers(1 << 16))
+  x = _inputs(seed, "split")
+
+  def vjp(q, k, v, sinks, ids, d_out):
+    o, pullback = jax.vjp(lambda q, k, v: stable_attn.dot_product_attention(
+        q, k, v, is_causal=True, sinks=sinks, q_segment_ids=ids, kv_segment_ids=ids,
+        implementation=IMPL, numerics=FP8, context_strategy="alltoall"), q, k, v)
+    return o, pullback(d_out)
+
+  args = [x[name] for name in ("q", "k", "v", "sinks", "ids", "d_out")]
+  want = jax.device_get(jax.jit(vjp)(*jax.device_put(args, jax.devices()[0])))
+  mesh = _mesh(mesh_kind, sequence=split == "sequence")
+  rows = FP8_SPLITS[split]
+  specs = [rows, rows, rows, P(), P(*rows[:2]), rows]
+  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  with jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext():
+    got = jax.device_get(jax.jit(vjp)(*placed))
+  for name, g, r in zip(("o", "dq", "dk", "dv"), [got[0], *got[1]], [want[0], *want[1]]):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                  err_msg=f"{name} {mesh_kind} {split} {seed}")

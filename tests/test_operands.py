@@ -13,6 +13,7 @@ import pytest
 
 import stable_attn
 from stable_attn import flax as sa_flax
+from stable_attn import fp8
 from stable_attn.api import Options, canonicalize
 from stable_attn.layout import Geometry, pad_operands
 from stable_attn.spec import OPERANDS, Operands
@@ -61,25 +62,28 @@ def test_table_rows_describe_the_canonical_operands():
   B, T, S, N, K, H = 2, 12, 10, 4, 2, 8
   q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16)
   kv = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.bfloat16)
-  spec, ops, _ = canonicalize(q, kv, kv, jnp.zeros((N, 1, S)), jnp.ones((B, 1, T, 1), bool),
-                              Options(q_segment_ids=jnp.zeros((B, T), jnp.int8),
-                                      kv_segment_ids=jnp.zeros((B, S), jnp.int32),
-                                      sinks=jnp.zeros(N), query_seq_lengths=jnp.array([3, 12])))
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
-  for row, x in OPERANDS.present(ops):
-    want = tuple(sizes[a] for a in row.axes)
-    if row.broadcast:
-      assert all(d in (1, w) for d, w in zip(x.shape, want)), (row.name, x.shape)
-    else:
-      assert x.shape == want, (row.name, x.shape, want)
-    if row.dtype == "int":
-      assert x.dtype == jnp.int32, row.name
-    if row.dtype == "input":
-      assert x.dtype == q.dtype, row.name
-  # Every row but q_shift, which only stable_attn.partition builds (a context-parallel device's),
-  # and the FP8 descale factors, which only the Hopper backend's FP8 forward builds.
+  # q_shift only stable_attn.partition builds (a context-parallel device's), the FP8 descale
+  # factors only the Hopper backend's FP8 forward; q, k and v's FP8 scales come with e4m3 inputs.
   built_later = {"q_shift", "qk_descale", "v_descale"}
-  assert {r.name for r, _ in OPERANDS.present(ops)} == set(Operands._fields) - built_later
+  for numerics, absent in (("fast", built_later | set(fp8.SCALE_ROWS)),
+                           ("fast+qkv=e4m3", built_later)):
+    spec, ops, _ = canonicalize(q, kv, kv, jnp.zeros((N, 1, S)), jnp.ones((B, 1, T, 1), bool),
+                                Options(q_segment_ids=jnp.zeros((B, T), jnp.int8),
+                                        kv_segment_ids=jnp.zeros((B, S), jnp.int32),
+                                        sinks=jnp.zeros(N), numerics=numerics,
+                                        query_seq_lengths=jnp.array([3, 12])))
+    for row, x in OPERANDS.present(ops):
+      want = tuple(sizes[a] for a in row.axes)
+      if row.broadcast:
+        assert all(d in (1, w) for d, w in zip(x.shape, want)), (row.name, x.shape)
+      else:
+        assert x.shape == want, (row.name, x.shape, want)
+      if row.dtype in ("int", "float32"):
+        assert x.dtype == {"int": jnp.int32, "float32": jnp.float32}[row.dtype], row.name
+      if row.dtype == "input":
+        assert x.dtype == q.dtype, row.name
+    assert {r.name for r, _ in OPERANDS.present(ops)} == set(Operands._fields) - absent
 
 
 def test_padding_follows_each_rows_rule():

@@ -132,3 +132,49 @@ def test_vmap_with_broadcast_bias():
   for g, r in zip(got, ref):
     assert g.shape == r.shape
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-4, rtol=2e-4)
+
+
+REPLICATED_PER_HEAD = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import stable_attn
+rng = np.random.default_rng({seed})
+B, T, N, K, H = 2, 64, 4, 2, 32
+q, k, v = (jnp.asarray(rng.standard_normal((B, T, n, H)), jnp.float32) for n in (N, K, K))
+bias = jnp.asarray(rng.standard_normal((1, N, T, T)), jnp.float32)
+sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
+w = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+out = {{}}
+for impl in ("pallas_gpu",):
+  def loss(q, k, v, bias, sinks):
+    o = stable_attn.dot_product_attention(q, k, v, bias, is_causal=True, sinks=sinks,
+                                          implementation=impl, interpret=impl == "pallas_gpu")
+    return jnp.sum(o * w)
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  want = grad(q, k, v, bias, sinks)
+  with jax.set_mesh(mesh):
+    heads = NamedSharding(mesh, P("data", None, "model"))
+    put = lambda x, s: jax.device_put(x, s)
+    got = grad(put(q, heads), put(k, heads), put(v, heads),
+               put(bias, NamedSharding(mesh, P())), put(sinks, NamedSharding(mesh, P())))
+  out[impl] = dict(
+      rel=[float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) for g, r in zip(got, want)],
+      specs=[str(jax.typeof(g).sharding.spec) for g in got])
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_explicit_heads_split_with_replicated_per_head_operands():
+  """On Explicit mesh axes with the heads split and the sinks and bias replicated (what a model
+  holding them as whole parameters passes), the kernels' path (flash.make_flash_attention) gives
+  each gradient split as its operand is, values as the one-device call's. Before, its custom VJP
+  refused the sinks' gradient (split over the heads, while the sinks were not). The jnp backends
+  (reference, xla) still fail there, in jnp.repeat (a JAX error, no value)."""
+  seed = int(np.random.default_rng().integers(1 << 16))
+  result = run_on_cpu_devices(REPLICATED_PER_HEAD.format(seed=seed), devices=4)
+  for impl, r in result.items():
+    assert max(r["rel"]) <= 1e-5, (impl, seed, r)
+    heads = "P('data', None, 'model', None)"
+    assert r["specs"] == [heads] * 3 + ["P(None, None, None, None)", "P(None,)"], (impl, r)

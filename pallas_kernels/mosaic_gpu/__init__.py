@@ -138,7 +138,8 @@ def _call(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands) -> Ca
 
 def _padded(ops: Operands, call: Call) -> Operands:
   """The operands padded for the kernels; bias and mask with their query and key dims
-  materialised (TMA copies tiles of them) and the mask as int8."""
+  materialised (TMA copies tiles of them) and the mask as int8; without the FP8 scales (only
+  `_fp8_operands` reads them, from the unpadded operands)."""
   x = pad_operands(ops, call.pad)
   pairwise = {}
   for name in ("bias", "mask"):
@@ -146,21 +147,27 @@ def _padded(ops: Operands, call: Call) -> Operands:
     if a is not None:
       a = jnp.broadcast_to(a, a.shape[:2] + (call.pad.T, call.pad.S))
       pairwise[name] = a.astype(jnp.int8) if name == "mask" else a
-  return x._replace(**pairwise)
+  return x._replace(**pairwise, **dict.fromkeys(fp8.SCALE_ROWS))
 
 
-def _fp8_operands(x: Operands, groups: int) -> Operands:
+def _fp8_operands(x: Operands, scales: Operands, groups: int) -> Operands:
   """Padded Operands (q, k, v already quantized: stable_attn.fp8) -> q and k as e4m3 [B, Tp, N|K,
   H], v as e4m3 V^T [B, K, H, Sp] (FP8 wgmma takes both operands K-major: P V reduces over keys),
-  each times its per-head power of two (exact), and their descale factors per query head:
-  qk_descale (q's times its kv head's k's) and v_descale."""
-  def e4m3(a, axes=(0, 1, 2, 3)):   # V: transposed before the cast (one fusion, 2-byte reads)
-    scales = fp8.head_scales(a)
-    scaled = jnp.transpose(a.astype(jnp.float32) * scales[None, None, :, None], axes)
-    return scaled.astype(fp8.E4M3), scales
-  (q, q_scale), (k, k_scale), (v, v_scale) = e4m3(x.q), e4m3(x.k), e4m3(x.v, (0, 2, 3, 1))
+  each times the per-head power of two it was quantized under (`scales`: the operands with the
+  api's q_scale, k_scale and v_scale; exact, and one pass over each), and their descale factors
+  per query head: qk_descale (q's times its kv head's k's) and v_descale."""
+  q_scale, k_scale, v_scale = (getattr(scales, name) for name in fp8.SCALE_ROWS)
+  if q_scale is None or k_scale is None or v_scale is None:
+    raise ValueError("the FP8 forward takes q, k and v with the per-head scales they were "
+                     "quantized under (operands q_scale, k_scale, v_scale: "
+                     "stable_attn.fp8.quantize_inputs, which dot_product_attention calls)")
+
+  def e4m3(a, scale, axes=(0, 1, 2, 3)):   # V: transposed before the cast (one fusion)
+    scaled = jnp.transpose(a.astype(jnp.float32) * scale[None, None, :, None], axes)
+    return scaled.astype(fp8.E4M3)
   per_query_head = lambda kv_scale: jnp.repeat(kv_scale, groups)
-  return x._replace(q=q, k=k, v=v,
+  return x._replace(q=e4m3(x.q, q_scale), k=e4m3(x.k, k_scale),
+                    v=e4m3(x.v, v_scale, (0, 2, 3, 1)),
                     qk_descale=1.0 / (q_scale * per_query_head(k_scale)),
                     v_descale=1.0 / per_query_head(v_scale))
 
@@ -171,7 +178,7 @@ def forward_inputs(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operan
   call = _call(spec, config, ops)
   x = _padded(ops, call)
   if call.fp8:
-    x = _fp8_operands(unpack(x), call.geo.G)
+    x = _fp8_operands(unpack(x), ops, call.geo.G)
   return call, x, block_ranges(x, config.fwd.block_q, config.fwd.block_kv, "query")
 
 
@@ -205,6 +212,7 @@ def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o
 
 _flash = make_flash_attention(_forward, _backward, partition=True, context_parallel=True)
 CONTEXT_PARALLEL = True   # a sequence-sharded call runs context parallel (stable_attn.partition)
+FP8_SCALES = True   # takes q, k and v's FP8 scales (stable_attn.fp8.SCALE_ROWS): `_fp8_operands`
 
 
 def attention(spec: AttentionSpec, ops: Operands,

@@ -143,7 +143,7 @@ def measure(implementation: str, numerics: str, max_adjust: str, regime: str, pl
       split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
       out = jax.device_get(fn(*(jax.device_put(x, split) for x in (q, k, v))))
   if implementation not in PEERS:   # the truth of FP8 inputs: the exact attention of their values
-    q, k, v = fp8.quantize_inputs(q, k, v, numerics_lib.resolve(numerics).qkv)
+    q, k, v, _ = fp8.quantize_inputs(q, k, v, numerics_lib.resolve(numerics).qkv)
   # The float64 VJP's forward gives O and LSE at once (the zero cotangent costs only time).
   exact = exact_attention_vjp(q, k, v, np.zeros(q.shape, np.float32),
                               logits_soft_cap=logits_soft_cap, sinks=sinks)
