@@ -6,8 +6,11 @@ A backend is a module with three functions (the `Backend` protocol):
     is_available() -> bool                     # can it compile for the default JAX backend?
     covers(spec, ops) -> str | None            # None if it runs this call, else why not
 
-A backend whose kernels partition themselves over a sequence-sharded call (context parallel,
-stable_attn.partition) says so with `CONTEXT_PARALLEL = True`. A backend may also have
+A backend whose kernels split a sharded call themselves (custom_partitioning, or a shard_map on
+Explicit mesh axes: stable_attn.partition) says so with `SHARDS_ITSELF = True`, and where they
+also run a sequence-sharded call (context parallel) with `CONTEXT_PARALLEL = True`; the others
+are jnp code that XLA partitions, run under a shard_map on Explicit axes
+(`partition.on_explicit_axes`). A backend may also have
 `attention_qkvpacked(spec, ops, qkv, config=None)`, the same call with
 ops.q, ops.k, ops.v the slices of qkv [B, T, 3, N, H], which it reads in place (as
 `PackedOperands`): what `dot_product_attention_qkvpacked` runs where it exists.
@@ -26,7 +29,7 @@ from typing import NamedTuple, Optional, Protocol
 
 import jax
 
-from stable_attn import context, fp8
+from stable_attn import context, fp8, partition
 from stable_attn.spec import AttentionSpec, Operands
 
 
@@ -141,4 +144,6 @@ def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, confi
     ops = ops._replace(**dict.fromkeys(fp8.SCALE_ROWS))
   if qkv is not None and hasattr(backend, "attention_qkvpacked"):
     return backend.attention_qkvpacked(spec, ops, qkv, config)
+  if not getattr(backend, "SHARDS_ITSELF", False):
+    return partition.on_explicit_axes(lambda ops: backend.attention(spec, ops, config), ops)
   return backend.attention(spec, ops, config)

@@ -783,6 +783,22 @@ def _shard_mapped(make_local: Callable, layout: _Layout, arrays, mesh, out_specs
                for row, g in zip(layout.grad_rows(), outs))
 
 
+def on_explicit_axes(call: Callable, ops):
+  """call(ops) -> (O, LSE) of a backend that does not split itself (jnp code XLA partitions:
+  reference, xla), where the operands' types carry Explicit mesh axes: under jax.shard_map over the
+  query's batch and head axes, each device on its own rows and heads as the kernels run, the
+  operands resharded to the table's specs first (sinks, bias and offsets follow the heads) and
+  the gradients back to their operands' shardings. Without Explicit axes, call(ops). A split the
+  kernels could not take either (a sequence, a head dim) is refused with the same ValueError."""
+  layout, arrays = _flat(ops)
+  mesh = explicit_mesh(arrays)
+  if mesh is None:
+    return call(ops)
+  outputs = lambda axes, specs: [P(*(axes.of(a) for a in out)) for out in (ROW_AXES, LSE_AXES)]
+  return _shard_mapped(lambda axes, specs: lambda *shards: tuple(call(layout.ops(shards))),
+                       layout, arrays, mesh, outputs)
+
+
 def _per_device(mesh, fn: Callable) -> Callable:
   """fn, the per-device computation custom_partitioning traces at compile time, traced with the
   mesh's axes Auto: under a caller's Explicit mesh (jax.set_mesh), JAX 0.12 traces it with the

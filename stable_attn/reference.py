@@ -305,6 +305,11 @@ def _backward(spec: AttentionSpec, blk: Blocks, ops: Operands, o_res, lse, do, d
   bq, bk = blk.block_q, blk.block_k
   dt = tile_dtypes(spec.numerics, ops.q.dtype)
   in_dtype = ops.q.dtype
+  # Kept apart from the forward's: compiled together (jit of grad), jaxlib 0.10's CPU compiler
+  # merged the forward's and the backward's repeated V wrongly where one key/value head serves
+  # several query heads in a single block (B1 K1 T64: dQ and dK off by 160%; algsimp with
+  # while-loop-invariant-code-motion; JAX 0.12 computes it right).
+  ops = ops._replace(**dict(zip(("q", "k", "v"), lax.optimization_barrier((ops.q, ops.k, ops.v)))))
   lay = _layout(ops, blk)
   geo, pad, x = lay.geo, lay.pad, lay.x
   rows_p = lambda a: heads_major(pad_to(a, ROW_AXES, pad))

@@ -147,7 +147,7 @@ sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
 w = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
 mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 out = {{}}
-for impl in ("pallas_gpu",):
+for impl in ("reference", "xla", "pallas_gpu"):
   def loss(q, k, v, bias, sinks):
     o = stable_attn.dot_product_attention(q, k, v, bias, is_causal=True, sinks=sinks,
                                           implementation=impl, interpret=impl == "pallas_gpu")
@@ -168,10 +168,11 @@ print("RESULT" + json.dumps(out))
 
 def test_explicit_heads_split_with_replicated_per_head_operands():
   """On Explicit mesh axes with the heads split and the sinks and bias replicated (what a model
-  holding them as whole parameters passes), the kernels' path (flash.make_flash_attention) gives
-  each gradient split as its operand is, values as the one-device call's. Before, its custom VJP
-  refused the sinks' gradient (split over the heads, while the sinks were not). The jnp backends
-  (reference, xla) still fail there, in jnp.repeat (a JAX error, no value)."""
+  holding them as whole parameters passes), every backend runs, each gradient comes back split as
+  its operand is, and the values are the one-device call's. Before, the kernels' custom VJP refused
+  the sinks' gradient (split over the heads, while the sinks were not: flash._like), and the jnp
+  backends (reference, the default on a CPU, and xla) failed in jnp.repeat and their per-head
+  vmaps; they now run under a shard_map over batch and heads (partition.on_explicit_axes)."""
   seed = int(np.random.default_rng().integers(1 << 16))
   result = run_on_cpu_devices(REPLICATED_PER_HEAD.format(seed=seed), devices=4)
   for impl, r in result.items():

@@ -29,6 +29,7 @@ __all__ = ["attention", "is_available", "covers", "tuning"]
 # unrounded.
 _flash = make_flash_attention(forward, backward, partition=True, context_parallel=True,
                               fp32_residual=True)
+SHARDS_ITSELF = True   # custom_partitioning / shard_map (stable_attn.partition)
 CONTEXT_PARALLEL = True   # a sequence-sharded call runs context parallel (stable_attn.partition)
 
 

@@ -211,6 +211,7 @@ def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o
 
 
 _flash = make_flash_attention(_forward, _backward, partition=True, context_parallel=True)
+SHARDS_ITSELF = True   # custom_partitioning / shard_map (stable_attn.partition)
 CONTEXT_PARALLEL = True   # a sequence-sharded call runs context parallel (stable_attn.partition)
 FP8_SCALES = True   # takes q, k and v's FP8 scales (stable_attn.fp8.SCALE_ROWS): `_fp8_operands`
 

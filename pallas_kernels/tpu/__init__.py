@@ -15,6 +15,9 @@ import jax.numpy as jnp
 from pallas_kernels.tpu.kernels import BlockSizes, flash_attention
 from stable_attn.spec import AttentionSpec, Operands
 
+# custom_partitioning / shard_map when compiled (stable_attn.partition; not in interpret mode)
+SHARDS_ITSELF = True
+
 __all__ = ["attention", "is_available", "covers", "BlockSizes"]
 
 
