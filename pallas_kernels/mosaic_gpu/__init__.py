@@ -37,7 +37,7 @@ from stable_attn.layout import Geometry, pad_operands, pad_to, unpad
 from stable_attn.spec import LSE_AXES, ROW_AXES, AttentionSpec, Operands, pack, unpack
 
 from pallas_kernels.mosaic_gpu import tuning
-from pallas_kernels.mosaic_gpu.common import Call, block_ranges, input_dtype
+from pallas_kernels.mosaic_gpu.common import Call, block_ranges, fp8_forward, input_dtype
 
 __all__ = ["attention", "attention_qkvpacked", "is_available", "covers", "tuning"]
 
@@ -83,16 +83,6 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
 # The FP8 forward's head dim and key block: a 128-byte swizzle holds 128 e4m3 values, the K of
 # one wgmma group (Q K^T reduces over the head dim, P V over the keys).
 FP8_K = 128
-
-
-def fp8_forward(spec: AttentionSpec, dtype) -> bool:
-  """Whether the call's forward runs in FP8: numerics "fast" but for e4m3 q, k and v (qkv="e4m3")
-  and P cast to e4m3 (p="e4m3", any p_scale) -- FlashAttention-3's FP8 arithmetic. The backward
-  then runs the bf16/fp16 kernels on the dequantized q, k and v (exact in the input dtype)."""
-  dt = spec.numerics.dtypes(dtype)
-  fast = numerics_lib.FAST.dtypes(dtype)
-  return (spec.numerics.qkv == "e4m3" and jnp.dtype(dt.p) == jnp.dtype(fp8.E4M3)
-          and dt == fast._replace(p=dt.p, p_scale=dt.p_scale))
 
 
 def default_config(spec: AttentionSpec, ops: Operands) -> tuning.TuningConfig:

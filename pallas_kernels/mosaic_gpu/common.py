@@ -24,7 +24,8 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from stable_attn import blocks, tile
+from stable_attn import blocks, fp8, tile
+from stable_attn import numerics as numerics_lib
 from stable_attn.layout import Geometry, Padded
 from stable_attn.numerics import Dtypes
 from stable_attn.spec import OPERANDS, AttentionSpec, Lengths, is_packed
@@ -81,6 +82,16 @@ def init_stats(rows: int, dt: Dtypes) -> tile.RowStats:
   return tile.RowStats(*(plgpu.layout_cast(x, ROWS) for x in tile.init_stats(rows, dt)))
 
 
+def fp8_forward(spec: AttentionSpec, dtype) -> bool:
+  """Whether the call's forward runs in FP8: numerics "fast" but for e4m3 q, k and v (qkv="e4m3")
+  and P cast to e4m3 (p="e4m3", any p_scale) -- FlashAttention-3's FP8 arithmetic. The backward
+  then runs the bf16/fp16 kernels on the dequantized q, k and v (exact in the input dtype)."""
+  dt = spec.numerics.dtypes(dtype)
+  fast = numerics_lib.FAST.dtypes(dtype)
+  return (spec.numerics.qkv == "e4m3" and jnp.dtype(dt.p) == jnp.dtype(fp8.E4M3)
+          and dt == fast._replace(p=dt.p, p_scale=dt.p_scale))
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
   """Everything static about one call."""
@@ -97,9 +108,9 @@ class Call:
 
   @property
   def fp8(self) -> bool:
-    """The forward runs in FP8: e4m3 Q, K and V^T, P cast to e4m3 for the PV product (numerics
-    with qkv="e4m3" and p="e4m3"; the backward kernels take the dequantized q, k and v)."""
-    return jnp.dtype(self.dt.p).itemsize == 1
+    """The forward runs in FP8 (`fp8_forward`): e4m3 Q, K and V^T, P cast to e4m3 for the PV
+    product; the backward kernels take the dequantized q, k and v."""
+    return fp8_forward(self.spec, self.dt.input)
 
   def lengths(self, refs, b) -> Lengths:
     """The batch row's query and key lengths and q_shift: static T, S and 0 unless the call has
