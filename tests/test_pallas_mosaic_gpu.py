@@ -77,12 +77,13 @@ def _spec_ops(shape=(2, 128, 4, 64), kv_heads=2, dtype=bf16, **kwargs):
     (dict(numerics="paper"), "numerics 'paper'"),
     (dict(numerics="fast+fp32o"), "numerics 'fast\\+fp32o'"),
     # FP8 q, k, v are quantized before the kernel, whose products of e4m3 values are exact; with
-    # P cast to e4m3 too, the FP8 forward (head dim 128, no bias or mask); the "fp8" preset's
+    # P cast to e4m3 too, the FP8 forward (head dim 64, 128; no bias or mask); the "fp8" preset's
     # top key in bf16 and rounded row sum it does not compute.
     (dict(numerics="fast+qkv=e4m3"), None),
     (dict(shape=(2, 128, 4, 128), numerics=FP8), None),
     (dict(shape=(2, 128, 4, 128), numerics="fast+qkv=e4m3+p=e4m3"), None),
-    (dict(numerics=FP8), "head dim 64: the FP8 forward"),
+    (dict(numerics=FP8), None),
+    (dict(shape=(2, 128, 4, 256), numerics=FP8), "head dim 256: the FP8 forward"),
     (dict(shape=(2, 128, 4, 128), numerics=FP8, mask=jnp.ones((1, 1, 128, 128), bool)),
      "no bias or mask"),
     (dict(shape=(2, 128, 4, 128), numerics="fast+p=e4m3+p_scale=256"),
@@ -671,7 +672,7 @@ def test_gpu_fp8_inputs_are_the_call_on_their_quantized_values():
 
 
 _FP8_IDS = np.repeat(np.arange(3), 128)[None].repeat(2, 0)
-FP8_CASES = {   # B2 T384 N4 K2 H128
+FP8_CASES = {   # B2 T384 N4 K2, head dim 64 and 128
     "gqa_lens": dict(is_causal=True, query_seq_lengths=np.array([384, 300]),
                      key_value_seq_lengths=np.array([384, 250])),
     "packed_sinks_window": dict(is_causal=True, q_segment_ids=_FP8_IDS, kv_segment_ids=_FP8_IDS,
@@ -700,13 +701,14 @@ def _fp8_errors(implementation, numerics, case, max_adjust, inputs):
 @on_hopper
 @pytest.mark.parametrize("max_adjust", ["off", "paper", "safe"])
 @pytest.mark.parametrize("case", list(FP8_CASES))
-def test_gpu_fp8_forward_is_as_accurate_as_the_reference(case, max_adjust):
+@pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
+def test_gpu_fp8_forward_is_as_accurate_as_the_reference(head_dim, case, max_adjust):
   """The compiled FP8 forward (with its bf16 backward) against float64 attention of the quantized
   inputs: O, dQ, dK and dV within 1.25x (+ 2e-3) the error of implementation="reference" in the
   same numerics -- their P round on different key blocks, so they differ by P's rounding, not
   bitwise -- and O visibly not the bf16-P kernel's (P is cast to e4m3: ~2% apart)."""
   rng = np.random.default_rng()
-  shapes = ((2, 384, 4, 128), (2, 384, 2, 128), (2, 384, 2, 128), (2, 384, 4, 128))
+  shapes = [(2, 384, n, head_dim) for n in (4, 2, 2, 4)]
   inputs = [jnp.asarray(rng.standard_normal(s), bf16) for s in shapes]
   got, o = _fp8_errors(IMPL, FP8, case, max_adjust, inputs)
   want, _ = _fp8_errors("reference", FP8, case, max_adjust, inputs)
@@ -1176,14 +1178,14 @@ def test_entry_register_tiles_lower_for_cuda(feature):
 
 
 @pytest.mark.parametrize("feature", ["gqa", "segments_sinks_window", "soft_cap_paper",
-                                     "qkvpacked"])
+                                     "qkvpacked", "head_dim_64"])
 def test_fp8_forward_lowers_for_cuda(feature):
   """The FP8 forward (e4m3 Q K^T, P cast to e4m3 through shared memory, V^T) lowers for CUDA with
   the features it serves, and its backward is the bf16 kernels' (dQ, dK/dV) on the dequantized
   q, k, v; on a CPU host."""
-  B, T, N, K, H = 1, 384, 4, 2, 128
+  B, T, N, K, H = 1, 384, 4, 2, 64 if feature == "head_dim_64" else 128
   ids = jnp.asarray(np.repeat(np.arange(3), T // 3)[None], jnp.int32)
-  kwargs = dict(gqa={}, qkvpacked={},
+  kwargs = dict(gqa={}, qkvpacked={}, head_dim_64={},
                 segments_sinks_window=dict(q_segment_ids=ids, sinks=jnp.zeros(N, f32),
                                            local_window_size=(200, 0)),
                 soft_cap_paper=dict(logits_soft_cap=20.0, max_adjust="paper"))[feature]

@@ -65,8 +65,9 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
   if H not in tuning.HEAD_DIMS:
     return f"head dim {H}: the Hopper kernels cover {tuning.HEAD_DIMS}"
   if fp8_forward(spec, ops.q.dtype):
-    if H != FP8_K:
-      return f"head dim {H}: the FP8 forward (numerics {spec.numerics.name!r}) covers {FP8_K}"
+    if H not in FP8_HEAD_DIMS:
+      return (f"head dim {H}: the FP8 forward (numerics {spec.numerics.name!r}) covers "
+              f"{FP8_HEAD_DIMS}")
     if ops.bias is not None or ops.mask is not None:
       return f"numerics {spec.numerics.name!r}: the FP8 forward takes no bias or mask operands"
   elif spec.numerics.dtypes(ops.q.dtype) != numerics_lib.FAST.dtypes(ops.q.dtype):
@@ -83,6 +84,7 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
 # The FP8 forward's head dim and key block: a 128-byte swizzle holds 128 e4m3 values, the K of
 # one wgmma group (Q K^T reduces over the head dim, P V over the keys).
 FP8_K = 128
+FP8_HEAD_DIMS = (64, 128)
 
 
 def default_config(spec: AttentionSpec, ops: Operands) -> tuning.TuningConfig:

@@ -262,13 +262,15 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
   dtype, out_dtype = common.input_dtype(x), call.dt.input
   mma = common.mma_transforms(dtype, bk)
+  # Q K^T reduces over the head dim: 8-bit rows of H bytes take a swizzle that wide (64 at H64).
+  qk_mma = common.mma_transforms(dtype, H) if fp8 else mma
 
   # Persistent CTAs (TuningConfig.fwd_persistent): as many as the device has SMs, each with two
   # Q buffers (the next tile's rows load during this one) and O staged apart from them.
   grid, names, ctas = common.query_grid(call, wgs, bq, call.config.fwd_persistent)
   q_bufs = 2 if ctas else 1
-  smem = (plgpu.SMEM((q_bufs, wgs, bq, H), dtype, transforms=mma),
-          plgpu.SMEM((stages, bk, H), dtype, transforms=mma),
+  smem = (plgpu.SMEM((q_bufs, wgs, bq, H), dtype, transforms=qk_mma),
+          plgpu.SMEM((stages, bk, H), dtype, transforms=qk_mma),
           plgpu.SMEM((stages, H, bk) if fp8 else (stages, bk, H), dtype, transforms=mma),
           plgpu.SMEM((q_bufs, wgs, bq), f32) if call.safe else None,
           plgpu.SMEM((wgs, bq), f32),
