@@ -14,6 +14,7 @@ import pytest
 
 from train.cli import PROG, build_parser, build_config, main as cli_main
 from train.config import get_config
+import train.loop as train_loop
 from train.loop import RunOptions, TrainingStopped, train
 from train.metrics import read_metrics, read_tensorboard
 from tests.test_train_cache import restore_cache_config  # noqa: F401 (a fixture)
@@ -306,7 +307,7 @@ SHARDED = """
 import json, sys
 sys.path.insert(0, {root!r})
 import jax
-from tests.test_train_loop import micro, run, losses
+from tests.test_train_loop import micro, run, losses, first_monitors
 assert jax.device_count() == {n}, jax.devices()
 out = {{}}
 ours = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, max_adjust="safe")
@@ -315,18 +316,39 @@ ours = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, max_adjust="safe")
 arms = {{"dp": dict(),
         "ours_fsdp": dict(fsdp=True, model=dict(ours, attention="reference")),
         "pallas_fsdp": dict(fsdp=True, model=dict(ours, attention="pallas_gpu"))}}
+# The final sample reads whole parameters: XLA 0.11's GPU compiler segfaulted on the sampler's
+# loop over FSDP-split ones (4 H200s). Recorded per sample: were they replicated?
+import train.loop
+whole, generate = [], train.loop.generate_text
+def spy(sampler, params, *args, **kwargs):
+    whole.append(all(x.sharding.is_fully_replicated for x in jax.tree.leaves(params)))
+    return generate(sampler, params, *args, **kwargs)
+train.loop.generate_text = spy
+# The monitors on 2 rows, which 4 devices do not divide: each device runs their attention whole
+# (left to stable_attn's partitioning beside FSDP, JAX failed: IndivisibleError).
+train.loop.MONITOR_ROWS = 2
+monitors = {{}}
 for name, kw in arms.items():
     d = {tmp!r} + "/" + name
-    run(micro(max_steps=4, grad_accum=2, **kw), d)
+    run(micro(max_steps=4, grad_accum=2, sample_tokens=2, monitor_every=2, **kw), d)
     out[name] = losses(d)
-print("RESULT" + json.dumps(out))
+    monitors[name] = first_monitors(d)
+print("RESULT" + json.dumps(dict(losses=out, whole=whole, monitors=monitors)))
 """
 
 
+def first_monitors(out):
+  """The attention monitors of the first record (before any update: the seed's parameters)."""
+  record = read_metrics(out)[0]
+  return [record[k] for k in ("max_logit", "tie_frac")]
+
+
 @pytest.mark.slow
-def test_sharded_training_matches_single_device(tmp_path):
-  run(micro(max_steps=4, grad_accum=2), tmp_path / "single")
+def test_sharded_training_matches_single_device(tmp_path, monkeypatch):
+  monkeypatch.setattr(train_loop, "MONITOR_ROWS", 2)
+  run(micro(max_steps=4, grad_accum=2, monitor_every=2), tmp_path / "single")
   single = [l for _, l in losses(tmp_path / "single")]
+  single_monitors = first_monitors(tmp_path / "single")
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run(
@@ -334,7 +356,10 @@ def test_sharded_training_matches_single_device(tmp_path):
       env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.split("RESULT")[-1])
-  for name, traj in result.items():
+  assert result["whole"] == [True] * 3, result["whole"]
+  for name, got in result["monitors"].items():
+    np.testing.assert_allclose(got, single_monitors, rtol=5e-3, err_msg=name)
+  for name, traj in result["losses"].items():
     got = [l for _, l in traj]
     # Data parallel changes only reduction order; our attention vs jax.nn's adds bf16 rounding.
     np.testing.assert_allclose(got, single, rtol=2e-3 if name == "dp" else 5e-3, err_msg=name)

@@ -204,16 +204,19 @@ def context_devices() -> int:
 
 def _per_device(call, *arrays):
   """call(*arrays) -- each [B, ...] or None -- on each device's rows under the mesh of `on_mesh`;
-  directly where there is none, one device, or a batch the mesh does not divide (the sampler's
-  single row: stable_attn partitions that call itself). Context parallel: with the batch over
+  directly where there is none or one device; whole on every device where the mesh does not
+  divide the batch (the monitors' 4 rows on 8 devices). Context parallel: with the batch over
   'data' and the sequence over 'context' made Explicit, stable_attn splits the call itself."""
   placement = _MESH.get()
   if placement is not None and placement.context > 1:
     return _context_parallel(call, placement.mesh, *arrays)
   mesh = None if placement is None else placement.mesh
-  if mesh is None or mesh.size == 1 or arrays[0].shape[0] % mesh.size:
+  if mesh is None or mesh.size == 1:
     return call(*arrays)
-  rows = P(tuple(mesh.axis_names))
+  # Not left to stable_attn's own partitioning: beside FSDP-split projections XLA offered it q, k
+  # and v split over heads and head dim by parts of one mesh axis, which JAX's custom_partitioning
+  # cannot name on the mesh (IndivisibleError on CPUs).
+  rows = P() if arrays[0].shape[0] % mesh.size else P(tuple(mesh.axis_names))
   return jax.shard_map(call, mesh=mesh, in_specs=tuple(None if a is None else rows for a in arrays),
                        out_specs=rows, check_vma=False)(*arrays)
 

@@ -210,6 +210,7 @@ class _Run:
   monitor: Callable
   monitor_x: jax.Array  # the monitors' input: MONITOR_ROWS validation sequences
   sampler: Callable
+  sample_sharding: jax.sharding.Sharding  # of the parameters the sampler reads: replicated
   schedule: Callable  # step -> learning rate
   flops_per_token: float
   peak: float | None  # TFLOP/s per device, for MFU (None: no MFU)
@@ -247,7 +248,12 @@ class _Run:
     return total / cfg.eval_batches
 
   def sample(self, params, step: int) -> str:
-    """Text drawn with a key that depends only on the step, so a resumed run draws the same."""
+    """Text drawn with a key that depends only on the step, so a resumed run draws the same.
+
+    The sampler reads whole parameters, as data parallel: on FSDP-split ones XLA 0.11's GPU
+    compiler crashed compiling its one-row loop (a segfault on 4 H200s, after the last
+    checkpoint). The copy lasts the sample."""
+    params = jax.device_put(params, self.sample_sharding)
     return generate_text(self.sampler, params, self.cfg.model.block_size,
                          jax.random.fold_in(self.sample_key, step), prompt=self.opts.prompt,
                          max_new_tokens=self.cfg.sample_tokens)
@@ -327,7 +333,7 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
              train_sharding=b_sh3, eval_sharding=b_sh2,
              train_step=training.train_step, eval_step=eval_step, monitor=monitor,
              monitor_x=to_global(mon_x, rep, mon_x.shape),
-             sampler=make_sampler(graphdef, mcfg.block_size), schedule=lr_schedule(cfg),
+             sampler=make_sampler(graphdef, mcfg.block_size), sample_sharding=rep, schedule=lr_schedule(cfg),
              flops_per_token=fpt, peak=peak, peak_note=peak_note, ckpt=ckpt, metrics=metrics,
              bar=bar, start=start, sample_key=sample_key)
   return run, params, opt_state, state
