@@ -215,7 +215,7 @@ def plot(rows, device: str, path: str):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+  fig, ax = plt.subplots(figsize=(10, 4.8), dpi=110)
   ax.set_prop_cycle(color=plt.cm.tab20.colors)   # up to 20 lines, none sharing a colour
   # One line per arm, shape and process (rows merged from several runs carry a "process").
   line = lambda r: (r.get("process", ""), r["arm"], r["T"], r["K"])
@@ -228,7 +228,7 @@ def plot(rows, device: str, path: str):
   ax.set_ylabel("fwd+bwd TFLOP/s per GPU")
   ax.set_title(f"Context parallel causal attention, {device}")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))   # beside the lines
   fig.tight_layout()
   fig.savefig(path)
 
@@ -239,6 +239,7 @@ def main(argv=None) -> int:
   p.add_argument("--devices", default="1,2,4")
   p.add_argument("--arms", default=",".join(ARMS))
   p.add_argument("--gqa", action="store_true", help="also K=8 kv heads")
+  p.add_argument("--kv-heads", help="the kv head counts, e.g. 8 (default: 16, and 8 with --gqa)")
   p.add_argument("--heads", type=int, default=16)
   p.add_argument("--implementation", default="pallas_mosaic_gpu",
                  help="ours' backend (pallas_gpu with --interpret: a CPU smoke run of the script)")
@@ -257,8 +258,10 @@ def main(argv=None) -> int:
   device = jax.devices()[0].device_kind
   rows, notes = [], [f"jax {jax.__version__}, {jax.device_count()} x {device}"]
   notes += [f"{arm}: {ARM_NOTES[arm]}" for arm in args.arms.split(",")]
+  kv_heads = ([int(k) for k in args.kv_heads.split(",")] if args.kv_heads
+              else (16, 8) if args.gqa else (16,))
   for T in (int(t) for t in args.lengths.split(",")):
-    for K in ((16, 8) if args.gqa else (16,)):
+    for K in kv_heads:
       N = args.heads
       shape = (1, T, N, min(K, N), 128, True)
       rng = np.random.default_rng(0)
