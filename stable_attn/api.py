@@ -112,8 +112,11 @@ def dot_product_attention(
     numerics: "fast", "paper", "fast+fp32o", "paper+fp32o", "fp8", a preset with rounding points
       moved (stable_attn.numerics.resolve: e.g. "fast+p=e4m3+p_scale=256", P_bar cast to FP8
       with a pre-cast scale) or a `Numerics`. An FP8 P_bar ("fp8", "p=e4m3") runs on reference,
-      xla and in interpret mode (the compiled kernels refuse it); FP8 q, k, v ("qkv=e4m3", in
-      "fp8") are quantized with per-head scales before any backend (stable_attn.fp8).
+      xla and in interpret mode; compiled, the Hopper kernel runs it with FP8 q, k, v too
+      ("fast+qkv=e4m3+p=e4m3", any p_scale; not "fp8") at head dim 64 or 128 without a bias or
+      mask, and refuses the rest, as compiled pallas_gpu and pallas_tpu do; FP8 q, k, v
+      ("qkv=e4m3", in "fp8") are quantized with per-head scales before any backend
+      (stable_attn.fp8).
     interpret: run Pallas implementations in interpret mode (CPU).
     config: the named implementation's tuning object (e.g. pallas_kernels.gpu.tuning.Config,
       pallas_kernels.tpu.BlockSizes); None uses its defaults.
