@@ -333,7 +333,8 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
              train_sharding=b_sh3, eval_sharding=b_sh2,
              train_step=training.train_step, eval_step=eval_step, monitor=monitor,
              monitor_x=to_global(mon_x, rep, mon_x.shape),
-             sampler=make_sampler(graphdef, mcfg.block_size), sample_sharding=rep, schedule=lr_schedule(cfg),
+             sampler=make_sampler(graphdef, mcfg.block_size), sample_sharding=rep,
+             schedule=lr_schedule(cfg),
              flops_per_token=fpt, peak=peak, peak_note=peak_note, ckpt=ckpt, metrics=metrics,
              bar=bar, start=start, sample_key=sample_key)
   return run, params, opt_state, state
