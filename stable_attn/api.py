@@ -54,6 +54,7 @@ class Options:
   return_residuals: bool = False
   context_layout: str = "contiguous"
   context_strategy: str = "auto"
+  fp8_scales: Any = None
 
   @classmethod
   def of(cls, arguments: dict) -> "Options":
@@ -83,6 +84,7 @@ def dot_product_attention(
     return_residuals: bool = False,
     context_layout: str = "contiguous",
     context_strategy: str = "auto",
+    fp8_scales=None,
 ):
   """Scaled dot-product attention with the max adjustment; a drop-in for jax.nn's.
 
@@ -173,6 +175,12 @@ def dot_product_attention(
       else "allgather" (measured fastest in that order: stable_attn.context.choose_strategy).
       "ring" and "alltoall" take no bias or mask, and run on the GPU kernels only (ValueError
       otherwise); on a call not sharded over its sequence every strategy is the one call.
+    fp8_scales: None, or (q_scale [N], k_scale [K], v_scale [K]) float32 powers of two: the
+      per-head scales q, k and v are quantized under where the numerics quantize them
+      (qkv="e4m3"; ValueError otherwise), e.g. from the amax of earlier steps (delayed scaling:
+      `stable_attn.fp8.head_amax`, `scales_from_amax`), so the call need not measure its inputs
+      first. None: each call measures its own (`fp8.head_scales`). A value whose |x| * scale
+      exceeds e4m3's 448 saturates there; the gradient passes the rounding straight through.
 
   Returns:
     [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
@@ -490,6 +498,34 @@ def _check_values(row: Operand, x) -> None:
     raise ValueError(f"sinks must be finite, got {values.tolist()}")
 
 
+def _fp8_scales(given, spec: AttentionSpec, N: int, K: int):
+  """fp8_scales checked: None, or three float32 arrays [N], [K], [K] of powers of two (their
+  values checked where concrete)."""
+  if given is None:
+    return None
+  if spec.numerics.qkv != "e4m3":
+    raise ValueError(f"fp8_scales are the scales q, k and v are quantized under, but numerics "
+                     f"{spec.numerics.name!r} keeps them as given (qkv={spec.numerics.qkv!r}); use "
+                     f"numerics that quantize them, e.g. 'fast+qkv=e4m3+p=e4m3+p_scale=256'")
+  if not isinstance(given, (tuple, list)) or len(given) != 3:
+    raise ValueError(f"fp8_scales must be (q_scale, k_scale, v_scale), got {type(given).__name__}")
+  checked = []
+  for name, x, n in zip(("q_scale", "k_scale", "v_scale"), given, (N, K, K)):
+    x = jnp.asarray(x)
+    if x.shape != (n,) or not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"fp8_scales: {name} must be a float array of shape ({n},) (one scale per "
+                       f"{'query' if name == 'q_scale' else 'key/value'} head), got {x.dtype}"
+                       f"{list(x.shape)}")
+    values = _concrete(x)
+    if values is not None:
+      mantissa, _ = np.frexp(values.astype(np.float64))
+      if not (np.all(np.isfinite(values)) and np.all(values > 0) and np.all(mantissa == 0.5)):
+        raise ValueError(f"fp8_scales: {name} must hold positive powers of two (they undo "
+                         f"exactly), got {values.tolist()}")
+    checked.append(x.astype(jnp.float32))
+  return tuple(checked)
+
+
 def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Options] = None):
   """Checks the arguments of dot_product_attention -> (AttentionSpec, Operands, unbatched).
 
@@ -502,7 +538,8 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   S, K = k.shape[1], k.shape[2]
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
   spec = _spec(options, H)
-  q, k, v, scales = fp8.quantize_inputs(q, k, v, spec.numerics.qkv)
+  q, k, v, scales = fp8.quantize_inputs(q, k, v, spec.numerics.qkv,
+                                        _fp8_scales(options.fp8_scales, spec, N, K))
   if spec.window is not None:
     # No query and key are max(T, S) or more positions apart, so a wider window is no limit on
     # that side; clamped, position +- window stays within int32 (2**31 - 9 wrapped round to "no

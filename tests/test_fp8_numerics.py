@@ -199,6 +199,79 @@ def test_fp8_inputs_reach_every_backend(impl):
                             np.asarray(call("fast")(q, k, v), np.float32))
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas_gpu"])
+def test_fp8_scales_from_the_caller(impl):
+  """fp8_scales (delayed scaling): q, k, v rounded to e4m3 under the caller's per-head powers of
+  two -- ml_dtypes' cast of x * scale, saturated at +-448 where a scale is too large for this
+  call's values -- and the call on those values (forward, and gradients straight through); with
+  the scales the call would measure (fp8.head_scales), bitwise the call without them."""
+  from stable_attn import fp8
+  rng = np.random.default_rng()
+  q, k, v, d_out = (jnp.asarray(rng.standard_normal((2, 64, n, 32)) * 3, jnp.bfloat16)
+                    for n in (4, 2, 2, 4))
+  nx = "fast+qkv=e4m3+p=e4m3+p_scale=256"
+  call = lambda q, k, v, **kw: stable_attn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=impl, interpret=impl == "pallas_gpu", **kw)
+  measured = tuple(fp8.head_scales(x) for x in (q, k, v))
+  np.testing.assert_array_equal(np.asarray(call(q, k, v, numerics=nx, fp8_scales=measured)),
+                                np.asarray(call(q, k, v, numerics=nx)))
+  # Scales 4x too large for some heads (the amax of earlier steps was smaller): those saturate.
+  late = tuple(s * jnp.asarray(rng.choice([1.0, 4.0], s.shape), jnp.float32) for s in measured)
+
+  def saturated(x, s):
+    y = np.asarray(x, np.float64) * np.asarray(s)[None, None, :, None]
+    rounded = np.clip(y, -448, 448).astype(np.float32).astype(e4m3).astype(np.float64)
+    return jnp.asarray(rounded / np.asarray(s)[None, None, :, None], jnp.bfloat16)
+
+  want_inputs = [saturated(x, s) for x, s in zip((q, k, v), late)]
+  assert any(np.any(np.abs(np.asarray(x, np.float64) * np.asarray(s)[None, None, :, None]) > 448)
+             for x, s in zip((q, k, v), late))   # the case is met
+  o, pullback = jax.vjp(lambda q, k, v: call(q, k, v, numerics=nx, fp8_scales=late), q, k, v)
+  o_want, pullback_want = jax.vjp(lambda q, k, v: call(q, k, v, numerics="fast+p=e4m3+p_scale=256"),
+                                  *want_inputs)
+  np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o_want, np.float32))
+  assert np.all(np.isfinite(np.asarray(o, np.float32)))
+  for g, want in zip(pullback(d_out), pullback_want(d_out)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
+  # Under jit the scales are traced: the same values.
+  jitted = jax.jit(lambda q, k, v, s: call(q, k, v, numerics=nx, fp8_scales=s))(q, k, v, late)
+  np.testing.assert_array_equal(np.asarray(jitted, np.float32), np.asarray(o, np.float32))
+
+
+def test_fp8_scales_are_checked():
+  """fp8_scales: ValueErrors that name the argument, for numerics that do not quantize, a wrong
+  count or shape, and values that are not positive powers of two."""
+  q = jnp.ones((1, 16, 4, 32), jnp.bfloat16)
+  k = jnp.ones((1, 16, 2, 32), jnp.bfloat16)
+  ones = (jnp.ones(4), jnp.ones(2), jnp.ones(2))
+  call = lambda nx, s: stable_attn.dot_product_attention(q, k, k, numerics=nx, fp8_scales=s)
+  nx = "fast+qkv=e4m3"
+  with pytest.raises(ValueError, match="fp8_scales are the scales .* keeps them as given"):
+    call("fast", ones)
+  with pytest.raises(ValueError, match=r"fp8_scales must be \(q_scale, k_scale, v_scale\)"):
+    call(nx, ones[:2])
+  with pytest.raises(ValueError,
+                     match=r"fp8_scales: k_scale must be a float array of shape \(2,\)"):
+    call(nx, (jnp.ones(4), jnp.ones(4), jnp.ones(2)))
+  for bad in (3.0, 0.0, -2.0, np.inf):
+    with pytest.raises(ValueError, match="v_scale must hold positive powers of two"):
+      call(nx, (jnp.ones(4), jnp.ones(2), jnp.asarray([1.0, bad])))
+  assert call(nx, (jnp.full(4, 2.0 ** -3), jnp.ones(2), jnp.full(2, 2.0 ** 5))).shape == q.shape
+
+
+def test_fp8_scales_from_amax():
+  """fp8.scales_from_amax: the largest power of two with amax * s <= 448 (1 for 0, inf, NaN);
+  head_scales is it of head_amax."""
+  from stable_attn import fp8
+  amax = np.asarray([448.0, 448.5, 224.0, 1e-30, 0.0, np.inf, np.nan, 3.0], np.float32)
+  got = np.asarray(fp8.scales_from_amax(jnp.asarray(amax)), np.float64)
+  finite = np.isfinite(amax) & (amax > 0)
+  want = np.where(finite, 2.0 ** np.floor(np.log2(448 / np.where(finite, amax, 1.0))), 1.0)
+  np.testing.assert_array_equal(got, want)
+  x = jnp.asarray(np.random.default_rng().standard_normal((2, 8, 3, 16)), jnp.float32)
+  np.testing.assert_array_equal(fp8.head_scales(x), fp8.scales_from_amax(fp8.head_amax(x)))
+
+
 def test_pallas_gpu_in_interpret_mode_casts_p_to_e4m3():
   """The Triton kernel's body runs the same tile math (pv_product) in interpret mode: its FP8 O
   moves from its bf16 O as the reference's does (not bitwise the reference's: the kernels fold

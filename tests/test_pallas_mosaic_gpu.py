@@ -671,6 +671,25 @@ def test_gpu_fp8_inputs_are_the_call_on_their_quantized_values():
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.gpu
+@on_hopper
+def test_gpu_fp8_forward_takes_the_callers_scales():
+  """The FP8 forward compiled with fp8_scales (delayed scaling), some 4x too large: bitwise the
+  call on the saturated values (whose own measured scales are the given ones, so they quantize to
+  themselves), and finite: the kernel's e4m3 payloads are made under the given scales."""
+  from stable_attn import fp8
+  rng = np.random.default_rng()
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 256, n, 128)) * 3, bf16) for n in (4, 2, 2))
+  late = tuple(fp8.head_scales(x) * jnp.asarray(rng.choice([1.0, 4.0], x.shape[2]), f32)
+               for x in (q, k, v))
+  call = jax.jit(lambda q, k, v, s: stable_attn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=IMPL, numerics=FP8, fp8_scales=s))
+  saturated = [fp8.quantize_under(x, s) for x, s in zip((q, k, v), late)]
+  got = np.asarray(call(q, k, v, late), np.float32)
+  np.testing.assert_array_equal(got, np.asarray(call(*saturated, None), np.float32))
+  assert np.all(np.isfinite(got))
+
+
 _FP8_IDS = np.repeat(np.arange(3), 128)[None].repeat(2, 0)
 FP8_CASES = {   # B2 T384 N4 K2, head dim 64 and 128
     "gqa_lens": dict(is_causal=True, query_seq_lengths=np.array([384, 300]),
