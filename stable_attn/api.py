@@ -318,7 +318,8 @@ def _kind_ok(row: Operand, dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating)
 
 
-_KIND_NAMES = {"int": "an integer", "float": "a floating-point", "bool": "a boolean"}
+_KIND_NAMES = {"int": "an integer", "float": "a floating-point", "bool": "a boolean",
+               "float32": "a floating-point"}
 
 
 def _check_broadcastable(row: Operand, x, sizes: dict):
@@ -496,11 +497,16 @@ def _check_values(row: Operand, x) -> None:
     raise ValueError(f"{row.arg} must be >= 0, got {values.tolist()}")
   if row.name == "sinks" and not np.all(np.isfinite(values)):
     raise ValueError(f"sinks must be finite, got {values.tolist()}")
+  if row.name in fp8.SCALE_ROWS:
+    mantissa, _ = np.frexp(values.astype(np.float64))
+    if not (np.all(np.isfinite(values)) and np.all(values > 0) and np.all(mantissa == 0.5)):
+      raise ValueError(f"{row.arg} must hold positive powers of two (they undo exactly), got "
+                       f"{values.tolist()}")
 
 
-def _fp8_scales(given, spec: AttentionSpec, N: int, K: int):
-  """fp8_scales checked: None, or three float32 arrays [N], [K], [K] of powers of two (their
-  values checked where concrete)."""
+def _fp8_scales(given, spec: AttentionSpec, sizes: dict):
+  """fp8_scales checked against their operand rows (q_scale, k_scale, v_scale) -> None, or three
+  float32 arrays [N], [K], [K]."""
   if given is None:
     return None
   if spec.numerics.qkv != "e4m3":
@@ -510,19 +516,10 @@ def _fp8_scales(given, spec: AttentionSpec, N: int, K: int):
   if not isinstance(given, (tuple, list)) or len(given) != 3:
     raise ValueError(f"fp8_scales must be (q_scale, k_scale, v_scale), got {type(given).__name__}")
   checked = []
-  for name, x, n in zip(("q_scale", "k_scale", "v_scale"), given, (N, K, K)):
-    x = jnp.asarray(x)
-    if x.shape != (n,) or not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"fp8_scales: {name} must be a float array of shape ({n},) (one scale per "
-                       f"{'query' if name == 'q_scale' else 'key/value'} head), got {x.dtype}"
-                       f"{list(x.shape)}")
-    values = _concrete(x)
-    if values is not None:
-      mantissa, _ = np.frexp(values.astype(np.float64))
-      if not (np.all(np.isfinite(values)) and np.all(values > 0) and np.all(mantissa == 0.5)):
-        raise ValueError(f"fp8_scales: {name} must hold positive powers of two (they undo "
-                         f"exactly), got {values.tolist()}")
-    checked.append(x.astype(jnp.float32))
+  for name, x in zip(fp8.SCALE_ROWS, given):
+    row = OPERANDS[name]
+    checked.append(_check_operand(row, x, sizes, unbatched=False).astype(jnp.float32))
+    _check_values(row, x)
   return tuple(checked)
 
 
@@ -539,7 +536,7 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
   spec = _spec(options, H)
   q, k, v, scales = fp8.quantize_inputs(q, k, v, spec.numerics.qkv,
-                                        _fp8_scales(options.fp8_scales, spec, N, K))
+                                        _fp8_scales(options.fp8_scales, spec, sizes))
   if spec.window is not None:
     # No query and key are max(T, S) or more positions apart, so a wider window is no limit on
     # that side; clamped, position +- window stays within int32 (2**31 - 9 wrapped round to "no

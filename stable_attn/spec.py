@@ -177,12 +177,12 @@ OPERANDS = OperandTable([
     # Attention sinks: one logit per query head joining every row's denominator without a value
     # (gpt-oss / splash). Differentiable; its gradient needs only delta (flash.py).
     Operand("sinks", ("heads",), "float", optional=True, arg="sinks"),
-    # numerics qkv="e4m3": the per-head powers of two q, k and v were quantized under (built by
-    # the api, stable_attn.fp8.quantize_inputs), so that an FP8 kernel gets its e4m3 payloads by
-    # one exact multiply instead of measuring every head again.
-    Operand("q_scale", ("heads",), "float32", optional=True),
-    Operand("k_scale", ("kv_heads",), "float32", optional=True),
-    Operand("v_scale", ("kv_heads",), "float32", optional=True),
+    # numerics qkv="e4m3": the per-head powers of two q, k and v were quantized under (the
+    # caller's fp8_scales, or measured by stable_attn.fp8.quantize_inputs), so that an FP8 kernel
+    # gets its e4m3 payloads by one exact multiply instead of measuring every head again.
+    Operand("q_scale", ("heads",), "float32", optional=True, arg="fp8_scales[0] (q_scale)"),
+    Operand("k_scale", ("kv_heads",), "float32", optional=True, arg="fp8_scales[1] (k_scale)"),
+    Operand("v_scale", ("kv_heads",), "float32", optional=True, arg="fp8_scales[2] (v_scale)"),
     # An FP8 kernel's descale factors, per query head (built by the backend from the scales
     # above): the scores' (q's times its kv head's k's) and O's (v's).
     Operand("qk_descale", ("heads",), "float32", optional=True),

@@ -250,11 +250,11 @@ def test_fp8_scales_are_checked():
     call("fast", ones)
   with pytest.raises(ValueError, match=r"fp8_scales must be \(q_scale, k_scale, v_scale\)"):
     call(nx, ones[:2])
-  with pytest.raises(ValueError,
-                     match=r"fp8_scales: k_scale must be a float array of shape \(2,\)"):
+  with pytest.raises(ValueError, match=r"fp8_scales\[1\] \(k_scale\) must be a floating-point "
+                                       r"array of shape \[K\]=\(2,\)"):
     call(nx, (jnp.ones(4), jnp.ones(4), jnp.ones(2)))
   for bad in (3.0, 0.0, -2.0, np.inf):
-    with pytest.raises(ValueError, match="v_scale must hold positive powers of two"):
+    with pytest.raises(ValueError, match=r"\(v_scale\) must hold positive powers of two"):
       call(nx, (jnp.ones(4), jnp.ones(2), jnp.asarray([1.0, bad])))
   assert call(nx, (jnp.full(4, 2.0 ** -3), jnp.ones(2), jnp.full(2, 2.0 ** 5))).shape == q.shape
 
