@@ -77,7 +77,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import math
+import warnings
 from typing import Callable, NamedTuple
 
 import jax
@@ -163,6 +166,41 @@ class _Axes(NamedTuple):
     device trades its positions for its share of the heads)."""
     return {"batch": self.batch, "heads": self.heads, "kv_heads": self.heads,
             "query": self.seq, "key": self.keys}.get(axis)
+
+
+def _decoded(mesh, args):
+  """args (ShapeDtypeStructs) with the shardings XLA hands a custom_partitioning op named on
+  `mesh`. The ops take them undecoded (decode_shardings=False): JAX's own decoding raises
+  IndivisibleError inside XLA (an INTERNAL error on CPUs, a segfault seen on GPUs) for a dim split
+  by part of a mesh axis, as XLA propagates from FSDP weights [D, N*H] (data) reshaped to heads x
+  head dim: heads over half of the axis' devices, head dim over the other half."""
+  if mesh.empty:
+    return args
+  return [a if a.sharding is None or isinstance(a.sharding, NamedSharding) else
+          jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_named_on(mesh, a.sharding, a.ndim))
+          for a in args]
+
+
+@functools.lru_cache(maxsize=None)
+def _named_on(mesh, sharding, ndim: int) -> NamedSharding:
+  """The NamedSharding on `mesh` equivalent to `sharding`, found among the specs that give each
+  mesh axis (of size > 1) to one dim or none, in either order within a dim. Where none is, the
+  operand is taken whole on each device (XLA gathers it first), with one RuntimeWarning."""
+  axes = [name for name in mesh.axis_names if mesh.shape[name] > 1]
+  for dims in itertools.product(range(ndim + 1), repeat=len(axes)):
+    per_dim = [[a for a, d in zip(axes, dims) if d == i] for i in range(ndim)]
+    for order in itertools.product(*(itertools.permutations(names) for names in per_dim)):
+      named = NamedSharding(mesh, P(*(None if not o else o[0] if len(o) == 1 else o
+                                      for o in order)))
+      if named.is_equivalent_to(sharding, ndim):
+        return named
+  # One text per mesh, so that Python's default filter shows it once, not once per operand.
+  warnings.warn(f"stable_attn.dot_product_attention: XLA split an operand by part of an axis of "
+                f"the mesh {dict(mesh.shape)}, which no PartitionSpec names; that operand runs "
+                f"whole on each device, XLA gathering it first. Reshard q, k and v to "
+                f"P(batch_axes, None, head_axes, None) to keep them split", RuntimeWarning,
+                stacklevel=2)
+  return NamedSharding(mesh, P())
 
 
 def _spec(arg, ndim: int):
@@ -285,7 +323,7 @@ def _register(cp, partition, shardings, *, pick: int, backward: bool):
   """Give a custom_partitioning op its partitioner, its output-sharding inference (element `pick` of
   `shardings`) and its Shardy rule."""
   cp.def_partition(
-      partition=partition,
+      partition=partition, decode_shardings=False,
       infer_sharding_from_operands=lambda spec, config, layout, mesh, args, result_shape:
           shardings(spec, config, layout, mesh, args)[pick],
       sharding_rule=lambda spec, config, layout, mesh, value_types, result_types:
@@ -339,15 +377,18 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
                                static_argnums=(0, 1, 2))
 
   def fwd_shardings(spec, config, layout, mesh, args):
+    args = _decoded(mesh, args)
     axes = _axes(mesh, layout, args)
     return _named(mesh, _arg_specs(layout, args, axes)), _named(mesh, _forward_specs(axes))
 
   def fwd_partition(spec, config, layout, mesh, args, result_shape):
+    args = _decoded(mesh, args)
     in_shardings, out_shardings = fwd_shardings(spec, config, layout, mesh, args)
     local = fwd_local(spec, config, layout, _axes(mesh, layout, args))
     return mesh, _per_device(mesh, local), out_shardings, in_shardings
 
   def bwd_shardings(spec, config, layout, mesh, args):
+    args = _decoded(mesh, args)
     axes = _axes(mesh, layout, args[:len(layout.names)])
     specs = _arg_specs(layout, args, axes)
     return axes, _named(mesh, specs), _named(mesh, _grad_specs(layout, specs, axes))

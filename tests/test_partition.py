@@ -179,3 +179,52 @@ def test_explicit_heads_split_with_replicated_per_head_operands():
     assert max(r["rel"]) <= 1e-5, (impl, seed, r)
     heads = "P('data', None, 'model', None)"
     assert r["specs"] == [heads] * 3 + ["P(None, None, None, None)", "P(None,)"], (impl, r)
+
+
+PART_OF_AN_AXIS = r"""
+import json, sys, warnings
+sys.path.insert(0, {root!r})
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import stable_attn
+
+B, T, D, N, H = 2, 48, 64, 2, 32
+rng = np.random.default_rng({seed})
+x = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+w = jnp.asarray(rng.standard_normal((3, D, N * H)) / 8, jnp.float32)
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+def loss(x, w):
+  q, k, v = (jnp.einsum("btd,de->bte", x, w[i]).reshape(B, T, N, H) for i in range(3))
+  o = stable_attn.dot_product_attention(q, k, v, is_causal=True, implementation="pallas_gpu",
+                                        interpret=True)
+  return jnp.sum(jnp.sin(o))
+
+f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+want = f(x, w)
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  # FSDP: the projections' output dim N*H split over the 4 devices of "data"
+  got = f(x, jax.device_put(w, NamedSharding(mesh, P(None, None, "data"))))
+texts = sorted({{str(c.message) for c in caught if c.category is RuntimeWarning}})
+print("RESULT" + json.dumps(dict(
+    diff=[float(jnp.max(jnp.abs(a - b)))
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))],
+    scale=[float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(want)], warnings=texts)))
+"""
+
+
+@pytest.mark.slow
+def test_a_dim_split_by_part_of_a_mesh_axis():
+  """FSDP weights [D, N*H] split over a 4-device axis, reshaped to N=2 heads x H: XLA splits heads
+  over half of the devices and the head dim over the other half, which no PartitionSpec names. The
+  ops decode shardings themselves (JAX's decoding raised IndivisibleError inside XLA: an INTERNAL
+  error here, a segfault seen on GPUs), take such an operand whole on each device, and say so once
+  (one text for every operand); values and gradients are those of the unsharded call."""
+  seed = int(np.random.default_rng().integers(1 << 16))
+  result = run_on_cpu_devices(PART_OF_AN_AXIS.format(root=str(ROOT), seed=seed), devices=4,
+                              timeout=900)
+  for diff, scale in zip(result["diff"], result["scale"]):
+    assert diff <= 1e-5 * max(scale, 1.0), result
+  assert len(result["warnings"]) == 1, result["warnings"]
+  assert "by part of an axis of the mesh {'data': 4}" in result["warnings"][0]

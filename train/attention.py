@@ -213,9 +213,9 @@ def _per_device(call, *arrays):
   mesh = None if placement is None else placement.mesh
   if mesh is None or mesh.size == 1:
     return call(*arrays)
-  # Not left to stable_attn's own partitioning: beside FSDP-split projections XLA offered it q, k
-  # and v split over heads and head dim by parts of one mesh axis, which JAX's custom_partitioning
-  # cannot name on the mesh (IndivisibleError on CPUs).
+  # Not left to stable_attn's own partitioning: beside FSDP-split projections XLA offers it q, k
+  # and v split over heads and head dim by parts of one mesh axis, which no PartitionSpec names,
+  # and it would then run them whole on each device (docs/dispatch.md).
   rows = P() if arrays[0].shape[0] % mesh.size else P(tuple(mesh.axis_names))
   return jax.shard_map(call, mesh=mesh, in_specs=tuple(None if a is None else rows for a in arrays),
                        out_specs=rows, check_vma=False)(*arrays)
