@@ -10,6 +10,8 @@ Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu"
             inputs and backward; isolates the forward kernel from the quantization)
   fp8       numerics FP8_NUMERICS: the FP8 forward (e4m3 Q K^T and P V, P cast with a 2^8 scale),
             the bf16 backward on the dequantized inputs
+  fp8_given the fp8 arm with the caller's per-head scales (fp8_scales=, delayed scaling: here
+            the inputs' own, measured outside the timed calls), so no call measures its inputs
   quantize  what the fp8 arm does before its kernel: q, k, v quantized, scaled to e4m3 payloads,
             V transposed (forward only)
   *_kernel  the bf16 / FP8 forward kernel alone, on operands prepared outside the timed calls
@@ -40,19 +42,24 @@ from stable_attn.reference import exact_attention_vjp  # noqa: E402
 from stable_attn.spec import OPERANDS  # noqa: E402
 
 FP8_NUMERICS = "fast+qkv=e4m3+p=e4m3+p_scale=256"
-NUMERICS = {"bf16": "fast", "bf16_q": "fast+qkv=e4m3", "fp8": FP8_NUMERICS}
-ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "quantize", "bf16_kernel", "fp8_kernel")
-SHAPES = [(4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128)]   # (B, T, N, K, H), causal
+NUMERICS = {"bf16": "fast", "bf16_q": "fast+qkv=e4m3", "fp8": FP8_NUMERICS,
+            "fp8_given": FP8_NUMERICS}
+ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "fp8_given", "quantize", "bf16_kernel", "fp8_kernel")
+# (B, T, N, K, H), causal: issue 49's two targets, and head dim 64
+SHAPES = [(4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128), (4, 4096, 16, 16, 64)]
 ERROR_SHAPE = (1, 2048, 4, 4, 128)
 
 
-def attention_fn(arm: str, implementation: str):
-  """f(q, k, v) -> O for an arm."""
+def attention_fn(arm: str, implementation: str, inputs=None):
+  """f(q, k, v) -> O for an arm; inputs: the (q, k, v) whose per-head scales fp8_given passes."""
   if arm == "cudnn":
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                         implementation="cudnn")
+  given = {}
+  if arm == "fp8_given":
+    given = dict(fp8_scales=tuple(jax.device_get(fp8.head_scales(x)) for x in inputs))
   return lambda q, k, v: stable_attn.dot_product_attention(
-      q, k, v, is_causal=True, implementation=implementation, numerics=NUMERICS[arm])
+      q, k, v, is_causal=True, implementation=implementation, numerics=NUMERICS[arm], **given)
 
 
 def quantize_only(q, k, v):
@@ -129,7 +136,7 @@ def timings(arm, implementation, shape, calls, blocks) -> dict:
     return dict(fwd=bench.time_calls(jax.jit(quantize_only), (q, k, v), calls, blocks))
   if arm.endswith("_kernel"):
     return dict(fwd=bench.time_calls(*forward_kernel(arm[:-len("_kernel")], shape), calls, blocks))
-  f = attention_fn(arm, implementation)
+  f = attention_fn(arm, implementation, (q, k, v))
   fwd = jax.jit(f)
 
   @jax.jit
@@ -143,7 +150,7 @@ def timings(arm, implementation, shape, calls, blocks) -> dict:
 def errors(arm, implementation, shape) -> dict:
   """Relative errors of O, dQ, dK, dV against float64 attention of the unquantized inputs."""
   q, k, v, do = bench.make_inputs(*shape, jnp.bfloat16, seed=1)
-  o, pullback = jax.vjp(jax.jit(attention_fn(arm, implementation)), q, k, v)
+  o, pullback = jax.vjp(jax.jit(attention_fn(arm, implementation, (q, k, v))), q, k, v)
   got = (o,) + tuple(pullback(do))
   exact = exact_attention_vjp(q, k, v, do, is_causal=True)
   want = (exact.out, exact.dq, exact.dk, exact.dv)

@@ -59,14 +59,17 @@ def quantize_under(x: jax.Array, scales: jax.Array) -> jax.Array:
   """x [B, T, N, H] rounded to e4m3 under `scales` [N] (powers of two, `head_scales` of x or of
   a larger array, or a caller's), returned unscaled in x's dtype: x * scales is then an e4m3
   value, exactly. Where |x| * scales exceeds 448 (a caller's scale from earlier steps) it
-  saturates to +-448, as FP8 recipes do; a cast would give NaN there. The gradient is the identity
-  in x and zero in the scales."""
+  saturates to +-448, as FP8 recipes do; a cast would give NaN there. An inf or NaN input gives
+  NaN (no e4m3fn value is infinite). The gradient is the identity in x and zero in the scales."""
   s = scales[None, None, :, None]
   # tile.round_exact, not a cast pair: XLA's excess-precision simplification drops
   # f32 -> e4m3 -> f32 (the compiled kernels then got the unquantized inputs).
   y = x.astype(jnp.float32) * s
-  # Saturation is for finite values only: an inf or NaN input stays visible (NaN, as a cast gives).
-  rounded = tile.round_exact(jnp.where(jnp.isfinite(y), jnp.clip(y, -_MAX, _MAX), y), E4M3)
+  # Saturation for finite values only: 0 * y is NaN where y is inf or NaN, so those stay visible.
+  # Not jnp.where(jnp.isfinite(y), ...): with it XLA split V's quantize-transpose-cast fusion and
+  # wrote V^T in fp32, 0.5 ms more per FP8 call at B4 T4096 N16 H128 on an H200 (1.23 against
+  # 0.71 ms forward).
+  rounded = tile.round_exact(jnp.clip(y, -_MAX, _MAX) + 0 * y, E4M3)
   return (rounded / s).astype(x.dtype)
 
 

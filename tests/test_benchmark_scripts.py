@@ -37,10 +37,12 @@ def test_fp8_smoke(capsys):
   fp8.main(["--smoke"])
   text = capsys.readouterr().out
   errors = {row[0]: float(row[1]) for row in
-            re.findall(r"^\| (bf16|bf16_q|fp8) \| ([0-9.e+-]+) \|", text, re.M)}
-  assert set(errors) == {"bf16", "bf16_q", "fp8"}, text
+            re.findall(r"^\| (bf16|bf16_q|fp8|fp8_given) \| ([0-9.e+-]+) \|", text, re.M)}
+  assert set(errors) == {"bf16", "bf16_q", "fp8", "fp8_given"}, text
   assert errors["bf16"] < 5e-3 < errors["bf16_q"] < errors["fp8"] < 0.1, errors
-  assert "| B1 T256 N2 H128 | fp8 |" in text
+  # the caller's scales are the inputs' own here: the same e4m3 payloads
+  assert errors["fp8_given"] == errors["fp8"], errors
+  assert "| B1 T256 N2 H128 | fp8 |" in text and "| B1 T256 N2 H128 | fp8_given |" in text
 
 
 def test_features_figure_from_a_written_table(tmp_path):

@@ -128,7 +128,7 @@ def test_fp8_preset_keeps_safe_unbiased(tail):
     assert not any(r.nan_count for r in cells)
   if tail[0] > 10:
     r = probe("fast+p=e4m3+p_scale=256", "off", "positive", "adjacent")
-    assert r.bias_ulp < -0.15, (r, seed)
+    assert r.bias_ulp < -0.1, (r, seed)   # -0.15 to -0.29 over seeds 0-24 (-0.15 flaked)
   else:
     r = probe("fast+p=e4m3+p_scale=256", "safe", "positive", "adjacent")
     assert r.bias_ulp < -0.06, (r, seed)
@@ -236,6 +236,27 @@ def test_fp8_scales_from_the_caller(impl):
   # Under jit the scales are traced: the same values.
   jitted = jax.jit(lambda q, k, v, s: call(q, k, v, numerics=nx, fp8_scales=s))(q, k, v, late)
   np.testing.assert_array_equal(np.asarray(jitted, np.float32), np.asarray(o, np.float32))
+
+
+def test_quantize_under_saturates_finite_values_only():
+  """fp8.quantize_under: finite values past 448 under the scale saturate to +-448 / s (ml_dtypes'
+  cast of the clipped value); inf and NaN inputs come out NaN, never a finite value. Random
+  values over a wide range, in bf16 and fp32, one scale per head."""
+  from stable_attn import fp8
+  rng = np.random.default_rng()
+  for dtype in (jnp.bfloat16, jnp.float32):
+    x = rng.standard_normal((2, 16, 3, 8)) * np.exp2(rng.integers(-12, 12, (2, 16, 3, 8)))
+    x.ravel()[rng.choice(x.size, 6, replace=False)] = [np.inf, -np.inf, np.nan, 1e30, -1e30, 0]
+    x = jnp.asarray(x, dtype)
+    s = jnp.asarray(np.exp2(rng.integers(-6, 6, 3)), jnp.float32)
+    got = np.asarray(fp8.quantize_under(x, s), np.float64)
+    y = np.asarray(x, np.float64) * np.asarray(s)[None, None, :, None]
+    finite = np.isfinite(y)
+    want = (np.clip(np.where(finite, y, 0), -448, 448).astype(np.float32).astype(e4m3)
+            .astype(np.float64) / np.asarray(s)[None, None, :, None])
+    np.testing.assert_array_equal(got[finite], np.asarray(jnp.asarray(want, dtype),
+                                                          np.float64)[finite])
+    assert np.all(np.isnan(got[~finite])), got[~finite]
 
 
 def test_fp8_scales_are_checked():
