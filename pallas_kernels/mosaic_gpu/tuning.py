@@ -268,11 +268,11 @@ _FEW = {128: dict(dkv_persistent=True)}
 # (the table's 0.32x / 0.33x / 0.29x), fwd+bwd 0.84x / 0.80x / 0.80x (0.42x / 0.39x / 0.42x).
 # The dK/dV sweep there (fwd+bwd, B4 T4096): two passes of 64-key tiles 2.51 ms, one pass 3.43 ms
 # (64-query blocks) and 3.01 ms (32), cuDNN 2.03 ms. Head dim 64 keeps its tiles (its forward ran
-# 1.30x cuDNN there); at 256 no tiling that fits
-# reaches cuDNN (0.35-0.39x fwd+bwd; a 32-key forward is 1.26x the table's there, not taken
-# untested: benchmarks/results/mosaic_sweep_h256_nvidia_h200_j012.md). Not with bias
-# or mask tiles: the one call of the compiled tests that faulted on 0.12 (an illegal address) had
-# a block mask, fp16, and these tiles; with bias or mask the table already runs two warpgroups.
+# 1.30x cuDNN there); at 256 no tiling that fits reaches cuDNN (0.35-0.39x fwd+bwd; a 32-key
+# forward is 1.26x the table's, not taken untested on 0.12:
+# benchmarks/results/mosaic_sweep_h256_nvidia_h200_j012.md). Not with bias or mask tiles: the one
+# call of the compiled tests that faulted on 0.12 (an illegal address) had a block mask, fp16, and
+# these tiles; with bias or mask the table already runs two warpgroups.
 # (On 0.11.2 that call with these tiles passes: the fault comes with 0.12's compilation.)
 _ENTRY_REGISTERS = {128: dict(fwd_wgs=2, dq_wgs=2, dkv_wgs=COMPUTE_WGS, dkv_passes=2,
                               fwd_persistent=False, dkv_persistent=False)}
