@@ -216,7 +216,9 @@ def test_fp8_scales_from_the_caller(impl):
   np.testing.assert_array_equal(np.asarray(call(q, k, v, numerics=nx, fp8_scales=measured)),
                                 np.asarray(call(q, k, v, numerics=nx)))
   # Scales 4x too large for some heads (the amax of earlier steps was smaller): those saturate.
-  late = tuple(s * jnp.asarray(rng.choice([1.0, 4.0], s.shape), jnp.float32) for s in measured)
+  factors = [rng.choice([1.0, 4.0], s.shape) for s in measured]
+  factors[0][0] = 4.0   # at least q's first head (all 1.0 would be the measured call)
+  late = tuple(s * jnp.asarray(f, jnp.float32) for s, f in zip(measured, factors))
 
   def saturated(x, s):
     y = np.asarray(x, np.float64) * np.asarray(s)[None, None, :, None]
@@ -233,9 +235,14 @@ def test_fp8_scales_from_the_caller(impl):
   assert np.all(np.isfinite(np.asarray(o, np.float32)))
   for g, want in zip(pullback(d_out), pullback_want(d_out)):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
-  # Under jit the scales are traced: the same values.
+  # Under jit the scales are traced: the same values, up to XLA:CPU compiling the whole call where
+  # op-by-op execution compiles each op (one element of 16,384 one bf16 ulp apart was seen): within
+  # 2^-7 of each row's largest |O|, which the measured scales' (unsaturated) call is not.
   jitted = jax.jit(lambda q, k, v, s: call(q, k, v, numerics=nx, fp8_scales=s))(q, k, v, late)
-  np.testing.assert_array_equal(np.asarray(jitted, np.float32), np.asarray(o, np.float32))
+  o32 = np.asarray(o, np.float32)
+  ulp = 2.0 ** -7 * np.max(np.abs(o32), axis=-1, keepdims=True)
+  assert np.all(np.abs(np.asarray(jitted, np.float32) - o32) <= ulp)
+  assert np.any(np.abs(np.asarray(call(q, k, v, numerics=nx), np.float32) - o32) > ulp)
 
 
 def test_quantize_under_saturates_finite_values_only():
