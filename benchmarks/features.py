@@ -10,7 +10,7 @@ one document: the same row without segment ids). The segment block ranges (stabl
 should make a packed row cost about what its documents cost alone. Soft cap: B4 T4096 N16 H128 and
 B16 T1024 N12 H64 causal with logits_soft_cap=50 against no cap, forward+backward and forward; sinks
 (one per head) at B4 T4096 N16 H128 against none. Bias: an ALiBi bias [1, N, T, T] (its gradient
-included) at both soft-cap shapes; wide_bias: the biases whose tiles fit only beside 32-key
+included; and the forward alone) at both soft-cap shapes; wide_bias: the biases whose tiles fit only beside 32-key
 blocks, ALiBi in bf16 at B2 T4096 N8 H256 and in fp32 at B4 T4096 N16 H128, causal, each against
 no bias. Masks at B4 T4096 N16 H128, not causal: random (80% True, [B, 1, T, T]), block-sparse
 (25% of the 128 x 128 blocks and the diagonal, [1, 1, T, T]; the kernels' block ranges and flags
@@ -253,8 +253,9 @@ def main(argv=None):
                    sinks=jnp.zeros(shape[2], jnp.float32))
       rows.append((impl, f"sinks / none, {_label(shape)}", sunk / plain, "ratio"))
     for shape in cap_shapes if "bias" in features else ():
-      timed(f"{_label(shape)}, ALiBi bias [1, N, T, T]", shape, is_causal=True,
-            bias=_alibi(shape))
+      for forward_only in (False, True):
+        timed(f"{_label(shape)}, ALiBi bias [1, N, T, T]", shape, forward_only, is_causal=True,
+              bias=_alibi(shape))
     wide = [((1, 64, 2, 256), jnp.bfloat16), ((1, 64, 2, 128), jnp.float32)] if args.smoke else \
         [((2, 4096, 8, 256), jnp.bfloat16), ((4, 4096, 16, 128), jnp.float32)]
     for shape, dtype in wide if "wide_bias" in features else ():

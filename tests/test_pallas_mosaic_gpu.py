@@ -411,6 +411,33 @@ def test_narrow_tiles_take_what_fits_nowhere_else(H, bias_dtype, mask, kernel):
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2 + config.dkv_passes
 
 
+@pytest.mark.parametrize("bias, mask, B, inner", [
+    ((1, 4), None, 2, True),          # a bias every batch row shares
+    (None, (1, 1), 3, True),          # a mask every batch row and head shares
+    ((2, 4), (1, 1), 2, True),        # a per-row bias beside a shared mask: the mask's tiles
+    ((2, 4), (2, 1), 2, False),       # nothing shared
+    ((1, 4), None, 1, False),         # one batch row: nothing to share
+])
+def test_grids_run_the_batch_fastest_where_it_shares_a_tile(bias, mask, B, inner):
+  """With a bias or mask of leading dim 1 and B > 1, every kernel's grid is (heads, rows, batch)
+  (CUDA starts CTAs last dimension fastest), else (batch, heads, rows), as with
+  batch_inner=False; the reordered kernels lower for CUDA."""
+  T, N, H = 200, 4, 128
+  spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=2, is_causal=True,
+                        bias=None if bias is None else jnp.zeros((*bias, T, T), bf16),
+                        mask=None if mask is None else jnp.ones((*mask, T, T), bool))
+  config = mosaic.default_config(spec, ops)
+  for c, batch_fastest in ((config, inner), (config.replace(batch_inner=False), False)):
+    call = mosaic._call(spec, c, ops)
+    for grid, names, _ in (common.query_grid(call, ops, 2, 64, False),
+                           common.key_grid(call, ops, 2, 64, False)):
+      assert names[-1 if batch_fastest else 0] == "batch", names
+      assert grid[names.index("batch")] == B and grid[names.index("heads")] in (N, 2)
+  if inner:
+    text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2 + config.dkv_passes
+
+
 QKV_LOWER_CASES = [
     dict(shape=(2, 256, 4, 64), kv_heads=4, is_causal=True, max_adjust="safe"),
     dict(shape=(1, 300, 2, 128), kv_heads=2, max_adjust="off", query_seq_lengths=[200]),
@@ -825,6 +852,41 @@ def test_gpu_three_warpgroups_match_two(name, max_adjust):
     return jax.device_get((out, residuals, grads))
 
   for a, b in zip(jax.tree.leaves(run(2)), jax.tree.leaves(run(3))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# A bias or mask that every batch row shares: the grids run the batch rows fastest
+# (TuningConfig.batch_inner), so the CTAs that read one of its tiles run side by side.
+BATCH_SHARED = {
+    "bias_mask_causal_gqa": GPU_CASES["bias_mask_causal_gqa"],
+    "bias_h256_gqa_lens": GPU_CASES["bias_h256_gqa_lens"],
+    "shared_mask_bias_h128": dict(B=3, T=256, S=320, N=4, K=2, H=128, is_causal=True,
+                                  bias=(1, 4, 256, 320), mask=(1, 1, 256, 320),
+                                  sparse_blocks=(64, 0.5), q_lens=(256, 100, 200)),
+}
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("max_adjust", ["off", "safe"])
+@pytest.mark.parametrize("name", list(BATCH_SHARED))
+def test_gpu_batch_inner_grid_matches_batch_outer(name, max_adjust):
+  """The grids with the batch rows fastest compute every CTA's tile as the (batch, heads, rows)
+  grids do: O, the LSE and the gradients (the bias's, summed over the batch, included) bitwise
+  equal; only the order the CTAs start in differs."""
+  (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(BATCH_SHARED[name]), bf16, 6)
+  spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
+  config = mosaic.default_config(spec, ops)
+
+  def run(inner):
+    attend = lambda q, k, v, bias: stable_attn.dot_product_attention(
+        q, k, v, bias, mask, implementation=IMPL, max_adjust=max_adjust,
+        config=config.replace(batch_inner=inner), return_residuals=True, **kwargs)
+    (out, residuals), vjp = jax.vjp(attend, q, k, v, bias)
+    grads = vjp((do, jax.tree.map(jnp.zeros_like, residuals)))
+    return jax.device_get((out, residuals, grads))
+
+  for a, b in zip(jax.tree.leaves(run(False)), jax.tree.leaves(run(True))):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 

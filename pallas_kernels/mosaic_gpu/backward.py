@@ -344,7 +344,7 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
   split = _splits_dq(call)
   wgs = call.config.dkv_wgs   # 2 with a bias or mask or the fused dQ (TuningConfig, the API)
   # Persistent CTAs (TuningConfig.dkv_persistent): two K/V buffers, the next tile's loading.
-  grid, grid_names, ctas = common.key_grid(call, wgs, bk, call.config.dkv_persistent)
+  grid, grid_names, ctas = common.key_grid(call, x, wgs, bk, call.config.dkv_persistent)
   kv_bufs = 2 if ctas else 1
 
   smem = (plgpu.SMEM((kv_bufs, wgs, bk, H), dtype, transforms=mma),
@@ -555,11 +555,12 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, o, ranges: common.R
     out_type.append(jax.ShapeDtypeStruct((B, N, call.pad.T, call.pad.S), ds_dtype))
   if o is not None:
     out_type.append(jax.ShapeDtypeStruct((B, N, call.pad.T), f32))
+  grid, grid_names, _ = common.query_grid(call, x, wgs, bq, False)
   outs = common.launch(
       functools.partial(_dq_kernel, call=call, wgs=wgs, has_ds=ds_dtype is not None),
       (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
       name="stable_attn_dq", out_type=tuple(out_type), compute_wgs=wgs,
-      grid=(B, N, common.cta_rows(call, wgs, bq, 0)[0]), grid_names=("batch", "heads", "q_seq"),
+      grid=grid, grid_names=grid_names,
       out_views=(lambda outs: (outs[0].at[:, :, _QKV_SLOT["dq"]],) + outs[1:]) if packed else None,
   )(x, grads, ranges, o)
   return tuple(outs)

@@ -552,17 +552,28 @@ def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = 
     pl.loop(first + stages, stop)(lambda p: refill(p, None))
 
 
-def query_grid(call: Call, wgs: int, bq: int, persistent: bool):
+def query_grid(call: Call, x, wgs: int, bq: int, persistent: bool):
   """(grid, grid names, persistent CTAs or 0) of a query kernel whose CTAs own wgs * bq rows: the
-  grid (B, N, row CTAs), or min(tiles, SMs) persistent CTAs (the H64 forward; a persistent dQ
-  kernel measured slower, docs/hopper_kernel.md)."""
-  return _grid(call.geo.B, call.geo.N, cta_rows(call, wgs, bq, 0)[0], "q_seq", persistent)
+  grid (B, N, row CTAs) (batch fastest where `batch_inner`), or min(tiles, SMs) persistent CTAs
+  (the H64 forward; a persistent dQ kernel measured slower, docs/hopper_kernel.md)."""
+  return _grid(call.geo.B, call.geo.N, cta_rows(call, wgs, bq, 0)[0], "q_seq", persistent,
+               batch_inner(call, x))
 
 
-def key_grid(call: Call, wgs: int, bk: int, persistent: bool):
+def key_grid(call: Call, x, wgs: int, bk: int, persistent: bool):
   """The same for the dK/dV kernel, whose CTAs own wgs * bk key rows of a kv head: the grid (B, K,
   key CTAs), or persistent CTAs (TuningConfig.dkv_persistent)."""
-  return _grid(call.geo.B, call.geo.K, key_ctas(call, wgs, bk), "kv_seq", persistent)
+  return _grid(call.geo.B, call.geo.K, key_ctas(call, wgs, bk), "kv_seq", persistent,
+               batch_inner(call, x))
+
+
+def batch_inner(call: Call, x) -> bool:
+  """Whether a grid runs the batch rows fastest: a bias or mask that every batch row shares
+  ([1, Nx, T, S], B > 1) under TuningConfig.batch_inner. CUDA starts CTAs in grid order, last
+  dimension fastest, so the CTAs that read one tile of it then run side by side and HBM serves the
+  tile once, where the (B, N, rows) order reads it once per batch row, a wave or more apart."""
+  shared = any(a is not None and a.shape[0] == 1 for a in (x.bias, x.mask))
+  return call.config.batch_inner and shared and call.geo.B > 1
 
 
 def key_ctas(call: Call, wgs: int, bk: int) -> int:
@@ -571,7 +582,9 @@ def key_ctas(call: Call, wgs: int, bk: int) -> int:
   return blocks.cdiv(call.pad.S, wgs * bk)
 
 
-def _grid(B: int, heads: int, per_row: int, axis: str, persistent: bool):
+def _grid(B: int, heads: int, per_row: int, axis: str, persistent: bool, inner: bool = False):
+  if inner and not persistent:   # the kernels name their program ids, so any order serves
+    return (heads, per_row, B), ("heads", axis, "batch"), 0
   if not persistent:
     return (B, heads, per_row), ("batch", "heads", axis), 0
   ctas = min(B * heads * per_row, sm_count())

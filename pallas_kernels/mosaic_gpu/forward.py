@@ -267,7 +267,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
 
   # Persistent CTAs (TuningConfig.fwd_persistent): as many as the device has SMs, each with two
   # Q buffers (the next tile's rows load during this one) and O staged apart from them.
-  grid, names, ctas = common.query_grid(call, wgs, bq, call.config.fwd_persistent)
+  grid, names, ctas = common.query_grid(call, x, wgs, bq, call.config.fwd_persistent)
   q_bufs = 2 if ctas else 1
   smem = (plgpu.SMEM((q_bufs, wgs, bq, H), dtype, transforms=qk_mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=qk_mma),

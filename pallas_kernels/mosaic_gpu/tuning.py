@@ -94,6 +94,10 @@ class TuningConfig:
   # buffer while it works on this one; its dK and dV are staged in the buffer they came from.
   # Not with the fused dQ or two passes; takes no bias or mask operands (the API checks).
   dkv_persistent: bool = False
+  # With a bias or mask that every batch row shares ([1, Nx, T, S]), grids of (heads, rows, batch),
+  # batch fastest: the CTAs that read one of its tiles run side by side and HBM serves it once
+  # (common.batch_inner). False keeps (batch, heads, rows), as without one.
+  batch_inner: bool = True
 
   def __post_init__(self):
     self.fwd.check_owned("block_q", "fwd")
