@@ -14,7 +14,9 @@ cudnn = jax.nn.dot_product_attention(implementation="cudnn") (GPU only), xla = j
 attention; ours_cp / ours_ring / ours_alltoall = ours with each sequence split over
 --context-parallel N devices (zigzag order; keys all-gathered / passed round a ring / positions
 traded for heads), e.g. `--config gpt2-long --batch-size 1
---arms ours,ours_cp,ours_ring --context-parallel 4`. MFU = tokens/s x (6N + 12 L T d) / (devices x
+--arms ours,ours_cp,ours_ring --context-parallel 4`; ours_fp8 / ours_fp8_off = ours / ours_off
+with FP8 attention (numerics fast+qkv=e4m3+p=e4m3+p_scale=256: the Hopper kernel's FP8 forward,
+issue 49). MFU = tokens/s x (6N + 12 L T d) / (devices x
 peak), peak = the datasheet's dense bf16 peak of the device kind (train.metrics.peak_tflops:
 measured where the kind is not in its table; --peak-tflops sets one).
 """
@@ -44,6 +46,7 @@ from train.model import abstract_model, count_params, flops_per_token  # noqa: E
 from train.sharding import make_mesh  # noqa: E402
 from train.step import make_training  # noqa: E402
 
+FP8_NUMERICS = "fast+qkv=e4m3+p=e4m3+p_scale=256"
 ARMS = {
     "ours": dict(attention="auto", max_adjust="safe"),
     "ours_off": dict(attention="auto", max_adjust="off"),
@@ -57,6 +60,10 @@ ARMS = {
     "ours_cp": dict(attention="auto", max_adjust="safe"),
     "ours_ring": dict(attention="auto", max_adjust="safe"),
     "ours_alltoall": dict(attention="auto", max_adjust="safe"),
+    # FP8 attention (issue 49): e4m3 q, k, v and P (FlashAttention-3's arithmetic), the Hopper
+    # kernel's FP8 forward and its bf16 backward on the dequantized inputs.
+    "ours_fp8": dict(attention="auto", max_adjust="safe", numerics=FP8_NUMERICS),
+    "ours_fp8_off": dict(attention="auto", max_adjust="off", numerics=FP8_NUMERICS),
     "cudnn": dict(attention="cudnn", max_adjust="off"),
     "xla": dict(attention="jax_xla", max_adjust="off"),
 }
@@ -77,9 +84,9 @@ def arm_config(base, arm: str, *, batch_size: int | None = None, seq: int | None
   context = dict(context_parallel=context_parallel, context_strategy=CONTEXT_ARMS[arm]) if (
       arm in CONTEXT_ARMS) else {}
   return base.replace(batch_size=per_dev * jax.device_count(), grad_accum=1, fsdp=fsdp, **context,
-                      model=dict(block_size=seq,
-                                 numerics=numerics if ARMS[arm]["attention"] == "auto" else "fast",
-                                 **{"remat": remat, **ARMS[arm]}))
+                      model={"block_size": seq,
+                             "numerics": numerics if ARMS[arm]["attention"] == "auto" else "fast",
+                             "remat": remat, **ARMS[arm]})
 
 
 def tokens_for(cfg) -> np.ndarray:

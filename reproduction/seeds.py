@@ -6,7 +6,8 @@
 
 Each --runs entry is SEED=DIR, DIR an `explosion run --out` directory whose runs were trained with
 `--seed SEED` (different initial weights and batch order; `python -m train` refuses to resume a
-checkpoint of another seed). Prints a Markdown table (per arm and seed: outcome, loss at the
+checkpoint of another seed); a seed may be named with several directories, each arm read from the
+first that has it. Prints a Markdown table (per arm and seed: outcome, loss at the
 milestones, the loss minus the --baseline arm's of the same seed at --compare-step, the lowest loss
 up to --compare-step, and the largest attention logit and W_Q spectral norm over layers at
 --monitor-step, each with its 1-based layer: the growing layer differs between seeds) and writes the
@@ -29,24 +30,26 @@ COMPARE_STEP, MONITOR_STEP = 2490, 2450
 STYLES = ("-", "--", ":", "-.")
 
 
-def parse_runs(text: str) -> dict[int, Path]:
-    """"0=dir,1=dir" -> {seed: directory} (argparse type)."""
-    runs = {}
+def parse_runs(text: str) -> list[tuple[int, Path]]:
+    """"0=dir,1=dir,0=dir2" -> [(seed, directory)] (argparse type); a seed may name several
+    directories (arms of one seed trained in different sessions)."""
+    runs = []
     for item in text.split(","):
         seed, sep, path = item.partition("=")
         if not sep or not seed.strip().isdigit() or not path:
             raise argparse.ArgumentTypeError(f"--runs takes SEED=DIR[,SEED=DIR...], got {item!r}")
-        runs[int(seed)] = Path(path)
+        runs.append((int(seed), Path(path)))
     return runs
 
 
-def load(runs: dict[int, Path], lr: float, arms: list[str]) -> dict[tuple[str, int], dict]:
-    """(arm, seed) -> read_run of that run; runs with no metrics are left out."""
+def load(runs: list[tuple[int, Path]], lr: float, arms: list[str]) -> dict[tuple[str, int], dict]:
+    """(arm, seed) -> read_run of that run, from the first of the seed's directories that has it;
+    runs with no metrics are left out."""
     out = {}
-    for seed, root in runs.items():
+    for seed, root in runs:
         for arm in arms:
             r = read_run(run_dir(root, lr, arm))
-            if r["steps"]:
+            if r["steps"] and (arm, seed) not in out:
                 out[(arm, seed)] = r
     return out
 

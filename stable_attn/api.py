@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any, Optional, Union
 
 import jax
@@ -523,6 +524,27 @@ def _fp8_scales(given, spec: AttentionSpec, sizes: dict):
   return tuple(checked)
 
 
+SAFE_E4M3_TOP = (
+    "stable_attn: max_adjust='safe' with P in e4m3 for every key (numerics {numerics!r}) rounds "
+    "the weight it gives each row's maximum (0.55-0.95) on e4m3's 1/16 grid: on peaked rows dQ is "
+    "then up to 26x further from exact than with max_adjust='off', and GPT-2 124M trained with it "
+    "diverged in 2 of 2 seeds where 'off' trained as bf16 attention does (docs/fp8.md, step 4). "
+    "Use max_adjust='off' with this numerics, or p_top=input, the 'fp8' preset's top key in the "
+    "input dtype (reference and xla; the Hopper kernel does not compute it yet).")
+_warned_safe_e4m3 = False
+
+
+def _warn_if_safe_rounds_its_max_to_e4m3(spec: AttentionSpec) -> None:
+  """One RuntimeWarning per process for "safe" over an e4m3 P whose block-top key is e4m3 too."""
+  global _warned_safe_e4m3
+  n = spec.numerics
+  if spec.max_adjust != "safe" or n.p != "e4m3" or n.p_top != "p" or _warned_safe_e4m3:
+    return
+  _warned_safe_e4m3 = True
+  warnings.warn(SAFE_E4M3_TOP.format(numerics=n.name), RuntimeWarning,
+                stacklevel=5)   # the caller of dot_product_attention
+
+
 def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Options] = None):
   """Checks the arguments of dot_product_attention -> (AttentionSpec, Operands, unbatched).
 
@@ -535,6 +557,7 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   S, K = k.shape[1], k.shape[2]
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
   spec = _spec(options, H)
+  _warn_if_safe_rounds_its_max_to_e4m3(spec)
   q, k, v, scales = fp8.quantize_inputs(q, k, v, spec.numerics.qkv,
                                         _fp8_scales(options.fp8_scales, spec, sizes))
   if spec.window is not None:

@@ -14,6 +14,8 @@
   where the fp32 row sum leaves it at -0.1 (keys 4-8 below the max) and "off" at -0.26 (ties);
 - the Numerics checks, and the compiled Pallas kernels' refusal.
 """
+import warnings
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -147,6 +149,31 @@ def test_fp8_preset_keeps_safe_about_as_accurate_as_off():
       1 << 16)), shapes={"one-hot": (4, 128, 128, 2, 64)})
   dq = [r.stats["dQ"].max_abs for r in results]
   assert dq[1] < 4 * dq[0] and dq[2] > 10 * dq[0], dq
+
+
+@pytest.mark.parametrize("max_adjust, numerics_name, warns", [
+    ("safe", "fast+p=e4m3+p_scale=256", True),
+    ("safe", "fast+qkv=e4m3+p=e4m3+p_scale=256", True),
+    ("off", "fast+qkv=e4m3+p=e4m3+p_scale=256", False),
+    ("safe", "fp8", False),                      # its top key's P_bar stays in the input dtype
+    ("safe", "fast+qkv=e4m3", False),            # P in bf16
+])
+def test_safe_over_an_e4m3_top_key_warns_once(monkeypatch, max_adjust, numerics_name, warns):
+  """The inaccuracy above (and the divergence it caused in training, docs/fp8.md step 4) is said
+  once per process, naming the numerics and what to use instead; no other call warns."""
+  monkeypatch.setattr(api, "_warned_safe_e4m3", False)
+  q = jnp.asarray(np.random.default_rng().standard_normal((1, 16, 2, 16)), jnp.bfloat16)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+      stable_attn.dot_product_attention(q, q, q, max_adjust=max_adjust, numerics=numerics_name)
+  said = [w for w in caught if issubclass(w.category, RuntimeWarning)
+          and "rounds the weight it gives each row's maximum" in str(w.message)]
+  assert len(said) == warns, [str(w.message) for w in caught]
+  if warns:
+    assert repr(numerics_name) in str(said[0].message) and "max_adjust='off'" in str(
+        said[0].message)
+    assert said[0].filename == __file__   # points at the caller
 
 
 def _numpy_quantize(x):

@@ -278,6 +278,15 @@ def test_seeds_table_and_figure(tmp_path, capsys):
         assert (f"| fast/off | {seed} | stable to step 590 | {base[10]:.2f} | {base[40]:.2f} | +0.00 "
                 f"| {min(base[:41]):.2f} ({10 * base.index(min(base[:41]))}) | 29 (2) | 27.0 (2) |") in text
     assert seeds.largest([3.0, 7.5, 7.0]) == (7.5, 2)
+    # A seed named with several directories: each arm from the first that has it.
+    later = base[:20] + [5.0] * 40
+    _write_run(explosion.run_dir(tmp_path / "later", 3e-3, "paper/safe"), later)
+    _write_run(explosion.run_dir(tmp_path / "later", 3e-3, "fast/off"), [7.0] * 60)
+    both = seeds.load(seeds.parse_runs(f"1={tmp_path / 's1'},1={tmp_path / 'later'}"), 3e-3,
+                      ["paper/safe", "fast/off"])
+    assert sorted(both) == [("fast/off", 1), ("paper/safe", 1)]
+    assert both["fast/off", 1]["loss"][-1] == pytest.approx(bases[1][-1])
+    assert both["paper/safe", 1]["loss"][-1] == 5.0
     assert seeds.main(["--runs", f"0={tmp_path / 's0'},1={tmp_path / 's1'}",
                        "--figure", str(tmp_path / "seeds.png")]) == 0
     assert (tmp_path / "seeds.png").stat().st_size > 10_000
