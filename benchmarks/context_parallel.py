@@ -250,7 +250,18 @@ def main(argv=None) -> int:
   p.add_argument("--calls", type=int, default=3)
   p.add_argument("--blocks", type=int, default=3)
   p.add_argument("--out", default=RESULTS)
+  p.add_argument("--plot-from", metavar="JSON",
+                 help="only redraw the figure of rows this script wrote (beside them, .png; no "
+                      "GPU needed), titled with --device")
+  p.add_argument("--device", help="the figure's device with --plot-from, e.g. '2 x NVIDIA H200'")
   args = p.parse_args(argv)
+  if args.plot_from:
+    if not os.path.isfile(args.plot_from):
+      p.error(f"--plot-from: no such file {args.plot_from!r}")
+    with open(args.plot_from) as f:
+      rows = json.load(f)
+    plot(rows, args.device or "", os.path.splitext(args.plot_from)[0] + ".png")
+    return 0
   unknown = [arm for arm in args.arms.split(",") if arm not in ARM_NOTES]
   if unknown:
     p.error(f"--arms: {', '.join(unknown)} not among {', '.join(ARM_NOTES)}")

@@ -262,3 +262,16 @@ def test_context_parallel_refuses_an_unknown_arm(capsys):
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert "--arms: ours_alltoal not among" in err and "ours_alltoall_explicit" in err
+
+
+def test_context_parallel_figure_from_written_rows(tmp_path):
+  """--plot-from redraws the figure of rows the script wrote (a copy of the 2 x H200 rows), on the
+  CPU, with no GPU and no JAX devices needed; a missing file is a usage error."""
+  from benchmarks import context_parallel
+  rows = os.path.join(attention.RESULTS, "context_parallel_nvidia_h200_x2.json")
+  copy = tmp_path / "rows.json"
+  copy.write_text(open(rows).read())
+  assert context_parallel.main(["--plot-from", str(copy), "--device", "2 x NVIDIA H200"]) == 0
+  assert (tmp_path / "rows.png").stat().st_size > 10_000
+  with pytest.raises(SystemExit):
+    context_parallel.main(["--plot-from", str(tmp_path / "missing.json")])
