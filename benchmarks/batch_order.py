@@ -62,7 +62,8 @@ def main():
           times[inner, mode].append(1e3 * bench.time_calls(fn, args, 20, 3))
     for mode in MODES:
       outer, inner = (statistics.median(times[i, mode]) for i in (False, True))
-      rows.append(f"| {label} | {mode} | {outer:.3f} | {inner:.3f} | {outer / inner:.3f} | {same} |")
+      rows.append(f"| {label} | {mode} | {outer:.3f} | {inner:.3f} | {outer / inner:.3f} "
+                  f"| {same} |")
       print(rows[-1], flush=True)
   print(f"\n# Grid order with a shared bias or mask, {jax.devices()[0].device_kind}, JAX "
         f"{jax.__version__}: 5 interleaved reps, each the median of 3 blocks of 20 calls\n")

@@ -10,11 +10,11 @@ one document: the same row without segment ids). The segment block ranges (stabl
 should make a packed row cost about what its documents cost alone. Soft cap: B4 T4096 N16 H128 and
 B16 T1024 N12 H64 causal with logits_soft_cap=50 against no cap, forward+backward and forward; sinks
 (one per head) at B4 T4096 N16 H128 against none. Bias: an ALiBi bias [1, N, T, T] (its gradient
-included; and the forward alone) at both soft-cap shapes; wide_bias: the biases whose tiles fit only beside 32-key
-blocks, ALiBi in bf16 at B2 T4096 N8 H256 and in fp32 at B4 T4096 N16 H128, causal, each against
-no bias. Masks at B4 T4096 N16 H128, not causal: random (80% True, [B, 1, T, T]), block-sparse
-(25% of the 128 x 128 blocks and the diagonal, [1, 1, T, T]; the kernels' block ranges and flags
-skip the rest) and all True. The peers run what they take: tokamax
+included; and the forward alone) at both soft-cap shapes; wide_bias: the biases whose tiles fit
+only beside 32-key blocks, ALiBi in bf16 at B2 T4096 N8 H256 and in fp32 at B4 T4096 N16 H128,
+causal, each against no bias. Masks at B4 T4096 N16 H128, not causal: random (80% True,
+[B, 1, T, T]), block-sparse (25% of the 128 x 128 blocks and the diagonal, [1, 1, T, T]; the
+kernels' block ranges and flags skip the rest) and all True. The peers run what they take: tokamax
 (its Mosaic GPU kernel) the soft cap, bias, masks and plain attention, jax.nn's cuDNN attention
 plain attention, bias, masks and packed rows as a dense mask; each of ours gets "peer ms / ours"
 per call.

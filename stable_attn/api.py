@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import warnings
 from typing import Any, Optional, Union
 
@@ -542,7 +543,17 @@ def _warn_if_safe_rounds_its_max_to_e4m3(spec: AttentionSpec) -> None:
     return
   _warned_safe_e4m3 = True
   warnings.warn(SAFE_E4M3_TOP.format(numerics=n.name), RuntimeWarning,
-                stacklevel=5)   # the caller of dot_product_attention
+                stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+  """The `stacklevel` of the first frame outside stable_attn, as seen from the function that calls
+  this one: the user's call, whichever entry point (and adapter) it went through."""
+  package = os.path.dirname(os.path.abspath(__file__))
+  frame, level = inspect.currentframe().f_back, 1
+  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Options] = None):

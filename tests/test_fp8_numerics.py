@@ -174,6 +174,15 @@ def test_safe_over_an_e4m3_top_key_warns_once(monkeypatch, max_adjust, numerics_
     assert repr(numerics_name) in str(said[0].message) and "max_adjust='off'" in str(
         said[0].message)
     assert said[0].filename == __file__   # points at the caller
+    # ... through any entry point: the packed one, its first call in a fresh process state
+    monkeypatch.setattr(api, "_warned_safe_e4m3", False)
+    qkv = jnp.stack([q, q, q], axis=2)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      stable_attn.dot_product_attention_qkvpacked(qkv, max_adjust=max_adjust,
+                                                  numerics=numerics_name)
+    said = [w for w in caught if "rounds the weight it gives" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [(w.filename, w.lineno) for w in said]
 
 
 def _numpy_quantize(x):
