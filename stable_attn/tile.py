@@ -176,9 +176,10 @@ def _rows(x: jax.Array, like: jax.Array, q_axis: int) -> jax.Array:
 
 class Scores(NamedTuple):
   """A tile's masked logits, `values * factor` (fp32). factor is 1 except in base-2 kernels with a
-  positive softmax scale and no bias: there the scale (with a soft cap: cap * log2(e), the values
-  being the tanh) stays outside the tile, so the max is taken of raw values and
-  exp2(values * factor - m) is one FMA per element. dtanh, with a soft cap, is
+  positive softmax scale: there the scale times log2(e) (with a bias: log2(e), the values being
+  scale * qk + bias; with a soft cap: cap * log2(e), the values being the tanh) stays outside
+  the tile, so the max is taken of raw values and exp2(values * factor - m) is one FMA per
+  element. dtanh, with a soft cap, is
   d(capped)/d(logits) = 1 - tanh^2 for the backward (else None)."""
   values: jax.Array
   factor: float
@@ -215,6 +216,9 @@ def scores(qk, ok=None, *, scale: float, bias=None, dt: Dtypes, round_fn: RoundF
     raise ValueError(f"base-2 scores need fp32 scores, not {jnp.dtype(dt.score).name}")
   if base2 and bias is None and soft_cap is None and scale > 0:
     s, factor, dtanh = qk, qk_scale * LOG2E, None
+  elif base2 and soft_cap is None and scale > 0:
+    # With a bias, log2(e) alone stays outside: one FMA per element here, one in exp2's.
+    s, factor, dtanh = qk * qk_scale + bias.astype(f32), LOG2E, None
   elif base2 and bias is None and scale > 0:
     # cap * tanh(scale * qk / cap) in log2 units: tanh of the product, with cap * log2(e) kept
     # outside the tile as the factor (one multiply and the tanh per element, then one FMA).

@@ -156,12 +156,33 @@ def test_tuning_config_validates():
   for h, wgs in ((64, 3), (128, 3), (256, 2)):
     assert tuning.table_config(h).fwd_wgs == tuning.table_config(h).dq_wgs == wgs
     assert tuning.table_config(h, beside=1).fwd_wgs == tuning.table_config(h, beside=1).dq_wgs == 2
+  # a bf16 bias alone at head dim 64 under a position mask: the persistent three-warpgroup
+  # forward over 64-key blocks; two where every query sees every key, at 128, on a toolchain
+  # that ignores setmaxnreg, and beside an fp32 bias (whose tiles do not fit)
+  config = tuning.table_config(64, beside=2, ds_itemsize=2, bias_only=True)
+  assert (config.fwd, config.fwd_wgs, config.fwd_persistent) == (T(64, 64, 3), 3, True)
+  assert (config.dq_wgs, config.dkv_wgs, config.dkv_persistent) == (2, 2, False)
+  for kwargs in (dict(full=True), dict(entry_registers=True), dict(beside=4, ds_itemsize=4)):
+    other = tuning.table_config(64, **{"beside": 2, "ds_itemsize": 2, **kwargs}, bias_only=True)
+    assert (other.fwd_wgs, other.fwd_persistent) == (2, False), kwargs
+  assert tuning.table_config(128, beside=2, ds_itemsize=2, bias_only=True).fwd_wgs == 2
   q = jnp.ones((1, 64, 2, 64), bf16)
-  for name in ("fwd_wgs", "dq_wgs", "dkv_wgs"):
+  for name, refused in (("fwd_wgs", "mask"), ("dq_wgs", "bias or mask"),
+                        ("dkv_wgs", "bias or mask")):
     config = tuning.table_config(64, beside=1).replace(**{name: 3})
-    with pytest.raises(ValueError, match=f"{name}=3 takes no bias or mask"):
+    with pytest.raises(ValueError, match=f"{name}=3 takes no {refused}"):
       stable_attn.dot_product_attention(q, q, q, mask=jnp.ones((64, 64), bool),
                                         implementation=IMPL, config=config)
+  # the forward's three warpgroups take a bias (its tiles cover all their rows); off Hopper the
+  # call then fails only for want of the GPU
+  config = tuning.table_config(64, beside=2).replace(fwd_wgs=3)
+  call = lambda: stable_attn.dot_product_attention(q, q, q, bias=jnp.ones((64, 64), bf16),
+                                                   implementation=IMPL, config=config)
+  if mosaic.is_available():
+    call()
+  else:
+    with pytest.raises(ValueError, match="needs a Hopper"):
+      call()
   for h in tuning.HEAD_DIMS:
     tuning.table_config(h).check_smem(h, 2)
   # the persistent forward: three warpgroups, two Q buffers (room for them at head dim 64 only)
@@ -411,6 +432,62 @@ def test_narrow_tiles_take_what_fits_nowhere_else(H, bias_dtype, mask, kernel):
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2 + config.dkv_passes
 
 
+@pytest.mark.parametrize("max_adjust", ["off", "paper", "safe"])
+def test_base2_tiles_with_a_bias_match_float64(max_adjust):
+  """The Hopper kernels' tile math in log2 units with a bias (the tile holds scale * qk + bias,
+  log2(e) stays outside it as the Scores factor): two key blocks through rescale, accumulate and
+  finalize, then backward_p, against float64 softmax; masked entries and -inf bias entries give
+  P = 0."""
+  from stable_attn import numerics
+  rng = np.random.default_rng()
+  bq, bk, H, scale = 16, 32, 64, 0.125
+  q, k, v = (rng.standard_normal(shape) for shape in ((bq, H), (2 * bk, H), (2 * bk, H)))
+  q, k, v = (np.asarray(jnp.asarray(a, bf16), np.float64) for a in (q, k, v))
+  bias = np.asarray(jnp.asarray(3 * rng.standard_normal((bq, 2 * bk)), bf16), np.float64)
+  bias[:, 5] = -np.inf
+  ok = np.arange(2 * bk)[None, :] <= np.arange(bq)[:, None] + bk   # a causal edge in block 2
+  dt = numerics.FAST.dtypes(bf16)
+  qk = jnp.asarray(q @ k.T, f32)
+  offset = None
+  if max_adjust == "safe":
+    offset = tile.safe_offset(jnp.arange(bq), jnp.int32(0), bf16, base2=True)
+  stats, acc, tiles = tile.init_stats(bq, dt), jnp.zeros((bq, H), f32), []
+  for j in range(2):
+    cols = slice(j * bk, (j + 1) * bk)
+    s = tile.scores(qk[:, cols], jnp.asarray(ok[:, cols]), scale=scale, dt=dt, base2=True,
+                    bias=jnp.asarray(bias[:, cols], bf16))
+    assert s.factor == tile.LOG2E
+    p, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=max_adjust, beta=8.0,
+                                   offset=offset, base2=True)
+    acc = tile.accumulate(acc, alpha, tile.pv_product(p, jnp.asarray(v[cols], bf16), dt), dt=dt)
+    tiles.append(s)
+  o, _, lse = tile.finalize(acc, stats, dt=dt, offset=offset, base2=True)
+  logits = np.where(ok, scale * (q @ k.T) + bias, -np.inf)
+  want_lse = np.log(np.sum(np.exp(logits - logits.max(1, keepdims=True)), 1)) + logits.max(1)
+  want_p = np.exp(logits - want_lse[:, None])
+  np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-6, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(o, np.float64), want_p @ v, atol=2e-2)
+  p = np.concatenate([np.asarray(tile.backward_p(s, lse, in_dtype=bf16, base2=True)[0])
+                      for s in tiles], axis=1)
+  np.testing.assert_allclose(p, want_p, rtol=1e-5, atol=1e-7)
+  assert np.all(p[~ok] == 0) and np.all(p[:, 5] == 0)
+
+
+@pytest.mark.parametrize("H, persistent", [(64, False), (64, True), (128, False)])
+def test_bias_forward_lowers_with_three_warpgroups(H, persistent):
+  """A bias (no mask) beside the forward's three warpgroups, persistent at head dim 64: the tiles
+  fit, the bias slots span all three warpgroups' rows, and the call lowers for CUDA."""
+  T = 200   # padded to 256, not a multiple of 192: the last CTA's first warpgroup idles
+  spec, ops = _spec_ops(shape=(2, T, 4, H), kv_heads=2, is_causal=True,
+                        bias=jnp.zeros((1, 4, T, T), bf16))
+  config = mosaic.default_config(spec, ops).replace(
+      fwd_wgs=3, fwd_persistent=persistent, fwd=tuning.Tiles(64, 64, 2))
+  assert config.smem_problem(H, 2, **mosaic._extras(ops)) is None
+  assert common.has_idle_rows(mosaic._call(spec, config, ops), 3, 64)
+  text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2 + config.dkv_passes
+
+
 @pytest.mark.parametrize("bias, mask, B, inner", [
     ((1, 4), None, 2, True),          # a bias every batch row shares
     (None, (1, 1), 3, True),          # a mask every batch row and head shares
@@ -637,6 +714,9 @@ GPU_CASES = {
                                  q_lens=(300, 217), kv_lens=(333, 190)),
     "bias_full_h128": dict(B=2, T=256, S=200, N=4, K=1, H=128, bias=(2, 4, 256, 200),
                            soft_cap=10.0, sinks=True),
+    # A bias alone under a causal mask at head dim 64: the persistent three-warpgroup forward.
+    "alibi_causal_h64": dict(B=2, T=200, S=233, N=4, K=2, H=64, is_causal=True,
+                             bias=(1, 4, 200, 233), q_lens=(200, 117), kv_lens=(233, 190)),
     "key_bias_fp32_window": dict(B=2, T=257, S=513, N=2, K=2, H=64, bias=(2, 1, 1, 513),
                                  bias_dtype=jnp.float32, window=(64, 32)),
     "block_sparse_mask_h128": dict(B=1, T=512, S=640, N=4, K=2, H=128, mask=(1, 4, 512, 640),
@@ -852,6 +932,45 @@ def test_gpu_three_warpgroups_match_two(name, max_adjust):
     return jax.device_get((out, residuals, grads))
 
   for a, b in zip(jax.tree.leaves(run(2)), jax.tree.leaves(run(3))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# A bias without a mask: the forward's three warpgroups (grid and persistent) take its tiles of
+# all their rows; the last CTA's first warpgroups idle (T not a multiple of 192), its bias tile
+# starting above row 0 (TMA fills the rows before it with zeros, which no warpgroup reads).
+BIAS_WGS = {
+    "alibi_causal_h64": GPU_CASES["alibi_causal_h64"],
+    "bias_full_h128": GPU_CASES["bias_full_h128"],
+    "key_bias_fp32_window": GPU_CASES["key_bias_fp32_window"],
+}
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("max_adjust", ["off", "safe"])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("name", list(BIAS_WGS))
+def test_gpu_bias_forward_three_warpgroups_match_two(name, persistent, max_adjust):
+  """The forward with a bias and three compute warpgroups (persistent or not) computes every row
+  as two do over the same key blocks: O, the LSE and the gradients (dbias included) bitwise
+  equal. The persistent forward is taken at head dim 64, where its second Q buffer fits."""
+  (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(BIAS_WGS[name]), bf16, 7)
+  spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
+  two = mosaic.default_config(spec, ops).replace(fwd_wgs=2, fwd_persistent=False,
+                                                 fwd=tuning.Tiles(64, 64, 2))
+  three = two.replace(fwd_wgs=3, fwd_persistent=persistent)
+  if three.smem_problem(q.shape[-1], 2, **mosaic._extras(ops)) is not None:
+    pytest.skip("the second Q buffer does not fit beside the bias tiles at this head dim")
+
+  def run(config):
+    attend = lambda q, k, v, bias: stable_attn.dot_product_attention(
+        q, k, v, bias, implementation=IMPL, max_adjust=max_adjust, config=config,
+        return_residuals=True, **kwargs)
+    (out, residuals), vjp = jax.vjp(attend, q, k, v, bias)
+    grads = vjp((do, jax.tree.map(jnp.zeros_like, residuals)))
+    return jax.device_get((out, residuals, grads))
+
+  for a, b in zip(jax.tree.leaves(run(two)), jax.tree.leaves(run(three))):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 

@@ -91,16 +91,17 @@ def default_config(spec: AttentionSpec, ops: Operands) -> tuning.TuningConfig:
   """The table's config for this call (`tuning.table_config`): its head dim, the bias and mask
   tiles' room, whether every query sees every key (no causal or window mask, no segment ids:
   equal dK/dV tiles, no persistent dK/dV kernel), and with it no GQA (whose dK/dV CTAs each walk
-  a group of query heads: three warpgroups measured 0.96x there), whether it has segment ids, and
-  how many key tiles the dK/dV kernel has (few: persistent at head dim 128 too). ValueError when
-  the tiles do not fit."""
+  a group of query heads: three warpgroups measured 0.96x there), whether it has segment ids, how
+  many key tiles the dK/dV kernel has (few: persistent at head dim 128 too), and whether it has a
+  bias without a mask (the forward's three warpgroups take its tiles). ValueError when the tiles
+  do not fit."""
   full = not spec.is_causal and spec.window is None and ops.q_seg is None
   B, S, K, H = ops.k.shape
   return tuning.table_config(H, jnp.dtype(ops.q.dtype).itemsize, full=full,
                              dense=full and K == ops.q.shape[2], packed=ops.q_seg is not None,
                              kv_shape=(B, K, S),
                              entry_registers=tuning.registers_fixed_at_entry(jax.__version__),
-                             **_extras(ops))
+                             bias_only=ops.bias is not None and ops.mask is None, **_extras(ops))
 
 
 def _ds_dtype(ops: Operands):
@@ -244,9 +245,13 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
   if fp8_forward(spec, ops.q.dtype) and config.fwd.block_kv != FP8_K:
     raise ValueError(f"config.fwd.block_kv={config.fwd.block_kv}: the FP8 forward's P V product "
                      f"reduces over {FP8_K} keys at a time (e4m3 wgmma); use {FP8_K}")
-  for name in ("fwd_wgs", "dq_wgs", "dkv_wgs"):
-    if getattr(config, name) != tuning.COMPUTE_WGS and _extras(ops):
-      raise ValueError(f"config.{name}={getattr(config, name)} takes no bias or mask operands "
+  # The forward streams a bias tile of all its warpgroups' rows; a mask's compacted block order
+  # and the backward kernels' bias and mask tiles are per pair of warpgroups.
+  for name, takes in (("fwd_wgs", "mask"), ("dq_wgs", "bias or mask"),
+                      ("dkv_wgs", "bias or mask")):
+    present = ops.mask is not None if takes == "mask" else bool(_extras(ops))
+    if getattr(config, name) != tuning.COMPUTE_WGS and present:
+      raise ValueError(f"config.{name}={getattr(config, name)} takes no {takes} operands "
                        f"(their tiles stream per pair of warpgroups): use {name}="
                        f"{tuning.COMPUTE_WGS}")
   if config.dkv_persistent and _extras(ops):

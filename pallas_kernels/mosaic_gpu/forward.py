@@ -1,7 +1,8 @@
 """Forward kernel: FlashAttention-3's structure in Pallas Mosaic GPU, with stable_attn's tile math.
 
 One CTA per (batch, query head, W * block_q query rows), W compute warpgroups and a producer
-(W = TuningConfig.fwd_wgs: 3 at head dims 64 and 128, else 2; 2 with bias or mask operands):
+(W = TuningConfig.fwd_wgs: 3 at head dims 64 and 128, else 2; 2 with a mask operand, and with a
+bias except at head dim 64 under a position mask, tuning._BIAS_FWD):
   compute       each owns block_q query rows (Q resident in shared memory) and runs the online
                 softmax over the union of the warpgroups' key blocks; QK^T and PV are wgmma
                 (PV with P from registers), scores in log2 units so P = exp2(s - m) is one FMA
@@ -27,12 +28,13 @@ padding at the end.
 max_adjust "safe" reads its per-row offsets (the call's operand, stable_attn.tile.safe_offset per
 head and position) and folds them into the row max; "paper" runs the paper's rule per block.
 A logit soft cap is applied to the tile by tile.scores (tanh in fp32); attention sinks join each
-row's denominator in tile.finalize, after the key blocks. Bias and mask operands (two warpgroups
-only): the CTA's [2 * block_q, block_kv] tiles of them travel with K (TMA, same barrier) and each
-warpgroup reads its half into registers before the slot is freed; the mask's block ranges
-(blocks.mask_sections) bound the loop like the segments', the producer streams only the blocks
-whose tile holds a True for the CTA's rows (blocks.mask_order), and only edge blocks read the
-mask tile.
+row's denominator in tile.finalize, after the key blocks. Bias and mask operands (a mask with two
+warpgroups only): the CTA's [W * block_q, block_kv] tiles of them travel with K (TMA, same
+barrier) and each warpgroup reads its rows into registers while its QK^T product runs (the
+read's latency hides behind the tensor cores), before the slot is freed; with a bias, log2(e)
+stays outside the tile (tile.scores). The mask's block ranges (blocks.mask_sections) bound the
+loop like the segments', the producer streams only the blocks whose tile holds a True for the
+CTA's rows (blocks.mask_order), and only edge blocks read the mask tile.
 """
 from __future__ import annotations
 
@@ -141,13 +143,15 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
         def qk_product(acc_ref):
           plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
+          # What travels with K is read into registers while the product runs.
+          beside = read_beside(slot, kind)
           rendezvous()   # the other warpgroup's softmax runs while this product does
-          return acc_ref[...]
+          return acc_ref[...], beside
 
         with jax.named_scope("qk"):
-          qk = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
+          qk, beside = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
         with jax.named_scope("softmax"):
-          acc, stats, probs = softmax(slot, j, qk, acc, stats, kind)
+          acc, stats, probs = softmax(slot, j, qk, beside, acc, stats, kind)
         with jax.named_scope("wait_v"):
           if wgs == 2:
             plgpu.barrier_arrive(schedule)
@@ -167,13 +171,18 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
           plgpu.barrier_arrive(v_free.at[slot])
         return acc, stats
 
-      def softmax(slot, j, qk, acc, stats, kind):
-        # What travels with K is read before its slot is freed: segment ids, bias and mask tiles.
+      def read_beside(slot, kind):
+        """The bias tile, the mask tile and the keys' segment ids of the block in `slot` (each
+        None where absent or not needed: the mask and ids on masked steps only)."""
         bias, allowed = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bq, bq),
                                            kind == "masked")
         kv_ids = None
         if kind == "masked" and call.packed:
           kv_ids = common.load_tile(kseg_smem.at[slot], COLS)
+        return bias, allowed, kv_ids
+
+      def softmax(slot, j, qk, beside, acc, stats, kind):
+        bias, allowed, kv_ids = beside   # read during QK^T, before the slot is freed
         plgpu.barrier_arrive(k_free.at[slot])
         ok = None
         if kind == "masked":

@@ -71,8 +71,8 @@ class TuningConfig:
   dkv_passes: int = 1
   # Compute warpgroups of the forward: 2 that ping-pong, or 3 that run free (FlashAttention-3's
   # head-dim-64 shape, 3 * block_q query rows per CTA, 160 registers per thread; T is not padded
-  # to 3 * block_q: the last CTA's first warpgroups idle). 3 takes no bias or mask operands (their
-  # tiles and block order are per pair of warpgroups).
+  # to 3 * block_q: the last CTA's first warpgroups idle). 3 takes a bias (its tiles cover all
+  # the CTA's rows: `_BIAS_FWD`) but no mask operand (its compacted block order is per pair).
   fwd_wgs: int = COMPUTE_WGS
   # The same for the dQ kernel (its CTAs own dq_wgs * dq.block_q query rows): 2 or 3; 3 takes no
   # bias or mask operands.
@@ -214,6 +214,18 @@ _BESIDE = _T(64, 64, 2)
 _NARROW = _T(64, 32, 2)
 
 
+# With a bias and no mask at head dim 64, where position or segment masks leave the query tiles
+# unequal work (not `full`): the forward's three warpgroups, persistent, over 64-key blocks in three
+# stages (beside the bias tiles of their 192 rows and two Q buffers, 128-key blocks do not fit).
+# H200, one process, 5 interleaved reps, forward time against two warpgroups' (64, 128, 2):
+# 1.15-1.19x at B16 T1024 N12 causal with ALiBi [1, N, T, T], 1.32x at B4 T4096 N16 with a
+# 512-key window, 1.00-1.04x at B8 T2048 N16 causal with a [B, N, T, T] bias (three runs);
+# (64, 64, 2) 1.13x at the first. Where every query sees every key, two stay: the three ran 0.85-0.90x there (B8 T2048
+# N16). At head dim 128 three warpgroups ran 0.95-1.02x two (docs/hopper_kernel.md). Not where
+# ptxas ignores setmaxnreg (JAX 0.12; not measured there).
+_BIAS_FWD = {64: dict(fwd=_T(64, 64, 3), fwd_wgs=3, fwd_persistent=True)}
+
+
 # FlashAttention-3's fused dQ (opt-in, TuningConfig.fused_dq): its dK/dV kernel also stages dS^T
 # and an fp32 dQ tile, so it takes fewer Q/dO stages. Measured on an H100 against the table's
 # two-kernel backward (docs/hopper_kernel.md): faster only at H64 without a causal mask.
@@ -290,14 +302,16 @@ def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
 
 def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense: bool = False,
                  packed: bool = False, kv_shape: tuple[int, int, int] | None = None,
-                 entry_registers: bool = False, **extras) -> TuningConfig:
+                 entry_registers: bool = False, bias_only: bool = False,
+                 **extras) -> TuningConfig:
   """The table's config for a head dim (full: the call masks no (query, key) pair by position or
   segment: `_FULL`'s changes; dense: full, and each kv head has one query head: `_DENSE`'s too;
   packed: it has segment ids, `_PACKED`'s; kv_shape (batch, kv heads, kv length) giving at most
   FEW_KEY_TILES dK/dV key tiles (`dkv_key_tiles`), neither full nor packed: `_FEW`'s); with
   `extras` (bias / mask tiles: see `smem_needs`), each kernel's first tiling of the table's,
   `_BESIDE` and `_NARROW` that fits shared memory beside them (ValueError when one kernel has
-  none); entry_registers (a toolchain that ignores setmaxnreg: `registers_fixed_at_entry`), last,
+  none), the forward first trying `_BIAS_FWD`'s where they are a bias alone (bias_only) and not
+  full; entry_registers (a toolchain that ignores setmaxnreg: `registers_fixed_at_entry`), last,
   `_ENTRY_REGISTERS`' changes where there are no bias or mask tiles."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
@@ -315,7 +329,10 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False)
   # Each kernel's shared memory is its own: each takes the first of its options that fits (the
   # dQ kernel keeps delta's O tile before it gives up 64-key blocks; without it, XLA's delta).
-  options = {"fwd": [dict(fwd=t) for t in (config.fwd, _BESIDE, _NARROW)],
+  bias_fwd = (_BIAS_FWD.get(head_dim) if bias_only and not (full or dense or entry_registers)
+              else None)
+  options = {"fwd": [bias_fwd] * (bias_fwd is not None)
+                    + [dict(fwd=t) for t in (config.fwd, _BESIDE, _NARROW)],
              "dkv": [dict(dkv=t) for t in (config.dkv, _BESIDE)],
              "dq": [dict(dq=t, dq_delta=d) for t in (config.dq, _NARROW)
                     for d in dict.fromkeys((config.dq_delta, False))]}
