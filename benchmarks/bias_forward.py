@@ -29,7 +29,8 @@ IMPL = "pallas_mosaic_gpu"
 T = tuning.Tiles
 CANDIDATES = {
     64: {"2 warpgroups (64, 128, 2)": dict(fwd=T(64, 128, 2), fwd_wgs=2, fwd_persistent=False),
-         "3 persistent (64, 64, 3)": dict(fwd=T(64, 64, 3), fwd_wgs=3, fwd_persistent=True)},
+         "3 persistent (64, 64, 3)": dict(fwd=T(64, 64, 3), fwd_wgs=3, fwd_persistent=True),
+         "2 persistent (64, 128, 2)": dict(fwd=T(64, 128, 2), fwd_wgs=2, fwd_persistent=True)},
     128: {"2 warpgroups (64, 64, 2)": dict(fwd=T(64, 64, 2), fwd_wgs=2),
           "3 warpgroups (64, 64, 2)": dict(fwd=T(64, 64, 2), fwd_wgs=3)},
 }

@@ -185,11 +185,11 @@ def test_tuning_config_validates():
       call()
   for h in tuning.HEAD_DIMS:
     tuning.table_config(h).check_smem(h, 2)
-  # the persistent forward: three warpgroups, two Q buffers (room for them at head dim 64 only)
+  # the persistent forward: two Q buffers (room for them at head dim 64 only), two or three
+  # warpgroups
   assert tuning.table_config(64).fwd_persistent
   assert not tuning.table_config(64, beside=1).fwd_persistent
-  with pytest.raises(ValueError, match="fwd_persistent needs fwd_wgs=3"):
-    tuning.table_config(64).replace(fwd_wgs=2)
+  tuning.table_config(64).replace(fwd_wgs=2).check_smem(64, 2)
   with pytest.raises(ValueError, match="fwd tiling"):
     tuning.table_config(128).replace(fwd_persistent=True).check_smem(128, 2)
   # the persistent dK/dV kernel: one pass, no fused dQ, two K/V buffers (at head dim 128 not
@@ -473,17 +473,19 @@ def test_base2_tiles_with_a_bias_match_float64(max_adjust):
   assert np.all(p[~ok] == 0) and np.all(p[:, 5] == 0)
 
 
-@pytest.mark.parametrize("H, persistent", [(64, False), (64, True), (128, False)])
-def test_bias_forward_lowers_with_three_warpgroups(H, persistent):
-  """A bias (no mask) beside the forward's three warpgroups, persistent at head dim 64: the tiles
-  fit, the bias slots span all three warpgroups' rows, and the call lowers for CUDA."""
+@pytest.mark.parametrize("H, wgs, persistent", [(64, 3, False), (64, 3, True), (128, 3, False),
+                                                (64, 2, True)])
+def test_bias_forward_lowers_with_three_warpgroups(H, wgs, persistent):
+  """A bias (no mask) beside the forward's three warpgroups, persistent at head dim 64 (or two
+  persistent ones): the tiles fit, the bias slots span all the warpgroups' rows, and the call
+  lowers for CUDA."""
   T = 200   # padded to 256, not a multiple of 192: the last CTA's first warpgroup idles
   spec, ops = _spec_ops(shape=(2, T, 4, H), kv_heads=2, is_causal=True,
                         bias=jnp.zeros((1, 4, T, T), bf16))
   config = mosaic.default_config(spec, ops).replace(
-      fwd_wgs=3, fwd_persistent=persistent, fwd=tuning.Tiles(64, 64, 2))
+      fwd_wgs=wgs, fwd_persistent=persistent, fwd=tuning.Tiles(64, 64, 2))
   assert config.smem_problem(H, 2, **mosaic._extras(ops)) is None
-  assert common.has_idle_rows(mosaic._call(spec, config, ops), 3, 64)
+  assert common.has_idle_rows(mosaic._call(spec, config, ops), wgs, 64) == (wgs == 3)
   text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2 + config.dkv_passes
 
@@ -948,17 +950,18 @@ BIAS_WGS = {
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("max_adjust", ["off", "safe"])
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("wgs, persistent", [(3, False), (3, True), (2, True)])
 @pytest.mark.parametrize("name", list(BIAS_WGS))
-def test_gpu_bias_forward_three_warpgroups_match_two(name, persistent, max_adjust):
-  """The forward with a bias and three compute warpgroups (persistent or not) computes every row
-  as two do over the same key blocks: O, the LSE and the gradients (dbias included) bitwise
-  equal. The persistent forward is taken at head dim 64, where its second Q buffer fits."""
+def test_gpu_bias_forward_three_warpgroups_match_two(name, wgs, persistent, max_adjust):
+  """The forward with a bias and three compute warpgroups (persistent or not), or two persistent
+  ones (their ping-pong running on across tiles), computes every row as the grid of two does over
+  the same key blocks: O, the LSE and the gradients (dbias included) bitwise equal. The
+  persistent forward is taken at head dim 64, where its second Q buffer fits."""
   (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(BIAS_WGS[name]), bf16, 7)
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
   two = mosaic.default_config(spec, ops).replace(fwd_wgs=2, fwd_persistent=False,
                                                  fwd=tuning.Tiles(64, 64, 2))
-  three = two.replace(fwd_wgs=3, fwd_persistent=persistent)
+  three = two.replace(fwd_wgs=wgs, fwd_persistent=persistent)
   if three.smem_problem(q.shape[-1], 2, **mosaic._extras(ops)) is not None:
     pytest.skip("the second Q buffer does not fit beside the bias tiles at this head dim")
 

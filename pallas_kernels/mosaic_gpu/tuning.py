@@ -82,8 +82,8 @@ class TuningConfig:
   # operands and not the fused dQ.
   dkv_wgs: int = COMPUTE_WGS
   # A persistent forward: one CTA per SM taking the query tiles round-robin (heaviest rows
-  # first), the next tile's Q loading during this one (two Q buffers, O staged apart). Needs
-  # fwd_wgs=3.
+  # first), the next tile's Q loading during this one (two Q buffers, O staged apart); with two
+  # warpgroups their ping-pong runs on across the tiles.
   fwd_persistent: bool = False
   # The dQ kernel computes delta = rowsum(dO * O) from its resident dO and an O tile it loads
   # beside it, uses it and writes it for the dK/dV kernel (which then runs second): no XLA pass
@@ -108,8 +108,6 @@ class TuningConfig:
     for name in ("fwd_wgs", "dq_wgs", "dkv_wgs"):
       if getattr(self, name) not in (2, 3):
         raise ValueError(f"{name} must be 2 or 3, got {getattr(self, name)!r}")
-    if self.fwd_persistent and self.fwd_wgs != 3:
-      raise ValueError(f"fwd_persistent needs fwd_wgs=3, got fwd_wgs={self.fwd_wgs}")
     if self.fused_dq and self.dkv_passes != 1:
       raise ValueError("fused_dq adds dQ in the one dK/dV pass: it needs dkv_passes=1")
     if self.dkv_persistent and (self.fused_dq or self.dkv_passes != 1):
