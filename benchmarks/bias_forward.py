@@ -1,12 +1,14 @@
 """The Hopper forward with a bias (no mask): the table's tiles against the other candidates, and
-tokamax's forward, one process, 5 interleaved reps (docs/hopper_kernel.md, "Bias").
+tokamax's forward, one process, 5 interleaved reps (docs/hopper_kernel.md, "The forward with a
+bias").
 
     PYTHONPATH=. python benchmarks/bias_forward.py     # on a Hopper GPU; prints a Markdown table
 
 Candidates per head dim: two ping-ponging warpgroups over the tiles that fit beside the bias
-(`tuning._BESIDE` at 128; (64, 128, 2) at 64), and three warpgroups (at 64 the persistent forward
-over 64-key blocks, `tuning._BIAS_FWD`). Each row's speed is against the table's choice; the
-output's largest difference from it shows the candidates compute the same attention.
+(`tuning._BESIDE` at 128; (64, 128, 2) at 64, also persistent), and three warpgroups (at 64 the
+persistent forward over 64-key blocks, `tuning._BIAS_FWD`). Each row's speed is against the
+table's choice; the output's largest difference from it shows the candidates compute the same
+attention.
 """
 import os
 import statistics

@@ -176,10 +176,10 @@ def _rows(x: jax.Array, like: jax.Array, q_axis: int) -> jax.Array:
 
 class Scores(NamedTuple):
   """A tile's masked logits, `values * factor` (fp32). factor is 1 except in base-2 kernels with a
-  positive softmax scale: there the scale times log2(e) (with a bias: log2(e), the values being
-  scale * qk + bias; with a soft cap: cap * log2(e), the values being the tanh) stays outside
-  the tile, so the max is taken of raw values and exp2(values * factor - m) is one FMA per
-  element. dtanh, with a soft cap, is
+  positive softmax scale and not both a bias and a soft cap: there the scale times log2(e) (with
+  a bias: log2(e), the values being scale * qk + bias; with a soft cap: cap * log2(e), the values
+  being the tanh) stays outside the tile, so the max is taken of raw values and
+  exp2(values * factor - m) is one FMA per element. dtanh, with a soft cap, is
   d(capped)/d(logits) = 1 - tanh^2 for the backward (else None)."""
   values: jax.Array
   factor: float

@@ -961,8 +961,8 @@ def test_gpu_bias_forward_three_warpgroups_match_two(name, wgs, persistent, max_
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
   two = mosaic.default_config(spec, ops).replace(fwd_wgs=2, fwd_persistent=False,
                                                  fwd=tuning.Tiles(64, 64, 2))
-  three = two.replace(fwd_wgs=wgs, fwd_persistent=persistent)
-  if three.smem_problem(q.shape[-1], 2, **mosaic._extras(ops)) is not None:
+  variant = two.replace(fwd_wgs=wgs, fwd_persistent=persistent)
+  if variant.smem_problem(q.shape[-1], 2, **mosaic._extras(ops)) is not None:
     pytest.skip("the second Q buffer does not fit beside the bias tiles at this head dim")
 
   def run(config):
@@ -973,7 +973,7 @@ def test_gpu_bias_forward_three_warpgroups_match_two(name, wgs, persistent, max_
     grads = vjp((do, jax.tree.map(jnp.zeros_like, residuals)))
     return jax.device_get((out, residuals, grads))
 
-  for a, b in zip(jax.tree.leaves(run(two)), jax.tree.leaves(run(three))):
+  for a, b in zip(jax.tree.leaves(run(two)), jax.tree.leaves(run(variant))):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 

@@ -216,11 +216,12 @@ _NARROW = _T(64, 32, 2)
 # unequal work (not `full`): the forward's three warpgroups, persistent, over 64-key blocks in three
 # stages (beside the bias tiles of their 192 rows and two Q buffers, 128-key blocks do not fit).
 # H200, one process, 5 interleaved reps, forward time against two warpgroups' (64, 128, 2):
-# 1.15-1.19x at B16 T1024 N12 causal with ALiBi [1, N, T, T], 1.32x at B4 T4096 N16 with a
+# 1.15-1.19x at B16 T1024 N12 causal with ALiBi [1, N, T, T], 1.30-1.32x at B4 T4096 N16 with a
 # 512-key window, 1.00-1.04x at B8 T2048 N16 causal with a [B, N, T, T] bias (three runs);
-# (64, 64, 2) 1.13x at the first. Where every query sees every key, two stay: the three ran 0.85-0.90x there (B8 T2048
-# N16). At head dim 128 three warpgroups ran 0.95-1.02x two (docs/hopper_kernel.md). Not where
-# ptxas ignores setmaxnreg (JAX 0.12; not measured there).
+# (64, 64, 2) 1.13x at the first. Where every query sees every key, two stay: the three ran
+# 0.85-0.90x there (B8 T2048 N16), two persistent 0.86x. At head dim 128 three warpgroups ran
+# 0.95-1.02x two (docs/hopper_kernel.md). Not where ptxas ignores setmaxnreg (JAX 0.12; not
+# measured there).
 _BIAS_FWD = {64: dict(fwd=_T(64, 64, 3), fwd_wgs=3, fwd_persistent=True)}
 
 
