@@ -937,6 +937,23 @@ def test_gpu_three_warpgroups_match_two(name, max_adjust):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def _outputs_and_grads(args, kwargs, do, max_adjust, config, implementation=IMPL):
+  """(O, the residuals, the gradients in q, k, v and the bias) of one call with `config`: args
+  (q, k, v, bias, mask), the bias differentiated with q, k and v."""
+  q, k, v, bias, mask = args
+  attend = lambda q, k, v, bias: stable_attn.dot_product_attention(
+      q, k, v, bias, mask, implementation=implementation, max_adjust=max_adjust, config=config,
+      return_residuals=True, **kwargs)
+  (out, residuals), vjp = jax.vjp(attend, q, k, v, bias)
+  grads = vjp((do, jax.tree.map(jnp.zeros_like, residuals)))
+  return jax.device_get((out, residuals, grads))
+
+
+def _assert_bitwise_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
 # A bias without a mask: the forward's three warpgroups (grid and persistent) take its tiles of
 # all their rows; the last CTA's first warpgroups idle (T not a multiple of 192), its bias tile
 # starting above row 0 (TMA fills the rows before it with zeros, which no warpgroup reads).
@@ -965,16 +982,8 @@ def test_gpu_bias_forward_three_warpgroups_match_two(name, wgs, persistent, max_
   if variant.smem_problem(q.shape[-1], 2, **mosaic._extras(ops)) is not None:
     pytest.skip("the second Q buffer does not fit beside the bias tiles at this head dim")
 
-  def run(config):
-    attend = lambda q, k, v, bias: stable_attn.dot_product_attention(
-        q, k, v, bias, implementation=IMPL, max_adjust=max_adjust, config=config,
-        return_residuals=True, **kwargs)
-    (out, residuals), vjp = jax.vjp(attend, q, k, v, bias)
-    grads = vjp((do, jax.tree.map(jnp.zeros_like, residuals)))
-    return jax.device_get((out, residuals, grads))
-
-  for a, b in zip(jax.tree.leaves(run(two)), jax.tree.leaves(run(variant))):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  run = lambda config: _outputs_and_grads((q, k, v, bias, mask), kwargs, do, max_adjust, config)
+  _assert_bitwise_equal(run(two), run(variant))
 
 
 # A bias or mask that every batch row shares: the grids run the batch rows fastest
@@ -1000,16 +1009,9 @@ def test_gpu_batch_inner_grid_matches_batch_outer(name, max_adjust):
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
   config = mosaic.default_config(spec, ops)
 
-  def run(inner):
-    attend = lambda q, k, v, bias: stable_attn.dot_product_attention(
-        q, k, v, bias, mask, implementation=IMPL, max_adjust=max_adjust,
-        config=config.replace(batch_inner=inner), return_residuals=True, **kwargs)
-    (out, residuals), vjp = jax.vjp(attend, q, k, v, bias)
-    grads = vjp((do, jax.tree.map(jnp.zeros_like, residuals)))
-    return jax.device_get((out, residuals, grads))
-
-  for a, b in zip(jax.tree.leaves(run(False)), jax.tree.leaves(run(True))):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  run = lambda inner: _outputs_and_grads((q, k, v, bias, mask), kwargs, do, max_adjust,
+                                         config.replace(batch_inner=inner))
+  _assert_bitwise_equal(run(False), run(True))
 
 
 # More query tiles than an H100 or H200 has SMs (132): each persistent CTA takes two or three.

@@ -247,9 +247,9 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
                      f"reduces over {FP8_K} keys at a time (e4m3 wgmma); use {FP8_K}")
   # The forward streams a bias tile of all its warpgroups' rows; a mask's compacted block order
   # and the backward kernels' bias and mask tiles are per pair of warpgroups.
-  for name, takes in (("fwd_wgs", "mask"), ("dq_wgs", "bias or mask"),
-                      ("dkv_wgs", "bias or mask")):
-    present = ops.mask is not None if takes == "mask" else bool(_extras(ops))
+  mask, either = ops.mask is not None, bool(_extras(ops))
+  for name, takes, present in (("fwd_wgs", "mask", mask), ("dq_wgs", "bias or mask", either),
+                               ("dkv_wgs", "bias or mask", either)):
     if getattr(config, name) != tuning.COMPUTE_WGS and present:
       raise ValueError(f"config.{name}={getattr(config, name)} takes no {takes} operands "
                        f"(their tiles stream per pair of warpgroups): use {name}="

@@ -330,7 +330,7 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   # dQ kernel keeps delta's O tile before it gives up 64-key blocks; without it, XLA's delta).
   bias_fwd = (_BIAS_FWD.get(head_dim) if bias_only and not (full or dense or entry_registers)
               else None)
-  options = {"fwd": [bias_fwd] * (bias_fwd is not None)
+  options = {"fwd": ([bias_fwd] if bias_fwd else [])
                     + [dict(fwd=t) for t in (config.fwd, _BESIDE, _NARROW)],
              "dkv": [dict(dkv=t) for t in (config.dkv, _BESIDE)],
              "dq": [dict(dq=t, dq_delta=d) for t in (config.dq, _NARROW)
