@@ -5,10 +5,11 @@ bias").
     PYTHONPATH=. python benchmarks/bias_forward.py     # on a Hopper GPU; prints a Markdown table
 
 Candidates per head dim: two ping-ponging warpgroups over the tiles that fit beside the bias
-(`tuning._BESIDE` at 128; (64, 128, 2) at 64, also persistent), and three warpgroups (at 64 the
-persistent forward over 64-key blocks, `tuning._BIAS_FWD`). Each row's speed is against the
+(`tuning._BESIDE` at 128; (64, 128, 2) at 64), also persistent in either tile order
+(`TuningConfig.persistent_order`), and three warpgroups (at 64 persistent: over 64-key blocks,
+`tuning._BIAS_FWD`, and without a bias the table's (64, 128, 2)). Each row's speed is against the
 table's choice; the output's largest difference from it shows the candidates compute the same
-attention.
+attention. The last case has no bias: the table's persistent forward in both orders.
 """
 import os
 import statistics
@@ -29,29 +30,42 @@ from stable_attn.api import Options, canonicalize  # noqa: E402
 
 IMPL = "pallas_mosaic_gpu"
 T = tuning.Tiles
+P = dict(fwd_persistent=True)
 CANDIDATES = {
     64: {"2 warpgroups (64, 128, 2)": dict(fwd=T(64, 128, 2), fwd_wgs=2, fwd_persistent=False),
-         "3 persistent (64, 64, 3)": dict(fwd=T(64, 64, 3), fwd_wgs=3, fwd_persistent=True),
-         "2 persistent (64, 128, 2)": dict(fwd=T(64, 128, 2), fwd_wgs=2, fwd_persistent=True)},
-    128: {"2 warpgroups (64, 64, 2)": dict(fwd=T(64, 64, 2), fwd_wgs=2),
-          "3 warpgroups (64, 64, 2)": dict(fwd=T(64, 64, 2), fwd_wgs=3)},
+         "3 persistent (64, 64, 3)": dict(fwd=T(64, 64, 3), fwd_wgs=3, **P,
+                                          persistent_order="heaviest"),
+         "3 persistent (64, 128, 2), heaviest first": dict(fwd=T(64, 128, 2), fwd_wgs=3, **P,
+                                                           persistent_order="heaviest"),
+         "2 persistent (64, 128, 2), heaviest first": dict(fwd=T(64, 128, 2), fwd_wgs=2, **P,
+                                                           persistent_order="heaviest"),
+         "2 persistent (64, 128, 2), grid order": dict(fwd=T(64, 128, 2), fwd_wgs=2, **P,
+                                                       persistent_order="grid")},
+    128: {"2 warpgroups (64, 64, 2)": dict(fwd=T(64, 64, 2), fwd_wgs=2, fwd_persistent=False),
+          "3 warpgroups (64, 64, 2)": dict(fwd=T(64, 64, 2), fwd_wgs=3, fwd_persistent=False),
+          "2 persistent (64, 64, 2), grid order": dict(fwd=T(64, 64, 2), fwd_wgs=2, **P,
+                                                       persistent_order="grid")},
 }
-CASES = [  # (label, shape B T N H, call options, bias: ALiBi [1, N, T, T] shared or one per row)
+# (label, shape B T N H, call options, bias: 1 ALiBi [1, N, T, T] every row shares, 0 one per row
+# [B, N, T, T], None no bias)
+CASES = [
     ("B16 T1024 N12 H64 causal, ALiBi [1,N,T,T]", (16, 1024, 12, 64), dict(is_causal=True), 1),
     ("B8 T2048 N16 H64 causal, bias [B,N,T,T]", (8, 2048, 16, 64), dict(is_causal=True), 0),
     ("B4 T4096 N16 H64 window 512, ALiBi [1,N,T,T]", (4, 4096, 16, 64),
      dict(local_window_size=(512, 0)), 1),
     ("B8 T2048 N16 H64 full, bias [B,N,T,T]", (8, 2048, 16, 64), {}, 0),
+    ("B8 T2048 N16 H64 full, ALiBi [1,N,T,T]", (8, 2048, 16, 64), {}, 1),
     ("B4 T4096 N16 H128 causal, ALiBi [1,N,T,T]", (4, 4096, 16, 128), dict(is_causal=True), 1),
     ("B8 T2048 N16 H128 full, bias [B,N,T,T]", (8, 2048, 16, 128), {}, 0),
+    ("B8 T2048 N16 H64 full, no bias", (8, 2048, 16, 64), {}, None),
 ]
 
 
 def forwards(shape, options, shared):
   """{name: jitted forward} for one case (the table's, its candidates, tokamax's), and the args."""
   q, k, v, _ = _inputs(shape)
-  bias = _alibi(shape)
-  if not shared:
+  bias = None if shared is None else _alibi(shape)
+  if shared == 0:
     bias = jnp.broadcast_to(bias, (shape[0],) + bias.shape[1:]) + 0   # materialised
   spec, ops, _ = canonicalize(q, k, v, bias, None, Options(implementation=IMPL, **options))
   table = mosaic.default_config(spec, ops)
@@ -71,7 +85,7 @@ def forwards(shape, options, shared):
 
 def _describe(config) -> str:
   fwd = config.fwd
-  kind = " persistent" if config.fwd_persistent else ""
+  kind = f" persistent, {config.persistent_order} order," if config.fwd_persistent else ""
   return f"table: {config.fwd_wgs}{kind} ({fwd.block_q}, {fwd.block_kv}, {fwd.stages})"
 
 

@@ -1,6 +1,7 @@
 """Where the Hopper kernel's time goes: Mosaic GPU's on-device profiler over one call.
 
-  python -m benchmarks.profile_mosaic [--shapes targets] [--max-adjust safe] [--backward] [--fused]
+  python -m benchmarks.profile_mosaic [--shapes targets] [--max-adjust safe] [--bias alibi]
+                                      [--backward] [--fused]
 
 Runs each shape once unprofiled (compile, warm-up), then once inside `common.profiling`, which
 makes every compute warpgroup record its named regions (`jax.named_scope` in the kernel bodies:
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 
 import stable_attn
 from benchmarks.attention import TARGETS, make_inputs, shape_name
+from benchmarks.features import _alibi
 from pallas_kernels.mosaic_gpu import common, tuning
 
 
@@ -101,6 +103,8 @@ def main(argv=None):
                   help="issue 23's five shapes, the first three (T <= 4096), GPT-2's, or "
                        "B4 T4096 N16 H128 causal")
   ap.add_argument("--max-adjust", default="safe", choices=["off", "safe", "paper"])
+  ap.add_argument("--bias", default="none", choices=["none", "alibi"],
+                  help="alibi: a bf16 ALiBi bias [1, N, T, T] beside K (its tiles stream with K)")
   ap.add_argument("--backward", action="store_true", help="profile the backward kernels too")
   ap.add_argument("--fused", action="store_true",
                   help="with --backward: FlashAttention-3's fused backward (TuningConfig.fused_dq)")
@@ -109,16 +113,20 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.fused and not args.backward:
     ap.error("--fused changes only the backward: pass --backward with it")
+  if args.fused and args.bias != "none":
+    ap.error("--fused profiles the table's fused backward, which has no bias tiles in its tiling")
   shapes = {"targets": TARGETS, "short": TARGETS[:3], "gpt2": TARGETS[:1],
             "h128": TARGETS[1:2]}[args.shapes]
   report = [f"# Hopper kernel profile ({jax.devices()[0].device_kind}, bf16, "
-            f"max_adjust={args.max_adjust}{', fused backward' if args.fused else ''})", ""]
+            f"max_adjust={args.max_adjust}{', ALiBi bias' if args.bias == 'alibi' else ''}"
+            f"{', fused backward' if args.fused else ''})", ""]
   for shape in shapes:
     B, T, N, K, H, causal = shape
     q, k, v, do = make_inputs(B, T, N, K, H, jnp.bfloat16)
+    bias = _alibi((B, T, N, H)) if args.bias == "alibi" else None
     config = tuning.fused_dq_config(H) if args.fused else None
     attend = lambda q, k, v: stable_attn.dot_product_attention(
-        q, k, v, is_causal=causal, implementation="pallas_mosaic_gpu",
+        q, k, v, bias, is_causal=causal, implementation="pallas_mosaic_gpu",
         max_adjust=args.max_adjust, config=config)
     if args.backward:
       fn = jax.jit(lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do))

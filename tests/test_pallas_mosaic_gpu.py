@@ -157,15 +157,30 @@ def test_tuning_config_validates():
     assert tuning.table_config(h).fwd_wgs == tuning.table_config(h).dq_wgs == wgs
     assert tuning.table_config(h, beside=1).fwd_wgs == tuning.table_config(h, beside=1).dq_wgs == 2
   # a bf16 bias alone at head dim 64 under a position mask: the persistent three-warpgroup
-  # forward over 64-key blocks; two where every query sees every key, at 128, on a toolchain
-  # that ignores setmaxnreg, and beside an fp32 bias (whose tiles do not fit)
+  # forward over 64-key blocks; the grid of two at 128, on a toolchain that ignores setmaxnreg,
+  # and beside an fp32 bias (whose tiles do not fit)
   config = tuning.table_config(64, beside=2, ds_itemsize=2, bias_only=True)
   assert (config.fwd, config.fwd_wgs, config.fwd_persistent) == (T(64, 64, 3), 3, True)
   assert (config.dq_wgs, config.dkv_wgs, config.dkv_persistent) == (2, 2, False)
-  for kwargs in (dict(full=True), dict(entry_registers=True), dict(beside=4, ds_itemsize=4)):
-    other = tuning.table_config(64, **{"beside": 2, "ds_itemsize": 2, **kwargs}, bias_only=True)
-    assert (other.fwd_wgs, other.fwd_persistent) == (2, False), kwargs
-  assert tuning.table_config(128, beside=2, ds_itemsize=2, bias_only=True).fwd_wgs == 2
+  assert config.persistent_order == "heaviest"
+  for h, kwargs in ((64, dict(entry_registers=True)), (64, dict(beside=4, ds_itemsize=4)),
+                    (128, {}), (64, dict(full=True, beside=4, ds_itemsize=4))):
+    other = tuning.table_config(h, **{"beside": 2, "ds_itemsize": 2, **kwargs}, bias_only=True)
+    assert (other.fwd_wgs, other.fwd_persistent) == (2, False), (h, kwargs)
+  # ... and where every query sees every key, two persistent warpgroups taking the tiles in the
+  # grid's order (64-key blocks at 128), not beside a mask
+  for h, block_kv in ((64, 128), (128, 64)):
+    config = tuning.table_config(h, beside=2, ds_itemsize=2, bias_only=True, full=True)
+    assert (config.fwd, config.fwd_wgs, config.fwd_persistent, config.persistent_order) == (
+        T(64, block_kv, 2), 2, True, "grid"), h
+    assert not tuning.table_config(h, beside=3, ds_itemsize=2, full=True).fwd_persistent
+  # without bias or mask, the persistent forward at 64 takes the grid's order where every query
+  # sees every key, the heaviest rows first otherwise
+  assert tuning.table_config(64, full=True).persistent_order == "grid"
+  assert tuning.table_config(64, dense=True).persistent_order == "grid"
+  assert tuning.table_config(64).persistent_order == "heaviest"
+  with pytest.raises(ValueError, match="persistent_order must be one of"):
+    tuning.table_config(64).replace(persistent_order="rows")
   q = jnp.ones((1, 64, 2, 64), bf16)
   for name, refused in (("fwd_wgs", "mask"), ("dq_wgs", "bias or mask"),
                         ("dkv_wgs", "bias or mask")):
@@ -333,6 +348,25 @@ def test_persistent_tiles_cover_each_tile_once(total, ctas):
     work.append(sum(total - t for t in mine))
   assert sorted(taken) == list(range(total))
   assert max(work) - min(work) <= total   # within one tile's cost; round-robin: rounds x ctas
+
+
+@pytest.mark.parametrize("order, inner", [("heaviest", False), ("grid", False), ("grid", True)])
+def test_tile_coords_take_each_tile_once(order, inner):
+  """A persistent kernel's tile t names each (batch row, head, CTA index) once; in the grid's
+  order, in the order a grid launches its CTAs (last grid dimension fastest): (B, heads, rows),
+  or (heads, rows, B) with the batch rows fastest."""
+  B, heads, per_row = 3, 5, 4
+  coords = [tuple(int(c) for c in common.tile_coords(jnp.int32(t), (B, heads, per_row), order,
+                                                       inner))
+            for t in range(B * heads * per_row)]
+  assert sorted(coords) == list(itertools.product(range(B), range(heads), range(per_row)))
+  if order == "heaviest":   # the CTA index slowest: every head's first rows come first
+    assert [c[2] for c in coords] == sorted(c[2] for c in coords)
+  elif inner:
+    assert coords == [(b, n, r) for n, r, b in itertools.product(range(heads), range(per_row),
+                                                                   range(B))]
+  else:
+    assert coords == list(itertools.product(range(B), range(heads), range(per_row)))
 
 
 def test_sections_run_in_order():
@@ -961,24 +995,30 @@ BIAS_WGS = {
     "alibi_causal_h64": GPU_CASES["alibi_causal_h64"],
     "bias_full_h128": GPU_CASES["bias_full_h128"],
     "key_bias_fp32_window": GPU_CASES["key_bias_fp32_window"],
+    # every query sees every key (the table's persistent forward in the grid's order), and every
+    # batch row shares the bias (that order then runs the batch rows fastest)
+    "alibi_full_h64": dict(B=3, T=200, S=233, N=4, K=2, H=64, bias=(1, 4, 200, 233),
+                           q_lens=(200, 117, 64), kv_lens=(233, 190, 1)),
 }
 
 
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("max_adjust", ["off", "safe"])
-@pytest.mark.parametrize("wgs, persistent", [(3, False), (3, True), (2, True)])
+@pytest.mark.parametrize("wgs, persistent, order", [(3, False, "heaviest"), (3, True, "heaviest"),
+                                                    (2, True, "heaviest"), (2, True, "grid")])
 @pytest.mark.parametrize("name", list(BIAS_WGS))
-def test_gpu_bias_forward_three_warpgroups_match_two(name, wgs, persistent, max_adjust):
+def test_gpu_bias_forward_three_warpgroups_match_two(name, wgs, persistent, order, max_adjust):
   """The forward with a bias and three compute warpgroups (persistent or not), or two persistent
-  ones (their ping-pong running on across tiles), computes every row as the grid of two does over
-  the same key blocks: O, the LSE and the gradients (dbias included) bitwise equal. The
-  persistent forward is taken at head dim 64, where its second Q buffer fits."""
+  ones (their ping-pong running on across tiles; the tiles in either order), computes every row
+  as the grid of two does over the same key blocks: O, the LSE and the gradients (dbias
+  included) bitwise equal. Three persistent warpgroups are taken at head dim 64, where their
+  second Q buffer fits."""
   (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(BIAS_WGS[name]), bf16, 7)
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
   two = mosaic.default_config(spec, ops).replace(fwd_wgs=2, fwd_persistent=False,
                                                  fwd=tuning.Tiles(64, 64, 2))
-  variant = two.replace(fwd_wgs=wgs, fwd_persistent=persistent)
+  variant = two.replace(fwd_wgs=wgs, fwd_persistent=persistent, persistent_order=order)
   if variant.smem_problem(q.shape[-1], 2, **mosaic._extras(ops)) is not None:
     pytest.skip("the second Q buffer does not fit beside the bias tiles at this head dim")
 
@@ -1020,6 +1060,9 @@ MANY_TILES = {
                             q_lens=(1000, 700, 333), kv_lens=(1000, 900, 200)),
     "many_tiles_packed": dict(B=2, T=2048, S=2048, N=8, K=8, H=64, is_causal=True,
                               segments=True, docs=5),
+    # Every query sees every key, more query tiles than SMs (B * N * T / 192 = 288).
+    "many_tiles_full_gqa": dict(B=3, T=1000, S=1100, N=16, K=4, H=64,
+                                q_lens=(1000, 700, 333), kv_lens=(1100, 900, 200)),
     # More key tiles than SMs for the persistent dK/dV kernel (B * K * S / 128 = 448).
     "many_key_tiles_gqa_lens": dict(B=4, T=1800, S=1800, N=16, K=8, H=64, is_causal=True,
                                     q_lens=(1800, 1500, 700, 64), kv_lens=(1800, 1700, 900, 30)),
@@ -1028,24 +1071,25 @@ MANY_TILES = {
 
 @pytest.mark.gpu
 @on_hopper
-@pytest.mark.parametrize("max_adjust", ["off", "paper", "safe"])
+@pytest.mark.parametrize("max_adjust, order", [("off", "heaviest"), ("paper", "heaviest"),
+                                               ("safe", "heaviest"), ("off", "grid"),
+                                               ("safe", "grid")])
 @pytest.mark.parametrize("name", [n for n in WGS_CASES if GPU_CASES[n]["H"] == 64]
                          + list(MANY_TILES))
-def test_gpu_persistent_forward_matches_grid(name, max_adjust):
+def test_gpu_persistent_forward_matches_grid(name, max_adjust, order):
   """The persistent forward (the table's at head dim 64: one CTA per SM taking the tiles in
-  zigzag rounds, the next tile's Q loading during this one) computes every tile as a CTA of the
-  grid does: O and the LSE bitwise equal."""
+  zigzag rounds, in either order, the next tile's Q loading during this one) computes every tile
+  as a CTA of the grid does: O and the LSE bitwise equal."""
   case = GPU_CASES[name] if name in GPU_CASES else MANY_TILES[name]
   (q, k, v, _, _), kwargs, _ = cases.make_inputs(dict(case), bf16, 4)
 
   def run(persistent):
-    config = tuning.table_config(64).replace(fwd_persistent=persistent)
+    config = tuning.table_config(64).replace(fwd_persistent=persistent, persistent_order=order)
     return jax.device_get(stable_attn.dot_product_attention(
         q, k, v, implementation=IMPL, max_adjust=max_adjust, config=config,
         return_residuals=True, **kwargs))
 
-  for a, b in zip(jax.tree.leaves(run(False)), jax.tree.leaves(run(True))):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  _assert_bitwise_equal(run(False), run(True))
 
 
 FUSED_CASES = ["gpt2", "gqa_h128_lens", "cross_window", "T_gt_S", "empty_rows",

@@ -96,7 +96,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
   split = _splits_dq(call)
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   wg = lax.axis_index("wg")
-  key_tiles = common.key_tiles(call, wgs, bk, ctas)
+  key_tiles = common.key_tiles(call, refs, wgs, bk, ctas)
 
   def key_tile(i):
     """Tile i's (b, kv head, first key row, lengths, the query blocks of a warpgroup's keys as a

@@ -607,30 +607,45 @@ class CtaTiles(NamedTuple):
       body(0, 0)
 
 
-def query_tiles(call: Call, wgs: int, bq: int, ctas: int) -> CtaTiles:
-  """Inside a query kernel: its grid position's one tile, or (ctas > 0, `query_grid`) a persistent
-  CTA's tiles, tile t = (row CTA, batch row, head) with the row CTA slowest: every head's heaviest
-  causal rows first, in zigzag rounds (`persistent_tiles`)."""
-  return _tiles(call.geo.B, call.geo.N, cta_rows(call, wgs, bq, 0)[0], "q_seq", ctas)
+def query_tiles(call: Call, x, wgs: int, bq: int, ctas: int) -> CtaTiles:
+  """Inside a query kernel (x: its operand refs): its grid position's one tile, or (ctas > 0,
+  `query_grid`) a persistent CTA's tiles in zigzag rounds (`persistent_tiles`), in the order of
+  TuningConfig.persistent_order: "heaviest", tile t = (row CTA, batch row, head) with the row CTA
+  slowest, every head's heaviest causal rows first; "grid", the grid's."""
+  return _tiles(call, x, call.geo.N, cta_rows(call, wgs, bq, 0)[0], "q_seq", ctas)
 
 
-def key_tiles(call: Call, wgs: int, bk: int, ctas: int) -> CtaTiles:
+def key_tiles(call: Call, x, wgs: int, bk: int, ctas: int) -> CtaTiles:
   """The same for the dK/dV kernel (`key_grid`): key CTA 0, the keys every causal query sees,
   is the heaviest, so the key CTA index ascends."""
-  return _tiles(call.geo.B, call.geo.K, key_ctas(call, wgs, bk), "kv_seq", ctas)
+  return _tiles(call, x, call.geo.K, key_ctas(call, wgs, bk), "kv_seq", ctas)
 
 
-def _tiles(B: int, heads: int, per_row: int, axis: str, ctas: int) -> CtaTiles:
+def _tiles(call: Call, x, heads: int, per_row: int, axis: str, ctas: int) -> CtaTiles:
+  B = call.geo.B
   if not ctas:
     return CtaTiles(1, lambda i: (lax.axis_index("batch"), lax.axis_index("heads"),
                                   lax.axis_index(axis)), lambda i: 0, False)
   count, nth = persistent_tiles(lax.axis_index("cta"), ctas, B * heads * per_row)
+  order, inner = call.config.persistent_order, batch_inner(call, x)
+  return CtaTiles(count, lambda i: tile_coords(nth(i), (B, heads, per_row), order, inner),
+                  lambda i: lax.rem(i, 2), True)
 
-  def tile(i):
-    t = nth(i)
+
+def tile_coords(t, dims: tuple[int, int, int], order: str, inner: bool = False):
+  """(batch row, head, row or key CTA index) of persistent tile t (int32) of dims = (B, heads,
+  CTAs per row) in TuningConfig.persistent_order `order`: "heaviest", the CTA index slowest;
+  "grid", the order `_grid` launches its grid in: (B, heads, rows), or (heads, rows, B) when
+  `inner` (`batch_inner`)."""
+  B, heads, per_row = dims
+  if order == "heaviest":
     r = lax.rem(t, B * heads)
     return lax.div(r, heads), lax.rem(r, heads), lax.div(t, B * heads)
-  return CtaTiles(count, tile, lambda i: lax.rem(i, 2), True)
+  if inner:
+    r = lax.div(t, B)
+    return lax.rem(t, B), lax.div(r, per_row), lax.rem(r, per_row)
+  r = lax.div(t, per_row)
+  return lax.div(r, heads), lax.rem(r, heads), lax.rem(t, per_row)
 
 
 def persistent_tiles(cta, ctas: int, total: int):

@@ -14,8 +14,10 @@ bias except at head dim 64 under a position mask, tuning._BIAS_FWD):
                 aligned to T's end, so when 3 * block_q does not divide T the last CTA's first
                 warpgroups idle.
   producer      streams K and V blocks through `stages` slots with TMA (common.py: pipelines).
-Persistent (TuningConfig.fwd_persistent, the table's at head dim 64): one CTA per SM takes the
-query tiles in zigzag rounds, heaviest causal rows first (common.persistent_tiles); each compute
+Persistent (TuningConfig.fwd_persistent, the table's at head dim 64, and with a bias alone where
+every query sees every key: tuning._BIAS_FULL_FWD): one CTA per SM takes the query tiles in zigzag
+rounds (common.persistent_tiles), heaviest causal rows first, or in the grid's order where the
+tiles cost the same (TuningConfig.persistent_order: its CTAs then share K and V in L2); each compute
 warpgroup loads its next tile's Q into the second of two Q buffers while it works on this one,
 and stages O apart from Q; the producer's slots run on across tiles. A CTA's start (Q's load,
 its first K) and its epilogue no longer stand between two tiles on an SM.
@@ -65,7 +67,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
   spec, dt, fwd, wgs, fp8 = call.spec, call.dt, call.config.fwd, call.config.fwd_wgs, call.fp8
   bq, bk, stages = fwd.block_q, fwd.block_kv, fwd.stages
   wg = lax.axis_index("wg")
-  tiles = common.query_tiles(call, wgs, bq, ctas)
+  tiles = common.query_tiles(call, refs, wgs, bq, ctas)
   tile_of, buffer_of, count = tiles.tile, tiles.buffer, tiles.count
 
   def query_tile(i):

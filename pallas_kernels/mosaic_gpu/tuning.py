@@ -22,6 +22,7 @@ STREAMED_MIN = 32      # the fewest rows of a streamed block (a wgmma N and K of
 SMEM_BYTES = 227 * 1024
 SMEM_RESERVE = 4 * 1024   # barriers and alignment, beyond the tiles counted in check_smem
 HEAD_DIMS = (64, 128, 256)  # head dims the kernels cover (rows tiled 128 bytes wide)
+PERSISTENT_ORDERS = ("heaviest", "grid")   # TuningConfig.persistent_order
 
 
 def fits_smem(nbytes: int) -> bool:
@@ -94,6 +95,11 @@ class TuningConfig:
   # buffer while it works on this one; its dK and dV are staged in the buffer they came from.
   # Not with the fused dQ or two passes; takes no bias or mask operands (the API checks).
   dkv_persistent: bool = False
+  # The persistent kernels' tile order: "heaviest", the row (key) CTA index slowest, so each
+  # round's CTAs take every head's heaviest causal rows (keys) first, on as many heads as there are
+  # SMs; "grid", the grid's own order (`batch_inner`'s included), so a round's CTAs share a few
+  # heads' streamed K and V (Q and dO) in L2: where every tile costs the same (full).
+  persistent_order: str = "heaviest"
   # With a bias or mask that every batch row shares ([1, Nx, T, S]), grids of (heads, rows, batch),
   # batch fastest: the CTAs that read one of its tiles run side by side and HBM serves it once
   # (common.batch_inner). False keeps (batch, heads, rows), as without one.
@@ -103,6 +109,9 @@ class TuningConfig:
     self.fwd.check_owned("block_q", "fwd")
     self.dkv.check_owned("block_kv", "dkv")
     self.dq.check_owned("block_q", "dq")
+    if self.persistent_order not in PERSISTENT_ORDERS:
+      raise ValueError(f"persistent_order must be one of {PERSISTENT_ORDERS}, got "
+                       f"{self.persistent_order!r}")
     if self.dkv_passes not in (1, 2):
       raise ValueError(f"dkv_passes must be 1 or 2, got {self.dkv_passes!r}")
     for name in ("fwd_wgs", "dq_wgs", "dkv_wgs"):
@@ -218,11 +227,21 @@ _NARROW = _T(64, 32, 2)
 # H200, one process, 5 interleaved reps, forward time against two warpgroups' (64, 128, 2):
 # 1.15-1.19x at B16 T1024 N12 causal with ALiBi [1, N, T, T], 1.30-1.32x at B4 T4096 N16 with a
 # 512-key window, 1.00-1.04x at B8 T2048 N16 causal with a [B, N, T, T] bias (three runs);
-# (64, 64, 2) 1.13x at the first. Where every query sees every key, two stay: the three ran
-# 0.85-0.90x there (B8 T2048 N16), two persistent 0.86x. At head dim 128 three warpgroups ran
+# (64, 64, 2) 1.13x at the first. Where every query sees every key, two run (`_BIAS_FULL_FWD`):
+# the three ran 0.85-0.90x the grid of two there (B8 T2048 N16). At head dim 128 three ran
 # 0.95-1.02x two (docs/hopper_kernel.md). Not where ptxas ignores setmaxnreg (JAX 0.12; not
 # measured there).
 _BIAS_FWD = {64: dict(fwd=_T(64, 64, 3), fwd_wgs=3, fwd_persistent=True)}
+
+# With a bias and no mask where every query sees every key: two warpgroups, persistent, taking the
+# tiles in the grid's order (a round's CTAs share a few heads' K and V in L2; `persistent_order`).
+# H200, one process, 5 interleaved reps, forward time against the grid of two (two runs): 1.09x
+# and 1.11x at B8 T2048 N16 H64 with a [B, N, T, T] bias, 1.05x with ALiBi [1, N, T, T] (batch
+# rows fastest), 1.04x at H128 with [B, N, T, T] over 64-key blocks; in the heaviest-first order
+# 0.86-0.87x (H64 [B]). Under a causal mask the grid's order leaves the CTAs' work unequal (0.73x
+# the heaviest-first order at B16 T1024 N12 H64 with ALiBi), so `_BIAS_FWD` keeps that.
+_BIAS_FULL_FWD = {64: dict(fwd_persistent=True, persistent_order="grid"),
+                  128: dict(fwd=_BESIDE, fwd_persistent=True, persistent_order="grid")}
 
 
 # FlashAttention-3's fused dQ (opt-in, TuningConfig.fused_dq): its dK/dV kernel also stages dS^T
@@ -243,8 +262,11 @@ def fused_dq_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
 # Where every query sees every key (no causal or window mask, no segment ids), the dK/dV key
 # tiles all cost the same, so the hardware's CTA scheduling leaves no tail for a persistent dK/dV
 # kernel to even out: it took 1.02-1.05x the grid's fwd+bwd time at B8 T2048 N16 and B16 T1024
-# N16 H64 full, 1.02x with GQA (B8 T2048 N16 K4 full; H200, one process).
-_FULL = {64: dict(dkv_persistent=False)}
+# N16 H64 full, 1.02x with GQA (B8 T2048 N16 K4 full; H200, one process); in the grid's order
+# 1.05x (three warpgroups) and 1.08x (two) at B8 T2048 N16 H64. The persistent forward takes its tiles in the grid's order there: forward
+# 1.05-1.06x the heaviest-first order at B8 T2048 N16 H64 (two runs), 1.00x at B16 T1024 N16
+# (H200, one process, outputs bitwise equal).
+_FULL = {64: dict(dkv_persistent=False, persistent_order="grid")}
 
 # Where, besides, each kv head has one query head: three dK/dV warpgroups at head dim 64, fwd+bwd
 # 1.03-1.06x at B8 T2048 N16, B16 T1024 N12 and N16, B4 T4096 N16 H64 full; under a causal mask
@@ -309,9 +331,10 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   FEW_KEY_TILES dK/dV key tiles (`dkv_key_tiles`), neither full nor packed: `_FEW`'s); with
   `extras` (bias / mask tiles: see `smem_needs`), each kernel's first tiling of the table's,
   `_BESIDE` and `_NARROW` that fits shared memory beside them (ValueError when one kernel has
-  none), the forward first trying `_BIAS_FWD`'s where they are a bias alone (bias_only) and not
-  full; entry_registers (a toolchain that ignores setmaxnreg: `registers_fixed_at_entry`), last,
-  `_ENTRY_REGISTERS`' changes where there are no bias or mask tiles."""
+  none), the forward first trying `_BIAS_FWD`'s where they are a bias alone (bias_only), or
+  `_BIAS_FULL_FWD`'s where that is also full; entry_registers (a toolchain that ignores
+  setmaxnreg: `registers_fixed_at_entry`), last, `_ENTRY_REGISTERS`' changes where there are no
+  bias or mask tiles."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
@@ -328,8 +351,8 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False)
   # Each kernel's shared memory is its own: each takes the first of its options that fits (the
   # dQ kernel keeps delta's O tile before it gives up 64-key blocks; without it, XLA's delta).
-  bias_fwd = (_BIAS_FWD.get(head_dim) if bias_only and not (full or dense or entry_registers)
-              else None)
+  bias_fwd = (None if not bias_only or entry_registers
+              else (_BIAS_FULL_FWD if full or dense else _BIAS_FWD).get(head_dim))
   options = {"fwd": ([bias_fwd] if bias_fwd else [])
                     + [dict(fwd=t) for t in (config.fwd, _BESIDE, _NARROW)],
              "dkv": [dict(dkv=t) for t in (config.dkv, _BESIDE)],
