@@ -98,7 +98,8 @@ class TuningConfig:
   # The persistent kernels' tile order: "heaviest", the row (key) CTA index slowest, so each
   # round's CTAs take every head's heaviest causal rows (keys) first, on as many heads as there are
   # SMs; "grid", the grid's own order (`batch_inner`'s included), so a round's CTAs share a few
-  # heads' streamed K and V (Q and dO) in L2: where every tile costs the same (full).
+  # heads' streamed K and V (Q and dO) in L2: where every tile costs the same (full). A grid's
+  # CTAs start in its own order whatever this says.
   persistent_order: str = "heaviest"
   # With a bias or mask that every batch row shares ([1, Nx, T, S]), grids of (heads, rows, batch),
   # batch fastest: the CTAs that read one of its tiles run side by side and HBM serves it once
