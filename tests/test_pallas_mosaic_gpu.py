@@ -367,6 +367,10 @@ def test_tile_coords_take_each_tile_once(order, inner):
                                                                    range(B))]
   else:
     assert coords == list(itertools.product(range(B), range(heads), range(per_row)))
+  if order == "grid":   # the order common._grid launches its grid in, last dimension fastest
+    dims, names, _ = common._grid(B, heads, per_row, "q_seq", False, inner)
+    launched = [dict(zip(names, index)) for index in itertools.product(*map(range, dims))]
+    assert coords == [(c["batch"], c["heads"], c["q_seq"]) for c in launched]
 
 
 def test_sections_run_in_order():

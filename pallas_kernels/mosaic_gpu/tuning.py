@@ -264,9 +264,9 @@ def fused_dq_config(head_dim: int, itemsize: int = 2, **extras) -> TuningConfig:
 # tiles all cost the same, so the hardware's CTA scheduling leaves no tail for a persistent dK/dV
 # kernel to even out: it took 1.02-1.05x the grid's fwd+bwd time at B8 T2048 N16 and B16 T1024
 # N16 H64 full, 1.02x with GQA (B8 T2048 N16 K4 full; H200, one process); in the grid's order
-# 1.05x (three warpgroups) and 1.08x (two) at B8 T2048 N16 H64. The persistent forward takes its tiles in the grid's order there: forward
-# 1.05-1.06x the heaviest-first order at B8 T2048 N16 H64 (two runs), 1.00x at B16 T1024 N16
-# (H200, one process, outputs bitwise equal).
+# 1.05x (three warpgroups) and 1.08x (two) at B8 T2048 N16 H64. The persistent forward takes its
+# tiles in the grid's order there: forward 1.05-1.06x the heaviest-first order at B8 T2048 N16
+# H64 (two runs), 1.00x at B16 T1024 N16 (H200, one process, outputs bitwise equal).
 _FULL = {64: dict(dkv_persistent=False, persistent_order="grid")}
 
 # Where, besides, each kv head has one query head: three dK/dV warpgroups at head dim 64, fwd+bwd
