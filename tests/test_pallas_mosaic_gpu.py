@@ -157,23 +157,40 @@ def test_tuning_config_validates():
     assert tuning.table_config(h).fwd_wgs == tuning.table_config(h).dq_wgs == wgs
     assert tuning.table_config(h, beside=1).fwd_wgs == tuning.table_config(h, beside=1).dq_wgs == 2
   # a bf16 bias alone at head dim 64 under a position mask: the persistent three-warpgroup
-  # forward over 64-key blocks; the grid of two at 128, on a toolchain that ignores setmaxnreg,
-  # and beside an fp32 bias (whose tiles do not fit)
-  config = tuning.table_config(64, beside=2, ds_itemsize=2, bias_only=True)
+  # forward over 64-key blocks; the grid of two on a toolchain that ignores setmaxnreg, and
+  # beside an fp32 bias (whose tiles do not fit)
+  bf16_bias = dict(beside=2, bias=2, ds_itemsize=2)
+  config = tuning.table_config(64, **bf16_bias, bias_only=True)
   assert (config.fwd, config.fwd_wgs, config.fwd_persistent) == (T(64, 64, 3), 3, True)
   assert (config.dq_wgs, config.dkv_wgs, config.dkv_persistent) == (2, 2, False)
-  assert config.persistent_order == "heaviest"
-  for h, kwargs in ((64, dict(entry_registers=True)), (64, dict(beside=4, ds_itemsize=4)),
-                    (128, {}), (64, dict(full=True, beside=4, ds_itemsize=4))):
-    other = tuning.table_config(h, **{"beside": 2, "ds_itemsize": 2, **kwargs}, bias_only=True)
-    assert (other.fwd_wgs, other.fwd_persistent) == (2, False), (h, kwargs)
+  assert config.persistent_order == "heaviest" and not config.fwd_bias_apart
+  for kwargs in (dict(entry_registers=True), dict(beside=4, bias=4, ds_itemsize=4),
+                 dict(full=True, beside=4, bias=4, ds_itemsize=4)):
+    other = tuning.table_config(64, **{**bf16_bias, **kwargs}, bias_only=True)
+    assert (other.fwd_wgs, other.fwd_persistent) == (2, False), kwargs
   # ... and where every query sees every key, two persistent warpgroups taking the tiles in the
-  # grid's order (64-key blocks at 128), not beside a mask
-  for h, block_kv in ((64, 128), (128, 64)):
-    config = tuning.table_config(h, beside=2, ds_itemsize=2, bias_only=True, full=True)
-    assert (config.fwd, config.fwd_wgs, config.fwd_persistent, config.persistent_order) == (
-        T(64, block_kv, 2), 2, True, "grid"), h
-    assert not tuning.table_config(h, beside=3, ds_itemsize=2, full=True).fwd_persistent
+  # grid's order, not beside a mask
+  config = tuning.table_config(64, **bf16_bias, bias_only=True, full=True)
+  assert (config.fwd, config.fwd_wgs, config.fwd_persistent, config.persistent_order) == (
+      T(64, 128, 2), 2, True, "grid")
+  assert not tuning.table_config(64, beside=3, bias=2, ds_itemsize=2, full=True).fwd_persistent
+  # at head dim 128, a bf16 bias alone: the grid of two over 128-key blocks, the bias streaming
+  # apart from K (one slot in all: beside K's two, those blocks do not fit); 64-key blocks with
+  # the bias in K's slots beside a mask, with an fp32 bias, and where ptxas ignores setmaxnreg
+  for full in (False, True):
+    config = tuning.table_config(128, **bf16_bias, bias_only=True, full=full)
+    assert (config.fwd, config.fwd_wgs, config.fwd_persistent, config.fwd_bias_apart) == (
+        T(64, 128, 2), 2, False, True)
+    with_k = config.replace(fwd_bias_apart=False)
+    slot = 2 * 64 * 128 * 2   # a bias slot: both warpgroups' rows x 128 keys in bf16
+    assert (with_k.smem_needs(128, 2, **bf16_bias)["fwd"]
+            - config.smem_needs(128, 2, **bf16_bias)["fwd"]) == slot
+    assert with_k.smem_problem(128, 2, **bf16_bias) is not None
+  for kwargs in (dict(beside=4, bias=4, ds_itemsize=4, bias_only=True),
+                 dict(beside=3, bias=2, ds_itemsize=2),
+                 dict(**bf16_bias, bias_only=True, entry_registers=True)):
+    config = tuning.table_config(128, **kwargs)
+    assert (config.fwd.block_kv, config.fwd_bias_apart) == (64, False), kwargs
   # without bias or mask, the persistent forward at 64 takes the grid's order where every query
   # sees every key, the heaviest rows first otherwise
   assert tuning.table_config(64, full=True).persistent_order == "grid"
@@ -511,17 +528,20 @@ def test_base2_tiles_with_a_bias_match_float64(max_adjust):
   assert np.all(p[~ok] == 0) and np.all(p[:, 5] == 0)
 
 
-@pytest.mark.parametrize("H, wgs, persistent", [(64, 3, False), (64, 3, True), (128, 3, False),
-                                                (64, 2, True)])
-def test_bias_forward_lowers_with_three_warpgroups(H, wgs, persistent):
+@pytest.mark.parametrize("H, wgs, persistent, apart", [
+    (64, 3, False, False), (64, 3, True, False), (128, 3, False, False), (64, 2, True, False),
+    (64, 3, True, True), (128, 2, False, True)])
+def test_bias_forward_lowers_with_three_warpgroups(H, wgs, persistent, apart):
   """A bias (no mask) beside the forward's three warpgroups, persistent at head dim 64 (or two
   persistent ones): the tiles fit, the bias slots span all the warpgroups' rows, and the call
-  lowers for CUDA."""
+  lowers for CUDA; so does a bias streaming apart from K (a tile per warpgroup, 128-key blocks
+  at 128)."""
   T = 200   # padded to 256, not a multiple of 192: the last CTA's first warpgroup idles
   spec, ops = _spec_ops(shape=(2, T, 4, H), kv_heads=2, is_causal=True,
                         bias=jnp.zeros((1, 4, T, T), bf16))
   config = mosaic.default_config(spec, ops).replace(
-      fwd_wgs=wgs, fwd_persistent=persistent, fwd=tuning.Tiles(64, 64, 2))
+      fwd_wgs=wgs, fwd_persistent=persistent, fwd_bias_apart=apart,
+      fwd=tuning.Tiles(64, 64 * (1 + (apart and H == 128)), 2))
   assert config.smem_problem(H, 2, **mosaic._extras(ops)) is None
   assert common.has_idle_rows(mosaic._call(spec, config, ops), wgs, 64) == (wgs == 3)
   text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
@@ -757,6 +777,9 @@ GPU_CASES = {
     # A bias alone under a causal mask at head dim 64: the persistent three-warpgroup forward.
     "alibi_causal_h64": dict(B=2, T=200, S=233, N=4, K=2, H=64, is_causal=True,
                              bias=(1, 4, 200, 233), q_lens=(200, 117), kv_lens=(233, 190)),
+    # ... and at head dim 128: the bias streams apart from K, beside 128-key blocks (GQA, lengths).
+    "alibi_causal_gqa_h128": dict(B=2, T=300, S=333, N=4, K=2, H=128, is_causal=True,
+                                  bias=(1, 4, 300, 333), q_lens=(300, 217), kv_lens=(333, 190)),
     "key_bias_fp32_window": dict(B=2, T=257, S=513, N=2, K=2, H=64, bias=(2, 1, 1, 513),
                                  bias_dtype=jnp.float32, window=(64, 32)),
     "block_sparse_mask_h128": dict(B=1, T=512, S=640, N=4, K=2, H=128, mask=(1, 4, 512, 640),
@@ -1028,6 +1051,29 @@ def test_gpu_bias_forward_three_warpgroups_match_two(name, wgs, persistent, orde
 
   run = lambda config: _outputs_and_grads((q, k, v, bias, mask), kwargs, do, max_adjust, config)
   _assert_bitwise_equal(run(two), run(variant))
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("wgs, persistent", [(2, False), (3, False), (3, True), (2, True)])
+@pytest.mark.parametrize("name", [*BIAS_WGS, "bias_mask_causal_gqa", "alibi_causal_gqa_h128"])
+def test_gpu_bias_apart_matches_bias_with_k(name, wgs, persistent):
+  """The forward's bias tiles streamed apart from K (TuningConfig.fwd_bias_apart: one buffer
+  per warpgroup, a ring of its own in the producer's stream, across a persistent CTA's tiles,
+  where a warpgroup idles and beside a mask that still travels with K) give the same O, LSE and
+  gradients as the tiles in K's slots: bitwise equal, same key blocks."""
+  (q, k, v, bias, mask), kwargs, do = cases.make_inputs(
+      dict({**BIAS_WGS, **GPU_CASES}[name]), bf16, 11)
+  if mask is not None and (wgs == 3 or persistent):
+    pytest.skip("a persistent or three-warpgroup forward takes no mask")
+  spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
+  with_k = mosaic.default_config(spec, ops).replace(
+      fwd_wgs=wgs, fwd_persistent=persistent, fwd=tuning.Tiles(64, 64, 2), fwd_bias_apart=False)
+  if with_k.smem_problem(q.shape[-1], 2, **mosaic._extras(ops)) is not None:
+    pytest.skip("the second Q buffer does not fit beside the bias tiles at this head dim")
+
+  run = lambda config: _outputs_and_grads((q, k, v, bias, mask), kwargs, do, "safe", config)
+  _assert_bitwise_equal(run(with_k), run(with_k.replace(fwd_bias_apart=True)))
 
 
 # A bias or mask that every batch row shares: the grids run the batch rows fastest

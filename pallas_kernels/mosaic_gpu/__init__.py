@@ -117,9 +117,10 @@ def _extras(ops: Operands) -> dict:
   """The shared memory the bias and mask tiles take (tuning.TuningConfig.smem_problem)."""
   if ops.bias is None and ops.mask is None:
     return {}
-  beside = (0 if ops.bias is None else jnp.dtype(ops.bias.dtype).itemsize) + (ops.mask is not None)
+  bias = 0 if ops.bias is None else jnp.dtype(ops.bias.dtype).itemsize
   ds = _ds_dtype(ops)
-  return dict(beside=beside, ds_itemsize=0 if ds is None else jnp.dtype(ds).itemsize)
+  return dict(beside=bias + (ops.mask is not None), bias=bias,
+              ds_itemsize=0 if ds is None else jnp.dtype(ds).itemsize)
 
 
 def _call(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands) -> Call:

@@ -513,37 +513,45 @@ def in_place(run: Callable, initial, results=()):
 def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = False, base=0):
   """The producer warpgroup's loop: positions first .. stop-1 go to slots (p - first) % stages.
 
-  loads: (free barrier, load(block(p), slot)) pairs, issued in order; the first `stages` positions
-  load at once, a later one waits until both compute warpgroups freed its slot (per pair).
-  prefetch: block(p) reads memory (a mask's block order), so each refill reads the next
+  loads: (free barriers, load(block(p), slot)) entries, issued in order; the first `stages`
+  positions load at once, a later one waits until both compute warpgroups freed its slot (per
+  pair). An entry (free, load, ring, offset) keeps a ring of its own, `ring` slots from slot
+  `offset` (a warpgroup's one bias buffer: 1, its index), whose first `ring` positions load at
+  once. prefetch: block(p) reads memory (a mask's block order), so each refill reads the next
   position's before it waits for a slot, off the path from a freed slot to its next TMA copy.
   base: positions streamed before this call (a persistent CTA's earlier tiles, traced): position
   p goes to slot (base + p - first) % stages and waits for it unless it is among the first
   `stages` overall.
   """
+  rings = [(free, load, *(ring or (stages, 0))) for free, load, *ring in loads]
+
+  def fill(at, j, first_ones):
+    """Loads block j, the at-th position streamed, into each ring's slot; waits for that slot
+    to be free unless first_ones(ring) says it is among the ring's first positions."""
+    for free, load, ring, offset in rings:
+      slot = offset + (at % ring if isinstance(at, int) else slot_of(at, ring))
+      first_one = first_ones(ring)
+      wait = lambda free=free, slot=slot: plgpu.barrier_wait(free.at[slot])
+      if first_one is False:
+        wait()
+      elif first_one is not True:   # traced
+        pl.when(~first_one)(wait)
+      load(j, slot)
+
   if not isinstance(base, int) or base:
     assert not prefetch, "a persistent CTA streams no mask block order"
 
     def load_at(p):
       at = base + p - first
-      slot = slot_of(at, stages)
-      for free, load in loads:
-        pl.when(at >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
-        load(block(p), slot)
+      fill(at, block(p), lambda ring: at < ring)
     pl.loop(first, stop)(load_at)
     return
   for i in range(stages):
-    @pl.when(first + i < stop)
-    def _first():
-      for _, load in loads:
-        load(block(first + i), i)
+    pl.when(first + i < stop)(lambda i=i: fill(i, block(first + i), lambda ring: i < ring))
 
   def refill(p, at):
     upcoming = block(p + 1) if prefetch else None
-    slot = slot_of(p - first, stages)
-    for free, load in loads:
-      plgpu.barrier_wait(free.at[slot])
-      load(at if prefetch else block(p), slot)
+    fill(p - first, at if prefetch else block(p), lambda ring: False)
     return upcoming
 
   if prefetch:
@@ -689,13 +697,14 @@ def pairwise_smem(x, stages: int, rows: int, cols: int):
 def copy_beside(refs, b, n, rows, cols, barrier, buffers, slot, *, seg_rows=None, seg_ref=None):
   """TMA copies of what streams beside a block into its slot, on the block's barrier: segment ids
   (seg_ref at [b, seg_rows]; kv_seg when seg_ref is None) into buffers[0], the bias and mask tiles
-  [rows, cols] of batch row b, head n into buffers[1] and buffers[2] (each None when absent)."""
+  [rows, cols] of batch row b, head n into buffers[1] and buffers[2] (each None when absent, or
+  when it streams apart)."""
   seg_smem, bias_smem, mask_smem = buffers
   if seg_smem is not None:
     ids = refs.kv_seg if seg_ref is None else seg_ref
     plgpu.copy_gmem_to_smem(ids.at[b, seg_rows], seg_smem.at[slot], barrier)
   for operand, smem in ((refs.bias, bias_smem), (refs.mask, mask_smem)):
-    if operand is not None:
+    if smem is not None:
       plgpu.copy_gmem_to_smem(pairwise_tile(operand, b, n, rows, cols), smem.at[slot], barrier)
 
 

@@ -34,7 +34,11 @@ row's denominator in tile.finalize, after the key blocks. Bias and mask operands
 warpgroups only): the CTA's [W * block_q, block_kv] tiles of them travel with K (TMA, same
 barrier) and each warpgroup reads its rows into registers while its QK^T product runs (the
 read's latency hides behind the tensor cores), before the slot is freed; with a bias, log2(e)
-stays outside the tile (tile.scores). The mask's block ranges (blocks.mask_sections) bound the
+stays outside the tile (tile.scores). A bias may stream apart from K instead
+(TuningConfig.fwd_bias_apart, the table's at head dim 128: tuning._BIAS_APART): one [block_q,
+block_kv] buffer per warpgroup, each its own ring of one slot in the producer's stream, released
+(after a fence) once QK^T has landed; half the shared memory of a slot per stage, so 128-key
+blocks fit beside it. The mask's block ranges (blocks.mask_sections) bound the
 loop like the segments', the producer streams only the blocks whose tile holds a True for the
 CTA's rows (blocks.mask_order), and only edge blocks read the mask tile.
 """
@@ -62,8 +66,9 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
   persistent CTAs (grid (ctas,)) that take the tiles in zigzag rounds (`common.query_tiles`)."""
   (q_smem, k_smem, v_smem, off_smem, lse_smem, qseg_smem, kseg_smem, bias_smem, mask_smem,
    o_smem, p_smem), (loaded, free, schedule) = scratch[0], scratch[1:]
-  q_loaded, k_loaded, v_loaded = loaded
-  k_free, v_free = free
+  q_loaded, k_loaded, v_loaded, bias_loaded = loaded
+  k_free, v_free, bias_free = free
+  apart = bias_loaded is not None   # the bias streams apart from K (TuningConfig.fwd_bias_apart)
   spec, dt, fwd, wgs, fp8 = call.spec, call.dt, call.config.fwd, call.config.fwd_wgs, call.fp8
   bq, bk, stages = fwd.block_q, fwd.block_kv, fwd.stages
   wg = lax.axis_index("wg")
@@ -136,6 +141,9 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         slot = slot_of(p)
         if kind in ("skip", "empty"):
           plgpu.barrier_arrive(k_free.at[slot])
+          if apart:   # its warpgroup's tile loads at every position: keep the ring's phases
+            plgpu.barrier_wait(bias_loaded.at[wg])
+            plgpu.barrier_arrive(bias_free.at[wg])
           rendezvous()
           plgpu.barrier_wait(v_loaded.at[slot])
           plgpu.barrier_arrive(v_free.at[slot])
@@ -175,9 +183,13 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
       def read_beside(slot, kind):
         """The bias tile, the mask tile and the keys' segment ids of the block in `slot` (each
-        None where absent or not needed: the mask and ids on masked steps only)."""
-        bias, allowed = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bq, bq),
-                                           kind == "masked")
+        None where absent or not needed: the mask and ids on masked steps only); a bias apart
+        from K from its warpgroup's buffer."""
+        bias, allowed = common.read_beside(None if apart else bias_smem, mask_smem, slot,
+                                           pl.ds(wg * bq, bq), kind == "masked")
+        if apart:
+          plgpu.barrier_wait(bias_loaded.at[wg])
+          bias = bias_smem.at[wg][...]   # freed once the product has landed (`softmax`)
         kv_ids = None
         if kind == "masked" and call.packed:
           kv_ids = common.load_tile(kseg_smem.at[slot], COLS)
@@ -186,6 +198,13 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       def softmax(slot, j, qk, beside, acc, stats, kind):
         bias, allowed, kv_ids = beside   # read during QK^T, before the slot is freed
         plgpu.barrier_arrive(k_free.at[slot])
+        if apart:
+          # The fence first: without it the compiled reads of the bias tile landed after the
+          # release, and the next block's TMA copy overwrote rows not yet read (three warpgroups:
+          # wrong O in every run; H200, JAX 0.11.2). Released during QK^T, after a fence, it ran
+          # 0.94-0.95x as fast (the fence waits on the product in flight, presumably).
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(bias_free.at[wg])
         ok = None
         if kind == "masked":
           ok = call.visible((bq, bk), q_start, j * bk, lens, q_ids=q_ids(),
@@ -250,12 +269,22 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
           plgpu.copy_gmem_to_smem(rows, smem.at[slot], barrier.at[slot])
           if ref is refs.k:   # the keys' segment ids and the CTA's bias and mask tiles: with K
             common.copy_beside(refs, b, n, pl.ds(cta.start, wgs * bq), keys, barrier.at[slot],
-                               (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
+                               (kseg_smem, None if apart else bias_smem, mask_smem), slot,
+                               seg_rows=keys)
+        return load
+
+      def bias_loader(w):
+        """Warpgroup w's bias tile into its one buffer (a ring of 1 at slot w: common.stream)."""
+        def load(j, slot):
+          plgpu.copy_gmem_to_smem(
+              common.pairwise_tile(refs.bias, b, n, pl.ds(cta.start + w * bq, bq),
+                                   pl.ds(j * bk, bk)), bias_smem.at[slot], bias_loaded.at[slot])
         return load
 
       common.stream(order.first, order.stop, stages,
                     [(k_free, loader(refs.k, k_smem, k_loaded)),
-                     (v_free, loader(refs.v, v_smem, v_loaded))],
+                     (v_free, loader(refs.v, v_smem, v_loaded)),
+                     *((bias_free, bias_loader(w), 1, w) for w in range(wgs) if apart)],
                     order.block, prefetch=ranges.order is not None, base=base)
       return base + (order.stop - order.first)
 
@@ -280,6 +309,11 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   # Q buffers (the next tile's rows load during this one) and O staged apart from them.
   grid, names, ctas = common.query_grid(call, x, wgs, bq, call.config.fwd_persistent)
   q_bufs = 2 if ctas else 1
+  apart = call.config.fwd_bias_apart and x.bias is not None
+  bias_smem, mask_smem = common.pairwise_smem(x, stages, wgs * bq, bk)
+  if apart:   # one tile per warpgroup (common.stream's rings of 1)
+    bias_smem = plgpu.SMEM((wgs, bq, bk), x.bias.dtype,
+                           transforms=common.tile_transforms(bk, x.bias.dtype))
   smem = (plgpu.SMEM((q_bufs, wgs, bq, H), dtype, transforms=qk_mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=qk_mma),
           plgpu.SMEM((stages, H, bk) if fp8 else (stages, bk, H), dtype, transforms=mma),
@@ -287,15 +321,16 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
           plgpu.SMEM((wgs, bq), f32),
           plgpu.SMEM((q_bufs, wgs, bq), jnp.int32) if call.packed else None,
           plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None,
-          *common.pairwise_smem(x, stages, wgs * bq, bk),
+          bias_smem, mask_smem,
           plgpu.SMEM((wgs, bq, H), out_dtype, transforms=common.mma_transforms(out_dtype, bk))
           if ctas or fp8 else None,
           plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma) if fp8 else None)
-  with_k = 1 + call.packed + (x.bias is not None) + (x.mask is not None)
+  with_k = 1 + call.packed + (x.bias is not None and not apart) + (x.mask is not None)
+  bias_ring = plgpu.Barrier(num_barriers=wgs) if apart else None   # one per warpgroup
   loaded = (plgpu.Barrier(num_arrivals=1 + call.safe + call.packed, num_barriers=q_bufs * wgs),
             plgpu.Barrier(num_arrivals=with_k, num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages))
-  free = (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2
+            plgpu.Barrier(num_barriers=stages), bias_ring)
+  free = (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2 + (bias_ring,)
   schedule = plgpu.Barrier(num_arrivals=2) if wgs == 2 else None   # the ping-pong's
   return common.launch(
       functools.partial(_kernel, call=call, ctas=ctas), (smem, loaded, free, schedule),

@@ -101,6 +101,12 @@ class TuningConfig:
   # heads' streamed K and V (Q and dO) in L2: where every tile costs the same (full). A grid's
   # CTAs start in its own order whatever this says.
   persistent_order: str = "heaviest"
+  # The forward's bias tiles stream apart from K: one buffer per compute warpgroup on barriers of
+  # its own, released (after a fence) once the warpgroup's QK^T product, during which it read its
+  # tile, has landed, so the next block's loads while the step runs. One slot's shared memory
+  # instead of one per stage: 128-key blocks fit beside it at head dim 128. No effect without a
+  # bias (a mask stays with K).
+  fwd_bias_apart: bool = False
   # With a bias or mask that every batch row shares ([1, Nx, T, S]), grids of (heads, rows, batch),
   # batch fastest: the CTAs that read one of its tiles run side by side and HBM serves it once
   # (common.batch_inner). False keeps (batch, heads, rows), as without one.
@@ -140,21 +146,25 @@ class TuningConfig:
   def kv_multiple(self) -> int:
     return math.lcm(self.fwd.block_kv, COMPUTE_WGS * self.dkv.block_kv, self.dq.block_kv)
 
-  def smem_needs(self, head_dim: int, itemsize: int, *, beside: int = 0,
+  def smem_needs(self, head_dim: int, itemsize: int, *, beside: int = 0, bias: int = 0,
                  ds_itemsize: int = 0) -> dict:
     """Bytes of shared memory per CTA of each kernel ("fwd", "dkv", "dq").
 
     beside: bytes per score of the tiles that stream beside a block (bias and mask: their
-    itemsizes); ds_itemsize: the dQ kernel's dS staging tile (a bias's gradient), 0 without."""
+    itemsizes); bias: the bias's share of it (0 without one; `fwd_bias_apart`); ds_itemsize: the
+    dQ kernel's dS staging tile (a bias's gradient), 0 without."""
     row = head_dim * itemsize
     # Per query row: its tiles (Q; Q and dO), fp32 statistics and int32 segment id; per key row:
     # K and V and its segment id. Resident rows per warpgroup, streamed rows per stage; the bias
-    # and mask tiles cover the CTA's resident rows and one streamed block per stage.
+    # and mask tiles cover the CTA's resident rows and one streamed block per stage (the forward's
+    # bias one block in all where it streams apart).
     fwd, dkv, dq = self.fwd, self.dkv, self.dq
+    apart = bias if self.fwd_bias_apart else 0
     return {
         "fwd": (self.fwd_wgs * fwd.block_q * (row + 12)
                 + fwd.stages * fwd.block_kv * (2 * row + 4)
-                + fwd.stages * self.fwd_wgs * fwd.block_q * fwd.block_kv * beside
+                + (fwd.stages * (beside - apart) + apart) * self.fwd_wgs * fwd.block_q
+                * fwd.block_kv
                 # persistent: a second Q buffer (with offsets and segment ids) and O's staging
                 + self.fwd_persistent * self.fwd_wgs * fwd.block_q * (2 * row + 8)),
         "dkv": ((1 + self.dkv_persistent) * self.dkv_wgs * dkv.block_kv * (2 * row + 4)
@@ -231,18 +241,28 @@ _NARROW = _T(64, 32, 2)
 # (64, 64, 2) 1.13x at the first. Where every query sees every key, two run (`_BIAS_FULL_FWD`):
 # the three ran 0.85-0.90x the grid of two there (B8 T2048 N16). At head dim 128 three ran
 # 0.95-1.02x two (docs/hopper_kernel.md). Not where ptxas ignores setmaxnreg (JAX 0.12; not
-# measured there).
+# measured there). At head dim 128: `_BIAS_APART`.
 _BIAS_FWD = {64: dict(fwd=_T(64, 64, 3), fwd_wgs=3, fwd_persistent=True)}
+
+# With a bf16 or fp16 bias and no mask at head dim 128: two warpgroups over 128-key blocks, the
+# bias streaming apart from K (`fwd_bias_apart`; beside K's slots only 64-key blocks fit). H200,
+# one process, 5 interleaved reps (benchmarks/results/bias_apart_nvidia_h200.md), forward time
+# against two warpgroups over (64, 64, 2) with the bias in K's slots: 1.17x at B4 T4096 N16 causal
+# with ALiBi [1, N, T, T], 1.12x with GQA (B2 T8192 N32 K8 causal), 1.14x at B8 T2048 N16 full
+# with a [B, N, T, T] bias (where the persistent (64, 64, 2) ran level with the grid). Apart over
+# 64-key blocks: 0.87-0.95x the bias in K's slots (its fence then during QK^T). An fp32 bias does
+# not fit beside 128-key blocks even apart.
+_BIAS_APART = {128: dict(fwd=_T(64, 128, 2), fwd_bias_apart=True)}
 
 # With a bias and no mask where every query sees every key: two warpgroups, persistent, taking the
 # tiles in the grid's order (a round's CTAs share a few heads' K and V in L2; `persistent_order`).
 # H200, one process, 5 interleaved reps, forward time against the grid of two (two runs): 1.09x
 # and 1.11x at B8 T2048 N16 H64 with a [B, N, T, T] bias, 1.05x with ALiBi [1, N, T, T] (batch
-# rows fastest), 1.04x at H128 with [B, N, T, T] over 64-key blocks; in the heaviest-first order
+# rows fastest), 1.04x at H128 with [B, N, T, T] over 64-key blocks (where `_BIAS_APART`'s 128-key
+# blocks now run, which do not fit beside a second Q buffer); in the heaviest-first order
 # 0.86-0.87x (H64 [B]). Under a causal mask the grid's order leaves the CTAs' work unequal (0.73x
 # the heaviest-first order at B16 T1024 N12 H64 with ALiBi), so `_BIAS_FWD` keeps that.
-_BIAS_FULL_FWD = {64: dict(fwd_persistent=True, persistent_order="grid"),
-                  128: dict(fwd=_BESIDE, fwd_persistent=True, persistent_order="grid")}
+_BIAS_FULL_FWD = {64: dict(fwd_persistent=True, persistent_order="grid")}
 
 
 # FlashAttention-3's fused dQ (opt-in, TuningConfig.fused_dq): its dK/dV kernel also stages dS^T
@@ -333,9 +353,9 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   `extras` (bias / mask tiles: see `smem_needs`), each kernel's first tiling of the table's,
   `_BESIDE` and `_NARROW` that fits shared memory beside them (ValueError when one kernel has
   none), the forward first trying `_BIAS_FWD`'s where they are a bias alone (bias_only), or
-  `_BIAS_FULL_FWD`'s where that is also full; entry_registers (a toolchain that ignores
-  setmaxnreg: `registers_fixed_at_entry`), last, `_ENTRY_REGISTERS`' changes where there are no
-  bias or mask tiles."""
+  `_BIAS_FULL_FWD`'s where that is also full, `_BIAS_APART`'s at head dim 128; entry_registers
+  (a toolchain that ignores setmaxnreg: `registers_fixed_at_entry`), last, `_ENTRY_REGISTERS`'
+  changes where there are no bias or mask tiles."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
@@ -352,8 +372,8 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False)
   # Each kernel's shared memory is its own: each takes the first of its options that fits (the
   # dQ kernel keeps delta's O tile before it gives up 64-key blocks; without it, XLA's delta).
-  bias_fwd = (None if not bias_only or entry_registers
-              else (_BIAS_FULL_FWD if full or dense else _BIAS_FWD).get(head_dim))
+  alone = {**(_BIAS_FULL_FWD if full or dense else _BIAS_FWD), **_BIAS_APART}   # a bias alone
+  bias_fwd = None if not bias_only or entry_registers else alone.get(head_dim)
   options = {"fwd": ([bias_fwd] if bias_fwd else [])
                     + [dict(fwd=t) for t in (config.fwd, _BESIDE, _NARROW)],
              "dkv": [dict(dkv=t) for t in (config.dkv, _BESIDE)],
