@@ -239,6 +239,11 @@ def test_tuning_config_validates():
     stable_attn.dot_product_attention(q, q, q, mask=jnp.ones((64, 64), bool),
                                       implementation=IMPL, config=config.replace(
                                           fwd_wgs=2, dq_wgs=2, fwd_persistent=False))
+  # nor the persistent forward a mask (a bias it takes: `_BIAS_FWD`)
+  with pytest.raises(ValueError, match="fwd_persistent=True takes no mask"):
+    stable_attn.dot_product_attention(q, q, q, mask=jnp.ones((64, 64), bool),
+                                      implementation=IMPL, config=config.replace(
+                                          fwd_wgs=2, dq_wgs=2, dkv_persistent=False))
 
 
 def test_deterministic_refuses_the_fused_backward():

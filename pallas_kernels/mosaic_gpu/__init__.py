@@ -255,6 +255,10 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
       raise ValueError(f"config.{name}={getattr(config, name)} takes no {takes} operands "
                        f"(their tiles stream per pair of warpgroups): use {name}="
                        f"{tuning.COMPUTE_WGS}")
+  if config.fwd_persistent and mask:
+    raise ValueError("config.fwd_persistent=True takes no mask operand (its blocks stream in a "
+                     "per-call compacted order a persistent CTA does not follow): use "
+                     "fwd_persistent=False")
   if config.dkv_persistent and _extras(ops):
     raise ValueError("config.dkv_persistent=True takes no bias or mask operands (their blocks "
                      "stream in a per-call order a persistent CTA does not follow): use "
