@@ -12,6 +12,9 @@ Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu"
             the bf16 backward on the dequantized inputs
   fp8_given the fp8 arm with the caller's per-head scales (fp8_scales=, delayed scaling: here
             the inputs' own, measured outside the timed calls), so no call measures its inputs
+  preset    numerics "fp8": the FP8 forward with each key block's top key in bf16 (its residual
+            a second e4m3 P V product: stable_attn.tile.rescale's split_top) and the row sum of the
+            rounded P_bar, what "safe" needs under an FP8 P (docs/fp8.md)
   quantize  what the fp8 arm does before its kernel: q, k, v quantized, scaled to e4m3 payloads,
             V transposed (forward only)
   *_kernel  the bf16 / FP8 forward kernel alone, on operands prepared outside the timed calls
@@ -43,8 +46,9 @@ from stable_attn.spec import OPERANDS  # noqa: E402
 
 FP8_NUMERICS = "fast+qkv=e4m3+p=e4m3+p_scale=256"
 NUMERICS = {"bf16": "fast", "bf16_q": "fast+qkv=e4m3", "fp8": FP8_NUMERICS,
-            "fp8_given": FP8_NUMERICS}
-ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "fp8_given", "quantize", "bf16_kernel", "fp8_kernel")
+            "fp8_given": FP8_NUMERICS, "preset": "fp8"}
+ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "fp8_given", "preset", "quantize", "bf16_kernel",
+        "fp8_kernel", "preset_kernel")
 # (B, T, N, K, H), causal: issue 49's two targets, and head dim 64
 SHAPES = [(4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128), (4, 4096, 16, 16, 64)]
 ERROR_SHAPE = (1, 2048, 4, 4, 128)
@@ -201,6 +205,7 @@ def main(argv=None) -> int:
   parser.add_argument("--sweep", action="store_true", help="the FP8 forward's tilings only")
   parser.add_argument("--preamble", action="store_true",
                       help="the cost of the FP8 operands' preparation only")
+  parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {ARMS}")
   args = parser.parse_args(argv)
   if args.preamble:
     print(preamble(SHAPES[0], args.calls, args.blocks))
@@ -209,10 +214,12 @@ def main(argv=None) -> int:
     print(sweep(SHAPES, args.calls, args.blocks))
     return 0
   implementation, shapes, error_shape = "pallas_mosaic_gpu", SHAPES, ERROR_SHAPE
-  arms = ARMS
+  arms = tuple(a for a in args.arms.split(",") if a)
+  if set(arms) - set(ARMS):
+    parser.error(f"--arms: unknown {sorted(set(arms) - set(ARMS))}; choose from {ARMS}")
   if args.smoke:
     implementation, shapes = "reference", [(1, 256, 2, 2, 128)]
-    arms = tuple(a for a in ARMS if a in NUMERICS)
+    arms = tuple(a for a in arms if a in NUMERICS)
     args.calls, args.blocks = 2, 2
     globals()["ERROR_SHAPE"] = error_shape = (1, 128, 2, 2, 128)
   device = jax.devices()[0].device_kind

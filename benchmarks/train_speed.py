@@ -16,7 +16,7 @@ attention; ours_cp / ours_ring / ours_alltoall = ours with each sequence split o
 traded for heads), e.g. `--config gpt2-long --batch-size 1
 --arms ours,ours_cp,ours_ring --context-parallel 4`; ours_fp8 / ours_fp8_off = ours / ours_off
 with FP8 attention (numerics fast+qkv=e4m3+p=e4m3+p_scale=256: the Hopper kernel's FP8 forward,
-issue 49). MFU = tokens/s x (6N + 12 L T d) / (devices x
+issue 49); ours_fp8_preset = ours with numerics "fp8" (its top key in bf16). MFU = tokens/s x (6N + 12 L T d) / (devices x
 peak), peak = the datasheet's dense bf16 peak of the device kind (train.metrics.peak_tflops:
 measured where the kind is not in its table; --peak-tflops sets one).
 """
@@ -64,6 +64,9 @@ ARMS = {
     # kernel's FP8 forward and its bf16 backward on the dequantized inputs.
     "ours_fp8": dict(attention="auto", max_adjust="safe", numerics=FP8_NUMERICS),
     "ours_fp8_off": dict(attention="auto", max_adjust="off", numerics=FP8_NUMERICS),
+    # the "fp8" preset: each key block's top key in bf16 (a second e4m3 P V product of its
+    # residual) and the row sum of the rounded P_bar, with which "safe" trains (docs/fp8.md).
+    "ours_fp8_preset": dict(attention="auto", max_adjust="safe", numerics="fp8"),
     "cudnn": dict(attention="cudnn", max_adjust="off"),
     "xla": dict(attention="jax_xla", max_adjust="off"),
 }

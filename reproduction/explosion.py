@@ -53,7 +53,9 @@ COLORS = {"paper/off": "tab:red", "paper/paper": "tab:blue", "paper/safe": "tab:
           "fast/off": "tab:orange", "fast/safe": "tab:olive",
           # FP8 attention (FlashAttention-3's arithmetic: docs/fp8.md, step 4)
           "fast+qkv=e4m3+p=e4m3+p_scale=256/off": "tab:purple",
-          "fast+qkv=e4m3+p=e4m3+p_scale=256/safe": "tab:brown"}
+          "fast+qkv=e4m3+p=e4m3+p_scale=256/safe": "tab:brown",
+          # the "fp8" preset: each key block's top key in bf16 (docs/fp8.md, step 4)
+          "fp8/off": "tab:pink", "fp8/safe": "tab:cyan"}
 START_UP_S = 30.0  # a train process's seconds before its time limit starts counting, and after
 BRANCH_FILE = "branch.json"  # in a run started from a trunk: {"trunk": its directory, "step": STEP}
 EXIT_STOPPED = 3  # `python -m train` exit status when the loss went non-finite or spiked

@@ -117,8 +117,9 @@ def dot_product_attention(
       moved (stable_attn.numerics.resolve: e.g. "fast+p=e4m3+p_scale=256", P_bar cast to FP8
       with a pre-cast scale) or a `Numerics`. An FP8 P_bar ("fp8", "p=e4m3") runs on reference,
       xla and in interpret mode; compiled, the Hopper kernel runs it with FP8 q, k, v too
-      ("fast+qkv=e4m3+p=e4m3", any p_scale; not "fp8") at head dim 64 or 128 without a bias or
-      mask, and refuses the rest, as compiled pallas_gpu and pallas_tpu do; FP8 q, k, v
+      ("fast+qkv=e4m3+p=e4m3", any p_scale; "fp8" with bf16 inputs) at head dim 64 or 128
+      without a bias or mask, and refuses the rest, as compiled pallas_gpu and pallas_tpu do;
+      with max_adjust="safe" use "fp8", whose top key is not rounded to e4m3; FP8 q, k, v
       ("qkv=e4m3", in "fp8") are quantized with per-head scales before any backend
       (stable_attn.fp8).
     interpret: run Pallas implementations in interpret mode (CPU).
@@ -530,8 +531,8 @@ SAFE_E4M3_TOP = (
     "the weight it gives each row's maximum (0.55-0.95) on e4m3's 1/16 grid: on peaked rows dQ is "
     "then up to 26x further from exact than with max_adjust='off', and GPT-2 124M trained with it "
     "diverged in 2 of 2 seeds where 'off' trained as bf16 attention does (docs/fp8.md, step 4). "
-    "Use max_adjust='off' with this numerics, or p_top=input, the 'fp8' preset's top key in the "
-    "input dtype (reference and xla; the Hopper kernel does not compute it yet).")
+    "Use max_adjust='off' with this numerics, or numerics='fp8' (p_top=input: each key block's "
+    "top key in the input dtype; the Hopper kernel computes it for bf16 inputs).")
 _warned_safe_e4m3 = False
 
 

@@ -351,13 +351,23 @@ def init_stats(rows: int, dt: Dtypes) -> RowStats:
 
 
 def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: float,
-            offset=None, round_fn: RoundFn = round_convert, base2: bool = False, q_axis: int = 0):
+            offset=None, round_fn: RoundFn = round_convert, base2: bool = False, q_axis: int = 0,
+            split_top: bool = False):
   """Folds one key block's masked scores (from `scores`) into the row statistics.
 
   Returns (p, alpha, stats): P_bar * dt.p_scale in dt.p (the PV operand: `pv_product`; fp32
   holding dt.p's values and, at each row's top key, dt.p_top's, where that is set), the
   factor alpha (fp32, per query) by which the O accumulator must be rescaled, and the new
   statistics. offset: per query, from `safe_offset` in the same units, when max_adjust="safe".
+
+  split_top (an FP8 P, for kernels whose 8-bit operands cannot hold a finer top key): p is
+  (head, residual) instead, head P_bar * dt.p_scale cast to dt.p, residual None where dt.p_top
+  is not wider than dt.p (`has_top_residual`), else what the top keys keep beyond head, in dt.p
+  too and 0 elsewhere: head V + residual V, two FP8 products into one fp32 accumulator, is the
+  fp32 p's P_bar V. Exact for a bf16 top key: bf16(x) - e4m3(x) is a multiple of x's bf16
+  spacing and at most 8 of them (half e4m3's spacing is 8, bf16's rounding half of one): four
+  significant bits, an e4m3 value wherever it is not below e4m3's subnormal spacing 2^-9 (x >=
+  2^-2, i.e. P_bar >= 2^-10 under a 2^8 pre-cast scale; below, within 2^-10 of it).
   """
   exp = jnp.exp2 if base2 else jnp.exp
   k_axis = 1 - q_axis
@@ -379,18 +389,32 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   p_low = operand(scaled, dt.p, round_fn)
   if dt.sum_keeps_max or dt.p_top is not None:
     top = s.values >= tile_rows(jnp.max(s.values, axis=k_axis))   # each row's top key(s)
-  if dt.p_top is not None:   # the top key's P_bar on a finer grid than `p` (pv_product takes fp32)
-    p_low = jnp.where(top, operand(scaled, dt.p_top, round_fn).astype(f32), p_low.astype(f32))
+  low32 = p_low.astype(f32) if dt.sum_of_rounded_p or dt.p_top is not None else None
+  residual = None
+  if dt.p_top is not None:   # the top key's P_bar on a finer grid than `p`
+    residual = jnp.where(top, operand(scaled, dt.p_top, round_fn).astype(f32) - low32, 0.0)
   alpha = exp(round_fn(_above_lowest(stats.m - m_new, dt.score), dt.score))
   summed = p
   if dt.sum_of_rounded_p:
-    summed = p_low.astype(f32) * (1.0 / dt.p_scale)   # a power of two: undoing it is exact
     if dt.sum_keeps_max:   # the block's top key unrounded in l: safe's dither on the max stays out
-      summed = jnp.where(top, p, summed)
+      summed = jnp.where(top, p, low32 * (1.0 / dt.p_scale))   # a power of two: exact
+    else:
+      summed = (low32 if residual is None else low32 + residual) * (1.0 / dt.p_scale)
   row_sum = jnp.sum(summed, axis=k_axis)
   l_new = round_fn(round_fn(round_fn(alpha, dt.sum) * stats.l, dt.sum) + round_fn(row_sum, dt.sum),
                    dt.sum)
-  return p_low, alpha, RowStats(m_new, l_new)
+  if split_top:
+    wide = residual is not None and has_top_residual(dt)
+    p_out = (p_low, operand(residual, dt.p, round_fn) if wide else None)
+  else:   # pv_product takes fp32 where the top key is finer
+    p_out = p_low if residual is None else low32 + residual
+  return p_out, alpha, RowStats(m_new, l_new)
+
+
+def has_top_residual(dt: Dtypes) -> bool:
+  """Whether an FP8 P's top keys keep their P_bar on a finer grid (dt.p_top wider than 8 bits):
+  `rescale(split_top=True)`'s residual."""
+  return dt.p_top is not None and jnp.dtype(dt.p_top).itemsize > 1
 
 
 def pv_product(p, v, dt: Dtypes) -> jax.Array:

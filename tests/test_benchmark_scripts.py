@@ -36,10 +36,13 @@ def test_fp8_smoke(capsys):
   table; the FP8 arm's O is further from float64 than bf16's (q, k, v and P in e4m3)."""
   fp8.main(["--smoke"])
   text = capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    fp8.main(["--smoke", "--arms", "bf16,fp9"])
   errors = {row[0]: float(row[1]) for row in
-            re.findall(r"^\| (bf16|bf16_q|fp8|fp8_given) \| ([0-9.e+-]+) \|", text, re.M)}
-  assert set(errors) == {"bf16", "bf16_q", "fp8", "fp8_given"}, text
+            re.findall(r"^\| (bf16|bf16_q|fp8|fp8_given|preset) \| ([0-9.e+-]+) \|", text, re.M)}
+  assert set(errors) == {"bf16", "bf16_q", "fp8", "fp8_given", "preset"}, text
   assert errors["bf16"] < 5e-3 < errors["bf16_q"] < errors["fp8"] < 0.1, errors
+  assert errors["bf16_q"] < errors["preset"] < 0.1, errors
   # the caller's scales are the inputs' own here: the same e4m3 payloads
   assert errors["fp8_given"] == errors["fp8"], errors
   assert "| B1 T256 N2 H128 | fp8 |" in text and "| B1 T256 N2 H128 | fp8_given |" in text

@@ -430,3 +430,40 @@ def test_fp8_kernel_building_blocks_lower_for_cuda():
     assert repro.lowering_error(repro.CASES[name]) is None, name
   # the constraint the plan works around: 8-bit B operands cannot be transposed
   assert "transpose" in repro.lowering_error(repro.CASES["P V, B = V as stored"])
+
+
+@pytest.mark.parametrize("max_adjust", ["off", "safe"])
+def test_split_top_is_the_fp8_presets_p_exactly(max_adjust):
+  """tile.rescale(split_top=True), what the Hopper FP8 forward stores as two e4m3 P tiles: head
+  (every key's P_bar * 2^8 cast to e4m3) plus residual (the top keys' bf16 P_bar beyond it, 0
+  elsewhere) is bitwise the fp32 P the references multiply V by, under the kernels' rounding (real
+  casts); both are e4m3 arrays, the residual nonzero only at each row's top key(s); the row
+  statistics are the same. Ties at the max and block maxima down to e^-6 below the running max
+  (P_bar >= 2^-9, where the residual is exact) among the rows."""
+  rng = np.random.default_rng()
+  dt = numerics.FP8.dtypes(jnp.bfloat16)
+  rows, keys = 64, 128
+  x = rng.standard_normal((rows, keys)) * 3.0
+  x[::4, :3] = x[::4].max(axis=1, keepdims=True)   # ties at the row max in every fourth row
+  s = tile.Scores(jnp.asarray(x, jnp.float32), 1.0)
+  stats = tile.RowStats(jnp.asarray(x.max(axis=1) + rng.uniform(0, 6, rows), jnp.float32),
+                        jnp.asarray(rng.uniform(0, 4, rows), jnp.float32))
+  offset = (jnp.asarray(rng.uniform(0.05, 0.6, rows), jnp.float32) if max_adjust == "safe"
+            else None)
+  kw = dict(dt=dt, max_adjust=max_adjust, beta=8.0, offset=offset, round_fn=tile.round_convert)
+  p, alpha, new = tile.rescale(stats, s, **kw)
+  (head, residual), alpha_split, new_split = tile.rescale(stats, s, split_top=True, **kw)
+  assert head.dtype == residual.dtype == jnp.float8_e4m3fn and p.dtype == jnp.float32
+  np.testing.assert_array_equal(head.astype(jnp.float32) + residual.astype(jnp.float32), p)
+  top = x >= x.max(axis=1, keepdims=True)
+  r = np.asarray(residual.astype(jnp.float32))
+  assert np.all(r[~top] == 0) and np.count_nonzero(r[top]) > rows // 4, np.count_nonzero(r)
+  # the top keys' P_bar * 2^8 is bf16's rounding of it, which e4m3 alone would not hold
+  np.testing.assert_array_equal(np.asarray(p)[top], np.asarray(
+      jnp.asarray(np.asarray(p)[top]).astype(jnp.bfloat16).astype(jnp.float32)))
+  for a, b in ((alpha, alpha_split), (new.m, new_split.m), (new.l, new_split.l)):
+    np.testing.assert_array_equal(a, b)
+  # without a finer top key (FlashAttention-3's arithmetic) there is no residual
+  fa3 = numerics.resolve("fast+qkv=e4m3+p=e4m3+p_scale=256").dtypes(jnp.bfloat16)
+  (head, residual), _, _ = tile.rescale(stats, s, split_top=True, **dict(kw, dt=fa3))
+  assert residual is None and not tile.has_top_residual(fa3) and tile.has_top_residual(dt)

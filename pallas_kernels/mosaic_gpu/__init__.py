@@ -13,8 +13,9 @@ every max_adjust mode, causal, local windows, lengths, GQA/MQA, T != S and lengt
 block multiples (padded), a logits soft cap, attention sinks, segment ids (packed sequences), bias
 (with its gradient) and boolean mask operands, streamed by TMA beside K/V (their all-False blocks
 neither streamed nor computed: block ranges and a compacted block order per CTA). FP8: with
-numerics qkv="e4m3" and p="e4m3" (FlashAttention-3's arithmetic, `fp8_forward`) the forward runs
-e4m3 wgmma at head dim 128 (no bias or mask) and the backward the bf16/fp16 kernels on the
+numerics qkv="e4m3" and p="e4m3" (FlashAttention-3's arithmetic, `fp8_forward`; the "fp8"
+preset's top key in bf16 too) the forward runs e4m3 wgmma at head dims 64 and 128 (no bias or
+mask) and the backward the bf16/fp16 kernels on the
 dequantized inputs (docs/fp8.md). Everything else -- other numerics presets, fp32, other head
 dims, a bias or mask whose tiles do not fit shared memory even beside 32-key blocks (head dim
 256: an fp32 bias, a bias with a mask) -- is
@@ -70,6 +71,11 @@ def covers(spec: AttentionSpec, ops: Operands) -> Optional[str]:
               f"{FP8_HEAD_DIMS}")
     if ops.bias is not None or ops.mask is not None:
       return f"numerics {spec.numerics.name!r}: the FP8 forward takes no bias or mask operands"
+    p_top = spec.numerics.dtypes(ops.q.dtype).p_top
+    if p_top is not None and jnp.dtype(p_top) not in (jnp.dtype(fp8.E4M3), jnp.dtype(jnp.bfloat16)):
+      return (f"numerics {spec.numerics.name!r}: the FP8 forward keeps a top key's P_bar in "
+              f"bfloat16 only (its rounding residual is an e4m3 value: tile.rescale), "
+              f"not {jnp.dtype(p_top).name}")
   elif spec.numerics.dtypes(ops.q.dtype) != numerics_lib.FAST.dtypes(ops.q.dtype):
     return (f"numerics {spec.numerics.name!r}: the Hopper kernels compute the 'fast' rounding "
             f"(fp32 scores and statistics, P in the input dtype), or that with qkv='e4m3' and "

@@ -65,7 +65,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
   """ctas: 0 for one CTA per query tile (grid (B, N, CTAs per row)), else the number of
   persistent CTAs (grid (ctas,)) that take the tiles in zigzag rounds (`common.query_tiles`)."""
   (q_smem, k_smem, v_smem, off_smem, lse_smem, qseg_smem, kseg_smem, bias_smem, mask_smem,
-   o_smem, p_smem), (loaded, free, schedule) = scratch[0], scratch[1:]
+   o_smem, p_smem, r_smem), (loaded, free, schedule) = scratch[0], scratch[1:]
   q_loaded, k_loaded, v_loaded, bias_loaded = loaded
   k_free, v_free, bias_free = free
   apart = bias_loaded is not None   # the bias streams apart from K (TuningConfig.fwd_bias_apart)
@@ -171,7 +171,10 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
         def pv_product(acc_ref):
           if fp8:   # V^T in SMEM viewed transposed: K-major, as 8-bit wgmma operands must be
-            plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot].transpose((1, 0)))
+            v_t = v_smem.at[slot].transpose((1, 0))
+            plgpu.wgmma(acc_ref, p_smem.at[wg], v_t)
+            if r_smem is not None:   # the top keys' residual (tile.rescale's split_top)
+              plgpu.wgmma(acc_ref, r_smem.at[wg], v_t)
           else:
             plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
           wait_k(p + 1)
@@ -211,10 +214,14 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
                             kv_ids=kv_ids, mask=allowed)
         s = call.scores(qk, ok, bias, descale)
         probs, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
-                                           beta=spec.beta, offset=offset, base2=True)
+                                           beta=spec.beta, offset=offset, base2=True,
+                                           split_top=fp8)
         acc = tile.scale_acc(acc, alpha, dt=dt)
         if fp8:   # no register relayout to the 8-bit wgmma operand: P goes through SMEM
-          p_smem.at[wg][...] = probs
+          head, residual = probs   # the top keys' residual: None, or a second P V product's
+          p_smem.at[wg][...] = head
+          if residual is not None:
+            r_smem.at[wg][...] = residual
           plgpu.commit_smem()
           probs = None
         # Finish the softmax before handing the tensor cores over (as JAX's attention_mgpu does).
@@ -296,7 +303,9 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   """Padded Operands or PackedOperands (x.offset: [N, Tp] fp32 natural units, or None; x.bias,
   x.mask: [Bx, Nx, Tp, Sp], the mask as int8) and their block ranges (common.block_ranges per
   block_q rows) -> (O [B, Tp, N, H] in the input dtype, LSE fp32 [B, N, Tp]). With call.fp8:
-  x.q, x.k e4m3, x.v e4m3 V^T [B, K, H, Sp], x.qk_descale and x.v_descale [N] fp32."""
+  x.q, x.k e4m3, x.v e4m3 V^T [B, K, H, Sp], x.qk_descale and x.v_descale [N] fp32; P goes
+  through a per-warpgroup e4m3 tile in shared memory, and where the top key is finer
+  (tile.has_top_residual: the "fp8" preset) its residual through a second one."""
   tiles, wgs, fp8 = call.config.fwd, call.config.fwd_wgs, call.fp8
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
@@ -324,7 +333,10 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
           bias_smem, mask_smem,
           plgpu.SMEM((wgs, bq, H), out_dtype, transforms=common.mma_transforms(out_dtype, bk))
           if ctas or fp8 else None,
-          plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma) if fp8 else None)
+          plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma) if fp8 else None,
+          # the "fp8" preset's top keys' residual (tile.rescale's split_top): an e4m3 P tile
+          plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma)
+          if fp8 and tile.has_top_residual(call.dt) else None)
   with_k = 1 + call.packed + (x.bias is not None and not apart) + (x.mask is not None)
   bias_ring = plgpu.Barrier(num_barriers=wgs) if apart else None   # one per warpgroup
   loaded = (plgpu.Barrier(num_arrivals=1 + call.safe + call.packed, num_barriers=q_bufs * wgs),
