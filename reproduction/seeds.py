@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no run with metrics for lr {args.lr:g} and arms {args.arms} under --runs")
     print(table(results, [int(x) for x in args.milestones.split(",") if x], baseline=args.baseline,
                 compare_step=args.compare_step, monitor_step=args.monitor_step))
-    print(f"figure: {figure(results, args.lr, Path(args.figure))}")
+    print(f"figure: {figure(results, args.lr, Path(args.figure), zoom=(1000, args.compare_step))}")
     return 0
 
 

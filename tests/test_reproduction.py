@@ -254,7 +254,7 @@ def test_ablation_table_and_figure(tmp_path):
     assert (tmp_path / "a.png").stat().st_size > 10_000
 
 
-def test_seeds_table_and_figure(tmp_path, capsys):
+def test_seeds_table_and_figure(tmp_path, capsys, monkeypatch):
     from reproduction import seeds
     rng = np.random.default_rng()
     bases = {}
@@ -290,6 +290,13 @@ def test_seeds_table_and_figure(tmp_path, capsys):
     assert seeds.main(["--runs", f"0={tmp_path / 's0'},1={tmp_path / 's1'}",
                        "--figure", str(tmp_path / "seeds.png")]) == 0
     assert (tmp_path / "seeds.png").stat().st_size > 10_000
+    # the middle panel ends at --compare-step, as the module says
+    zooms = []
+    monkeypatch.setattr(seeds, "save_figure", lambda fig, path: zooms.append(
+        fig.axes[1].get_title()) or path)
+    seeds.main(["--runs", f"0={tmp_path / 's0'}", "--compare-step", "2000",
+                "--figure", str(tmp_path / "zoom.png")])
+    assert zooms == ["loss, steps 1000-2000"], zooms
     with pytest.raises(SystemExit):
         seeds.main(["--runs", f"0={tmp_path / 's0'}", "--lr", "1e-3", "--figure", str(tmp_path / "x.png")])
     assert "no run with metrics for lr 0.001" in capsys.readouterr().err
