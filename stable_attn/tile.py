@@ -364,8 +364,8 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   (head, residual) instead, head P_bar * dt.p_scale cast to dt.p, residual None where dt.p_top
   is not wider than dt.p (`has_top_residual`), else what the top keys keep beyond head, in dt.p
   too and 0 elsewhere: head V + residual V, two FP8 products into one fp32 accumulator, is the
-  fp32 p's P_bar V. Exact for a bf16 top key: bf16(x) - e4m3(x) is a multiple of x's bf16
-  spacing and at most 8 of them (half e4m3's spacing is 8, bf16's rounding half of one): four
+  fp32 p's P_bar V. Exact for a bf16 top key: bf16(x) - e4m3(x) is a whole number of x's bf16
+  spacings, at most half e4m3's spacing (8 of them) plus half of one, so at most 8: four
   significant bits, an e4m3 value wherever it is not below e4m3's subnormal spacing 2^-9 (x >=
   2^-2, i.e. P_bar >= 2^-10 under a 2^8 pre-cast scale; below, within 2^-10 of it).
   """

@@ -467,3 +467,42 @@ def test_split_top_is_the_fp8_presets_p_exactly(max_adjust):
   fa3 = numerics.resolve("fast+qkv=e4m3+p=e4m3+p_scale=256").dtypes(jnp.bfloat16)
   (head, residual), _, _ = tile.rescale(stats, s, split_top=True, **dict(kw, dt=fa3))
   assert residual is None and not tile.has_top_residual(fa3) and tile.has_top_residual(dt)
+
+
+def test_fp8_backward_emulation_without_rounding_is_the_exact_gradient():
+  """stable_attn.diagnostics.fp8_backward: with every operand in float64 its five products give
+  exact_attention_vjp's dQ, dK, dV (the emulation is the backward, not another function), and an
+  FP8 cast puts each slice's largest |value| in (max / 2, max] of the format, on its grid."""
+  from stable_attn.diagnostics import fp8_backward as fb
+  from stable_attn.reference import exact_attention_vjp
+  rng = np.random.default_rng()
+  q, k, v, do = (rng.standard_normal((2, 128, 2, 32)) for _ in range(4))
+  bias = rng.standard_normal((2, 2, 128, 128))
+  exact = exact_attention_vjp(q, k, v, do, bias)
+  got = fb.gradients(q, k, v, bias, do, fb.Variant("f64", p="f64", do="f64", ds="f64"))
+  for name, want in (("dQ", exact.dq), ("dK", exact.dk), ("dV", exact.dv)):
+    np.testing.assert_allclose(got[name], want, rtol=1e-10, atol=1e-12)
+  for fmt, largest in (("e4m3", 448.0), ("e5m2", 57344.0)):
+    x = rng.standard_normal((2, 3, 4, 5)) * 10.0 ** rng.uniform(-6, 6, (1, 3, 1, 1))
+    y = fb.cast(x, fmt, axes=(0, 2, 3))
+    scale = 2.0 ** np.floor(np.log2(largest / np.max(np.abs(x), axis=(0, 2, 3), keepdims=True)))
+    assert np.all(np.abs(x * scale).max(axis=(0, 2, 3)) > largest / 2)
+    np.testing.assert_array_equal(
+        y * scale, (x * scale).astype(fb.FORMATS[fmt][0]).astype(np.float64))
+  with pytest.raises(SystemExit):
+    fb.main(["--regimes", "random,peaked"])
+
+
+def test_fp8_backward_needs_delta_of_the_cast_dO():
+  """On near-one-hot rows dS = P (dP - delta) cancels: with dP made of an e4m3 dO and delta of
+  dO as given, dQ's error is ~10x what the same products give with delta of the cast dO (then
+  exactly rowsum(P dP), the softmax's Jacobian); bf16 operands (today's backward) stay near bf16's
+  rounding."""
+  from stable_attn.diagnostics import fp8_backward as fb
+  variants = [fb.Variant("bf16"), fb.Variant("fp8", p="e4m3", do="e4m3"),
+              fb.Variant("fp8, delta of cast", p="e4m3", do="e4m3", delta_of_cast=True)]
+  seed = int(np.random.default_rng().integers(1 << 16))
+  r = fb.measure(("one-hot",), variants, seed=seed, shapes={"one-hot": (2, 128, 128, 2, 64)})
+  bf16, plain, consistent = (r["one-hot", v.name]["dQ"][0] for v in variants)
+  assert bf16 < 4e-3 and consistent < 0.3 * plain and plain > 10 * bf16, (bf16, plain,
+                                                                          consistent, seed)

@@ -1520,7 +1520,8 @@ def test_entry_register_tiles_lower_for_cuda(feature):
 
 
 @pytest.mark.parametrize("feature", ["gqa", "segments_sinks_window", "soft_cap_paper",
-                                     "qkvpacked", "head_dim_64", "preset", "preset_head_dim_64"])
+                                     "qkvpacked", "head_dim_64", "preset", "preset_head_dim_64",
+                                     "rounded_sum", "rounded_sum_top_bf16"])
 def test_fp8_forward_lowers_for_cuda(feature):
   """The FP8 forward (e4m3 Q K^T, P cast to e4m3 through shared memory, V^T) lowers for CUDA with
   the features it serves, and its backward is the bf16 kernels' (dQ, dK/dV) on the dequantized
@@ -1533,7 +1534,10 @@ def test_fp8_forward_lowers_for_cuda(feature):
                 soft_cap_paper=dict(logits_soft_cap=20.0, max_adjust="paper"),
                 # the "fp8" preset: its top keys' residual is a second e4m3 P V product
                 preset=dict(numerics="fp8", sinks=jnp.zeros(N, f32)),
-                preset_head_dim_64=dict(numerics="fp8"))[feature]
+                preset_head_dim_64=dict(numerics="fp8"),
+                # the other combinations `fp8_forward` accepts: a row sum of every rounded P_bar
+                rounded_sum=dict(numerics="fp8+p_top=p+sum_keeps_max=false"),
+                rounded_sum_top_bf16=dict(numerics="fp8+sum_keeps_max=false"))[feature]
   kwargs = dict(numerics=FP8) | kwargs
   spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=N if feature == "qkvpacked" else K,
                         is_causal=True, **kwargs)
