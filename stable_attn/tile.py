@@ -367,7 +367,8 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   fp32 p's P_bar V. Exact for a bf16 top key: bf16(x) - e4m3(x) is a whole number of x's bf16
   spacings, at most half e4m3's spacing (8 of them) plus half of one, so at most 8: four
   significant bits, an e4m3 value wherever it is not below e4m3's subnormal spacing 2^-9 (x >=
-  2^-2, i.e. P_bar >= 2^-10 under a 2^8 pre-cast scale; below, within 2^-10 of it).
+  2^-2, i.e. P_bar >= 2^-10 under a 2^8 pre-cast scale; below, within 2^-10 of it: half that
+  spacing).
   """
   exp = jnp.exp2 if base2 else jnp.exp
   k_axis = 1 - q_axis
