@@ -16,9 +16,9 @@ attention; ours_cp / ours_ring / ours_alltoall = ours with each sequence split o
 traded for heads), e.g. `--config gpt2-long --batch-size 1
 --arms ours,ours_cp,ours_ring --context-parallel 4`; ours_fp8 / ours_fp8_off = ours / ours_off
 with FP8 attention (numerics fast+qkv=e4m3+p=e4m3+p_scale=256: the Hopper kernel's FP8 forward,
-issue 49); ours_fp8_preset = ours with numerics "fp8" (its top key in bf16). MFU = tokens/s x (6N + 12 L T d) / (devices x
-peak), peak = the datasheet's dense bf16 peak of the device kind (train.metrics.peak_tflops:
-measured where the kind is not in its table; --peak-tflops sets one).
+issue 49); ours_fp8_preset = ours with numerics "fp8" (its top key in bf16). MFU = tokens/s
+x (6N + 12 L T d) / (devices x peak), peak = the datasheet's dense bf16 peak of the device kind
+(train.metrics.peak_tflops: measured where the kind is not in its table; --peak-tflops sets one).
 """
 
 from __future__ import annotations
