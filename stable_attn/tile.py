@@ -405,8 +405,7 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   l_new = round_fn(round_fn(round_fn(alpha, dt.sum) * stats.l, dt.sum) + round_fn(row_sum, dt.sum),
                    dt.sum)
   if split_top:
-    wide = residual is not None and has_top_residual(dt)
-    p_out = (p_low, operand(residual, dt.p, round_fn) if wide else None)
+    p_out = (p_low, operand(residual, dt.p, round_fn) if has_top_residual(dt) else None)
   else:   # pv_product takes fp32 where the top key is finer
     p_out = p_low if residual is None else low32 + residual
   return p_out, alpha, RowStats(m_new, l_new)
