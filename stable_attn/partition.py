@@ -319,13 +319,14 @@ def _rule(layout: _Layout, value_types, n_results: int, backward: bool):
 # The wrappers
 # ---------------------------------------------------------------------------------------------
 
-def _register(cp, partition, shardings, *, pick: int, backward: bool):
-  """Give a custom_partitioning op its partitioner, its output-sharding inference (element `pick` of
-  `shardings`) and its Shardy rule."""
+def _register(cp, partition, shardings, *, backward: bool):
+  """Give a custom_partitioning op its partitioner, its output-sharding inference (the outputs'
+  shardings of `shardings`, which gives (axes, operands' shardings, outputs')) and its Shardy
+  rule."""
   cp.def_partition(
       partition=partition, decode_shardings=False,
       infer_sharding_from_operands=lambda spec, config, layout, mesh, args, result_shape:
-          shardings(spec, config, layout, mesh, args)[pick],
+          shardings(spec, config, layout, mesh, args)[2],
       sharding_rule=lambda spec, config, layout, mesh, value_types, result_types:
           _rule(layout, value_types, len(result_types), backward=backward))
 
@@ -379,12 +380,11 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
   def fwd_shardings(spec, config, layout, mesh, args):
     args = _decoded(mesh, args)
     axes = _axes(mesh, layout, args)
-    return _named(mesh, _arg_specs(layout, args, axes)), _named(mesh, _forward_specs(axes))
+    return axes, _named(mesh, _arg_specs(layout, args, axes)), _named(mesh, _forward_specs(axes))
 
   def fwd_partition(spec, config, layout, mesh, args, result_shape):
-    args = _decoded(mesh, args)
-    in_shardings, out_shardings = fwd_shardings(spec, config, layout, mesh, args)
-    local = fwd_local(spec, config, layout, _axes(mesh, layout, args))
+    axes, in_shardings, out_shardings = fwd_shardings(spec, config, layout, mesh, args)
+    local = fwd_local(spec, config, layout, axes)
     return mesh, _per_device(mesh, local), out_shardings, in_shardings
 
   def bwd_shardings(spec, config, layout, mesh, args):
@@ -398,8 +398,8 @@ def partitioned(forward: Callable, backward: Callable, when: Callable = lambda s
     local = bwd_local(spec, config, layout, axes, [s.spec for s in out_shardings])
     return mesh, _per_device(mesh, local), out_shardings, in_shardings
 
-  _register(fwd_cp, fwd_partition, fwd_shardings, pick=1, backward=False)
-  _register(bwd_cp, bwd_partition, bwd_shardings, pick=2, backward=True)
+  _register(fwd_cp, fwd_partition, fwd_shardings, backward=False)
+  _register(bwd_cp, bwd_partition, bwd_shardings, backward=True)
 
   def flat(spec, ops, **fields):
     """_flat's layout and arrays, with what this backend and the spec say of the sequence."""

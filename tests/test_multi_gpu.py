@@ -282,19 +282,21 @@ FP8_SPLITS = {"batch": P("data"), "heads": P(None, None, "model"), "both": P("da
 
 @pytest.mark.parametrize("split", sorted(FP8_SPLITS))
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
-def test_sharded_fp8_forward_equals_one_device(mesh_kind, split):
+@pytest.mark.parametrize("numerics", [FP8, "fp8"])
+def test_sharded_fp8_forward_equals_one_device(numerics, mesh_kind, split):
   """The FP8 forward sharded over the batch, the heads, both, or the sequence (alltoall): the api
   quantizes q, k and v under per-head scales of the whole arrays, before any partitioning, and
   the scales travel to each device as operands (q_scale, k_scale, v_scale) by their table rows,
   so every device makes the one-device call's e4m3 payloads: O, dQ, dK and dV bitwise, with GQA,
-  segment ids and sinks."""
+  segment ids and sinks; under FlashAttention-3's P arithmetic and the "fp8" preset's (the top
+  keys' residual tile)."""
   seed = int(np.random.default_rng().integers(1 << 16))
   x = _inputs(seed, "split")
 
   def vjp(q, k, v, sinks, ids, d_out):
     o, pullback = jax.vjp(lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, is_causal=True, sinks=sinks, q_segment_ids=ids, kv_segment_ids=ids,
-        implementation=IMPL, numerics=FP8, context_strategy="alltoall"), q, k, v)
+        implementation=IMPL, numerics=numerics, context_strategy="alltoall"), q, k, v)
     return o, pullback(d_out)
 
   args = [x[name] for name in ("q", "k", "v", "sinks", "ids", "d_out")]
@@ -307,7 +309,7 @@ def test_sharded_fp8_forward_equals_one_device(mesh_kind, split):
     got = jax.device_get(jax.jit(vjp)(*placed))
   for name, g, r in zip(("o", "dq", "dk", "dv"), [got[0], *got[1]], [want[0], *want[1]]):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32),
-                                  err_msg=f"{name} {mesh_kind} {split} {seed}")
+                                  err_msg=f"{name} {numerics} {mesh_kind} {split} {seed}")
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="on 2 GPUs the heads split over the whole axis")
