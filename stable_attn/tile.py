@@ -359,49 +359,66 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   holding dt.p's values and, at each row's top key, dt.p_top's, where that is set), the
   factor alpha (fp32, per query) by which the O accumulator must be rescaled, and the new
   statistics. offset: per query, from `safe_offset` in the same units, when max_adjust="safe".
+  With fp32 scores the pre-cast scale is folded into the exponent (exp(x - log p_scale), one
+  per-row subtraction instead of a multiply per element; within fp32 rounding of P_bar * p_scale).
 
   split_top (an FP8 P, for kernels whose 8-bit operands cannot hold a finer top key): p is
   (head, residual) instead, head P_bar * dt.p_scale cast to dt.p, residual None where dt.p_top
   is not wider than dt.p (`has_top_residual`), else what the top keys keep beyond head, in dt.p
   too and 0 elsewhere: head V + residual V, two FP8 products into one fp32 accumulator, is the
-  fp32 p's P_bar V. Exact for a bf16 top key: bf16(x) - e4m3(x) is a whole number of x's bf16
-  spacings, at most half e4m3's spacing (8 of them) plus half of one, so at most 8: four
-  significant bits, an e4m3 value wherever it is not below e4m3's subnormal spacing 2^-9 (x >=
-  2^-2, i.e. P_bar >= 2^-10 under a 2^8 pre-cast scale; below, within 2^-10 of it: half that
-  spacing).
+  fp32 p's P_bar V. The residual is one value per row (the top keys share their score), so
+  it costs a compare and a select per element. Exact for a bf16 top key: bf16(x) - e4m3(x) is
+  a whole number of x's bf16 spacings, at most half e4m3's spacing (8 of them) plus half of one,
+  so at most 8: four significant bits, an e4m3 value wherever it is not below e4m3's subnormal
+  spacing 2^-9 (x >= 2^-2, i.e. P_bar >= 2^-10 under a 2^8 pre-cast scale; below, within 2^-10
+  of it: half that spacing).
   """
   exp = jnp.exp2 if base2 else jnp.exp
   k_axis = 1 - q_axis
+  singled = dt.sum_keeps_max or dt.p_top is not None   # the numerics single the top keys out
+  top_score = None   # each row's largest score: raw, before the factor
+  if max_adjust != "paper" or singled:
+    top_score = jnp.max(s.values, axis=k_axis)
   if max_adjust == "paper":
     scaled = s.scaled()
     block_max = paper_adjusted_max(scaled, jnp.max(scaled, axis=k_axis), beta, dt, round_fn,
                                    base2=base2, q_axis=q_axis)
   else:
-    block_max = jnp.max(s.values, axis=k_axis)
-    block_max = block_max if _unit(s.factor) else block_max * s.factor   # factor > 0 commutes
+    block_max = top_score if _unit(s.factor) else top_score * s.factor   # factor > 0 commutes
   m_new = jnp.maximum(stats.m, block_max)
   tile_rows = lambda x: _rows(x, s.values, q_axis)
-  if offset is not None and jnp.dtype(dt.score) == jnp.float32:
-    p = exp(s.minus(tile_rows(m_new + offset)))   # the offset folded into the max
+  p_top = None   # the top keys' P_bar * p_scale, per row, where the numerics single them out
+  if jnp.dtype(dt.score) == jnp.float32:
+    shift = m_new if offset is None else m_new + offset
+    if dt.p_scale != 1:
+      shift = shift - float(np.log2(dt.p_scale) if base2 else np.log(dt.p_scale))
+    p = exp(s.minus(tile_rows(shift)))
+    if dt.p_top is not None:
+      p_top = exp((top_score if _unit(s.factor) else top_score * s.factor) - shift)
   else:
     shifted = round_fn(_above_lowest(s.minus(tile_rows(m_new)), dt.score), dt.score)
     p = exp(shifted if offset is None else shifted - tile_rows(offset))
-  scaled = p if dt.p_scale == 1 else p * dt.p_scale
-  p_low = operand(scaled, dt.p, round_fn)
-  if dt.sum_keeps_max or dt.p_top is not None:
-    top = s.values >= tile_rows(jnp.max(s.values, axis=k_axis))   # each row's top key(s)
+    p = p if dt.p_scale == 1 else p * dt.p_scale
+    if dt.p_top is not None:
+      p_top = jnp.max(p, axis=k_axis)
+  p_low = operand(p, dt.p, round_fn)
+  if singled:
+    top = s.values >= tile_rows(top_score)
   low32 = p_low.astype(f32) if dt.sum_of_rounded_p or dt.p_top is not None else None
   residual = None
-  if dt.p_top is not None:   # the top key's P_bar on a finer grid than `p`
-    residual = jnp.where(top, operand(scaled, dt.p_top, round_fn).astype(f32) - low32, 0.0)
+  if dt.p_top is not None:   # the top key's P_bar on a finer grid than `p`: one value per row
+    wide = operand(p_top, dt.p_top, round_fn).astype(f32)
+    residual = jnp.where(top, tile_rows(wide - operand(p_top, dt.p, round_fn).astype(f32)), 0.0)
   alpha = exp(round_fn(_above_lowest(stats.m - m_new, dt.score), dt.score))
   summed = p
   if dt.sum_of_rounded_p:
     if dt.sum_keeps_max:   # the block's top key unrounded in l: safe's dither on the max stays out
-      summed = jnp.where(top, p, low32 * (1.0 / dt.p_scale))   # a power of two: exact
+      summed = jnp.where(top, p, low32)
     else:
-      summed = (low32 if residual is None else low32 + residual) * (1.0 / dt.p_scale)
+      summed = low32 if residual is None else low32 + residual
   row_sum = jnp.sum(summed, axis=k_axis)
+  if dt.p_scale != 1:
+    row_sum = row_sum * (1.0 / dt.p_scale)
   l_new = round_fn(round_fn(round_fn(alpha, dt.sum) * stats.l, dt.sum) + round_fn(row_sum, dt.sum),
                    dt.sum)
   if split_top:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import attention, compile_time, features, fp8, peers, profile_mosaic
+from benchmarks import attention, compile_time, features, fp8, peers, profile_mosaic, safe_cost
 
 
 @pytest.mark.slow
@@ -28,6 +28,16 @@ def test_features_smoke(capsys):
     import tokamax  # noqa: F401
   except ImportError:
     assert "| tokamax | B1 T64 N2 H32 causal, soft cap 50 | nan | not run: tokamax is not " in text
+
+
+@pytest.mark.slow
+def test_safe_cost_smoke(capsys):
+  """benchmarks/safe_cost.py runs its three arms through the profiler; the CPU's trace has no GPU
+  kernels, so its table says so ("-") instead of dividing by zero."""
+  safe_cost.main(["--smoke"])
+  text = capsys.readouterr().out
+  assert "| B1 T128 N2 H64 causal | - | - | - | - |" in text, text
+  assert safe_cost.ratio_cell([2.0, 3.3], [2.0, 3.0]) == "1.050 (1.000-1.100)"
 
 
 @pytest.mark.slow

@@ -458,9 +458,14 @@ def test_split_top_is_the_fp8_presets_p_exactly(max_adjust):
   top = x >= x.max(axis=1, keepdims=True)
   r = np.asarray(residual.astype(jnp.float32))
   assert np.all(r[~top] == 0) and np.count_nonzero(r[top]) > rows // 4, np.count_nonzero(r)
-  # the top keys' P_bar * 2^8 is bf16's rounding of it, which e4m3 alone would not hold
+  # the top keys' P_bar * 2^8 is bf16's rounding of it, which e4m3 alone would not hold: on
+  # bf16's grid, and within half its spacing of float64's exp (the residual is formed once per
+  # row, from the row's largest score)
   np.testing.assert_array_equal(np.asarray(p)[top], np.asarray(
       jnp.asarray(np.asarray(p)[top]).astype(jnp.bfloat16).astype(jnp.float32)))
+  m = np.maximum(np.asarray(stats.m, np.float64), x.max(axis=1))
+  exact = np.exp(x - (m if offset is None else m + np.asarray(offset, np.float64))[:, None]) * 256
+  np.testing.assert_allclose(np.asarray(p, np.float64)[top], exact[top], rtol=2.0 ** -8 * 1.001)
   for a, b in ((alpha, alpha_split), (new.m, new_split.m), (new.l, new_split.l)):
     np.testing.assert_array_equal(a, b)
   # without a finer top key (FlashAttention-3's arithmetic) there is no residual
