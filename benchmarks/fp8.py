@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/fp8.py            # on an H100 / H200
     PYTHONPATH=. python benchmarks/fp8.py --smoke    # tiny shapes, arms that run on the CPU
+    PYTHONPATH=. python benchmarks/fp8.py --sweep [--sweep-arm preset]   # the FP8 forward's tilings
 
 Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu" unless named):
   cudnn     jax.nn.dot_product_attention(implementation="cudnn")
@@ -93,14 +94,15 @@ SWEEP = {"table": {}, "2 warpgroups": dict(fwd_wgs=2),
          "2 warpgroups, 3 stages": dict(fwd_wgs=2, fwd=mosaic.tuning.Tiles(64, 128, 3))}
 
 
-def sweep(shapes, calls, blocks) -> str:
-  """Markdown: each SWEEP variant's FP8 forward kernel time against the bf16 kernel's."""
+def sweep(shapes, calls, blocks, arm="fp8") -> str:
+  """Markdown: each SWEEP variant's FP8 forward kernel time (arm: "fp8", FlashAttention-3's
+  arithmetic, or "preset") against the bf16 kernel's."""
   lines = ["| shape | FP8 forward config | ms | x bf16 kernel |", "|---|---|---:|---:|"]
   for shape in shapes:
     base = bench.time_calls(*forward_kernel("bf16", shape), calls, blocks)
     for name, changes in SWEEP.items():
       try:
-        t = bench.time_calls(*forward_kernel("fp8", shape, changes), calls, blocks)
+        t = bench.time_calls(*forward_kernel(arm, shape, changes), calls, blocks)
         lines.append(f"| {shape} | {name} | {t * 1e3:.3f} | {base / t:.3f} |")
       except Exception as e:  # noqa: BLE001 -- a variant that does not compile is a result
         lines.append(f"| {shape} | {name} | {type(e).__name__}: {str(e).splitlines()[0][:80]} "
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
   parser.add_argument("--blocks", type=int, default=5)
   parser.add_argument("--out", default=None, help="markdown path (default: benchmarks/results)")
   parser.add_argument("--sweep", action="store_true", help="the FP8 forward's tilings only")
+  parser.add_argument("--sweep-arm", default="fp8", choices=("fp8", "preset"),
+                      help="with --sweep: FlashAttention-3's arithmetic or the fp8 preset")
   parser.add_argument("--preamble", action="store_true",
                       help="the cost of the FP8 operands' preparation only")
   parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {ARMS}")
@@ -211,7 +215,7 @@ def main(argv=None) -> int:
     print(preamble(SHAPES[0], args.calls, args.blocks))
     return 0
   if args.sweep:
-    print(sweep(SHAPES, args.calls, args.blocks))
+    print(sweep(SHAPES, args.calls, args.blocks, args.sweep_arm))
     return 0
   implementation, shapes, error_shape = "pallas_mosaic_gpu", SHAPES, ERROR_SHAPE
   arms = tuple(a for a in args.arms.split(",") if a)

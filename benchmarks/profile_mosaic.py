@@ -1,7 +1,7 @@
 """Where the Hopper kernel's time goes: Mosaic GPU's on-device profiler over one call.
 
-  python -m benchmarks.profile_mosaic [--shapes targets] [--max-adjust safe] [--bias alibi]
-                                      [--backward] [--fused]
+  python -m benchmarks.profile_mosaic [--shapes targets|short|gpt2|h128|16k|h256]
+                                      [--max-adjust safe] [--bias alibi] [--backward] [--fused]
 
 Runs each shape once unprofiled (compile, warm-up), then once inside `common.profiling`, which
 makes every compute warpgroup record its named regions (`jax.named_scope` in the kernel bodies:
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import stable_attn
-from benchmarks.attention import TARGETS, make_inputs, shape_name
+from benchmarks.attention import H256, TARGETS, make_inputs, shape_name
 from benchmarks.features import _alibi
 from pallas_kernels.mosaic_gpu import common, tuning
 
@@ -99,9 +99,11 @@ def summarize(path) -> list[str]:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--shapes", default="targets", choices=["targets", "short", "gpt2", "h128"],
-                  help="issue 23's five shapes, the first three (T <= 4096), GPT-2's, or "
-                       "B4 T4096 N16 H128 causal")
+  ap.add_argument("--shapes", default="targets",
+                  choices=["targets", "short", "gpt2", "h128", "16k", "h256"],
+                  help="issue 23's five shapes, the first three (T <= 4096), GPT-2's, "
+                       "B4 T4096 N16 H128 causal, B1 T16384 N16 H128 causal, or "
+                       "B2 T4096 N8 H256 causal")
   ap.add_argument("--max-adjust", default="safe", choices=["off", "safe", "paper"])
   ap.add_argument("--bias", default="none", choices=["none", "alibi"],
                   help="alibi: a bf16 ALiBi bias [1, N, T, T] beside K (its tiles stream with K)")
@@ -116,7 +118,7 @@ def main(argv=None):
   if args.fused and args.bias != "none":
     ap.error("--fused profiles the table's fused backward, which has no bias tiles in its tiling")
   shapes = {"targets": TARGETS, "short": TARGETS[:3], "gpt2": TARGETS[:1],
-            "h128": TARGETS[1:2]}[args.shapes]
+            "h128": TARGETS[1:2], "16k": TARGETS[4:], "h256": H256[:1]}[args.shapes]
   report = [f"# Hopper kernel profile ({jax.devices()[0].device_kind}, bf16, "
             f"max_adjust={args.max_adjust}{', ALiBi bias' if args.bias == 'alibi' else ''}"
             f"{', fused backward' if args.fused else ''})", ""]
