@@ -359,7 +359,7 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   holding dt.p's values and, at each row's top key, dt.p_top's, where that is set), the
   factor alpha (fp32, per query) by which the O accumulator must be rescaled, and the new
   statistics. offset: per query, from `safe_offset` in the same units, when max_adjust="safe".
-  With fp32 scores the pre-cast scale is folded into the exponent (exp(x - log p_scale), one
+  With fp32 scores the pre-cast scale is folded into the exponent (exp(s - (m - log p_scale)), one
   per-row subtraction instead of a multiply per element; within fp32 rounding of P_bar * p_scale).
 
   split_top (an FP8 P, for kernels whose 8-bit operands cannot hold a finer top key): p is
