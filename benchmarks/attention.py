@@ -217,6 +217,11 @@ def bench_shape(shape, dtype, calls, blocks, only=None, check=True):
   return rows
 
 
+def device_slug(device: str) -> str:
+  """A device kind as result file names carry it: "NVIDIA H200" -> "nvidia_h200"."""
+  return re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
+
+
 def shape_name(shape):
   B, T, N, K, H, causal = shape
   heads = f"N{N}" if K == N else f"N{N} K{K}"
@@ -395,7 +400,7 @@ def main(argv=None):
     print(shape_name(shape), flush=True)
     rows += bench_shape(shape, dtype, args.calls, args.blocks, only, check=not args.no_check)
   os.makedirs(args.out_dir, exist_ok=True)
-  slug = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower() + args.tag
+  slug = device_slug(device) + args.tag
   md_path = os.path.join(args.out_dir, f"attention_{slug}.md")
   with open(md_path, "w") as f:
     f.write(markdown(rows, device, dtype, args.calls, args.blocks, notes, ceiling))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 import jax
@@ -289,7 +288,7 @@ def main(argv=None):
            "|---|---|---|---|"]
   lines += [f"| {i} | {name} | {value:.3f} | {note} |" for i, name, value, note in rows]
   text = "\n".join(lines) + "\n"
-  slug = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower()
+  slug = bench.device_slug(device)
   if not args.smoke:
     os.makedirs(args.out_dir, exist_ok=True)
     subset = "" if set(features) == set(FEATURES) else "_" + "_".join(features)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 import jax
@@ -233,7 +232,7 @@ def main(argv=None) -> int:
           or arm == "cudnn"}
   text = markdown(device, results, errs, args.calls, args.blocks)
   path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                  f"fp8_{re.sub('[^a-z0-9]+', '_', device.lower())}.md")
+                                  f"fp8_{bench.device_slug(device)}.md")
   if not args.smoke or args.out:
     with open(path, "w") as f:
       f.write(text)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 
@@ -98,8 +97,7 @@ def main(argv=None) -> int:
   device = jax.devices()[0].device_kind
   text = markdown(device, results, calls, reps)
   if not args.smoke:
-    out = args.out or os.path.join(bench.RESULTS,
-                                   f"safe_cost_{re.sub('[^a-z0-9]+', '_', device.lower())}.md")
+    out = args.out or os.path.join(bench.RESULTS, f"safe_cost_{bench.device_slug(device)}.md")
     with open(out, "w") as f:
       f.write(text)
   print(text)

@@ -30,6 +30,15 @@ def test_features_smoke(capsys):
     assert "| tokamax | B1 T64 N2 H32 causal, soft cap 50 | nan | not run: tokamax is not " in text
 
 
+def test_device_slug_names_the_result_files():
+  """The slug the benchmarks name their result files with, as those files are named."""
+  import pathlib
+  results = pathlib.Path(attention.RESULTS)
+  assert attention.device_slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+  assert (results / f"safe_cost_{attention.device_slug('NVIDIA H200')}.md").exists()
+  assert (results / f"attention_{attention.device_slug('NVIDIA H100 80GB HBM3')}.md").exists()
+
+
 @pytest.mark.slow
 def test_safe_cost_smoke(capsys):
   """benchmarks/safe_cost.py runs its three arms through the profiler; the CPU's trace has no GPU
