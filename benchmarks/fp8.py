@@ -88,7 +88,7 @@ def forward_kernel(arm, shape, changes=None):
 
 
 # --sweep: the FP8 forward kernel's tilings (changes to the table's config).
-SWEEP = {"table": {}, "2 warpgroups": dict(fwd_wgs=2),
+SWEEP = {"table": {}, "2 warpgroups": dict(fwd_wgs=2), "3 warpgroups": dict(fwd_wgs=3),
          "3 stages": dict(fwd=mosaic.tuning.Tiles(64, 128, 3)),
          "2 warpgroups, 3 stages": dict(fwd_wgs=2, fwd=mosaic.tuning.Tiles(64, 128, 3))}
 

@@ -1559,6 +1559,23 @@ def test_fp8_forward_takes_128_key_blocks():
     mosaic._checked_config(spec, ops, config.replace(fwd=tuning.Tiles(64, 64, 2)))
 
 
+
+@pytest.mark.parametrize("H", mosaic.FP8_HEAD_DIMS)
+def test_fp8_preset_forward_takes_two_warpgroups_at_head_dim_128(H):
+  """The "fp8" preset's forward (a top-key residual tile: tile.has_top_residual) runs two compute
+  warpgroups at head dim 128 (tuning._TOP_RESIDUAL: three spill there), three at 64, and
+  FlashAttention-3's arithmetic (no residual) keeps the table's three; the backward keeps its
+  tiles either way."""
+  def config(numerics):
+    return mosaic.default_config(*_spec_ops(shape=(1, 256, 4, H), kv_heads=2, is_causal=True,
+                                            numerics=numerics))
+  preset, fa3, bf16_call = config("fp8"), config(FP8), config("fast")
+  assert tile.has_top_residual(stable_attn.numerics.resolve("fp8").dtypes(bf16))
+  assert not tile.has_top_residual(stable_attn.numerics.resolve(FP8).dtypes(bf16))
+  assert preset.fwd_wgs == (2 if H == 128 else 3)
+  assert fa3 == bf16_call and fa3.fwd_wgs == 3
+  assert preset.replace(fwd_wgs=fa3.fwd_wgs) == fa3
+
 def _count(jaxpr, primitive: str) -> int:
   """Equations of `primitive` in a jaxpr and the jaxprs under it, kernels' bodies left out."""
   n = 0

@@ -99,15 +99,19 @@ def default_config(spec: AttentionSpec, ops: Operands) -> tuning.TuningConfig:
   equal dK/dV tiles, no persistent dK/dV kernel), and with it no GQA (whose dK/dV CTAs each walk
   a group of query heads: three warpgroups measured 0.96x there), whether it has segment ids, how
   many key tiles the dK/dV kernel has (few: persistent at head dim 128 too), and whether it has a
-  bias without a mask (the forward's three warpgroups take its tiles). ValueError when the tiles
-  do not fit."""
+  bias without a mask (the forward's three warpgroups take its tiles), and whether its forward
+  is the "fp8" preset's (a top-key residual tile: two warpgroups at head dim 128). ValueError
+  when the tiles do not fit."""
   full = not spec.is_causal and spec.window is None and ops.q_seg is None
   B, S, K, H = ops.k.shape
   return tuning.table_config(H, jnp.dtype(ops.q.dtype).itemsize, full=full,
                              dense=full and K == ops.q.shape[2], packed=ops.q_seg is not None,
                              kv_shape=(B, K, S),
                              entry_registers=tuning.registers_fixed_at_entry(jax.__version__),
-                             bias_only=ops.bias is not None and ops.mask is None, **_extras(ops))
+                             bias_only=ops.bias is not None and ops.mask is None,
+                             top_residual=fp8_forward(spec, ops.q.dtype)
+                             and tile.has_top_residual(spec.numerics.dtypes(ops.q.dtype)),
+                             **_extras(ops))
 
 
 def _ds_dtype(ops: Operands):

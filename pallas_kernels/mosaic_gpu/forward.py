@@ -1,8 +1,9 @@
 """Forward kernel: FlashAttention-3's structure in Pallas Mosaic GPU, with stable_attn's tile math.
 
 One CTA per (batch, query head, W * block_q query rows), W compute warpgroups and a producer
-(W = TuningConfig.fwd_wgs: 3 at head dims 64 and 128, else 2; 2 with a mask operand, and with a
-bias except at head dim 64 under a position mask, tuning._BIAS_FWD):
+(W = TuningConfig.fwd_wgs: 3 at head dims 64 and 128, else 2; 2 with a mask operand, with a
+bias except at head dim 64 under a position mask, tuning._BIAS_FWD, and in the "fp8" preset's FP8
+forward at head dim 128, tuning._TOP_RESIDUAL):
   compute       each owns block_q query rows (Q resident in shared memory) and runs the online
                 softmax over the union of the warpgroups' key blocks; QK^T and PV are wgmma
                 (PV with P from registers), scores in log2 units so P = exp2(s - m) is one FMA

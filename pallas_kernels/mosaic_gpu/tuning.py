@@ -315,6 +315,14 @@ FEW_KEY_TILES = 1024
 _FEW = {128: dict(dkv_persistent=True)}
 
 
+# The "fp8" preset's FP8 forward (a top-key residual tile and a second P V product a step:
+# `tile.has_top_residual`) at head dim 128: two compute warpgroups. Three, at 160 registers a
+# thread, spill 196 bytes there (ptxas; FlashAttention-3's arithmetic under the same tiles does
+# not). H200, JAX 0.11.2, one process (benchmarks/results/fp8_preset_sweep_nvidia_h200.md), forward
+# kernel time against the bf16 kernel's: 0.738x with two at B4 T4096 N16 causal (three: 0.623x),
+# 0.834x at B1 T16384 N16 (0.666x); at head dim 64 two ran 0.91x three.
+_TOP_RESIDUAL = {128: dict(fwd_wgs=2)}
+
 # Where ptxas ignores setmaxnreg (JAX 0.12's Mosaic GPU compiles each kernel as a relocatable
 # module through libnvJitLink: docs/ptxas_setmaxnreg.md), every thread keeps its share of the
 # register file at entry, 65536 / threads: 128 with three compute warpgroups and the producer, 168
@@ -345,7 +353,7 @@ def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
 def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense: bool = False,
                  packed: bool = False, kv_shape: tuple[int, int, int] | None = None,
                  entry_registers: bool = False, bias_only: bool = False,
-                 **extras) -> TuningConfig:
+                 top_residual: bool = False, **extras) -> TuningConfig:
   """The table's config for a head dim (full: the call masks no (query, key) pair by position or
   segment: `_FULL`'s changes; dense: full, and each kv head has one query head: `_DENSE`'s too;
   packed: it has segment ids, `_PACKED`'s; kv_shape (batch, kv heads, kv length) giving at most
@@ -353,7 +361,8 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   `extras` (bias / mask tiles: see `smem_needs`), each kernel's first tiling of the table's,
   `_BESIDE` and `_NARROW` that fits shared memory beside them (ValueError when one kernel has
   none), the forward first trying `_BIAS_FWD`'s where they are a bias alone (bias_only), or
-  `_BIAS_FULL_FWD`'s where that is also full, `_BIAS_APART`'s at head dim 128; entry_registers
+  `_BIAS_FULL_FWD`'s where that is also full, `_BIAS_APART`'s at head dim 128; top_residual (the
+  "fp8" preset's FP8 forward, which takes no bias or mask): `_TOP_RESIDUAL`'s; entry_registers
   (a toolchain that ignores setmaxnreg: `registers_fixed_at_entry`), last, `_ENTRY_REGISTERS`'
   changes where there are no bias or mask tiles."""
   if head_dim not in TABLE:
@@ -366,6 +375,7 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
                **(_DENSE.get(head_dim, {}) if dense else {}),
                **(_PACKED.get(head_dim, {}) if packed else {}),
                **(_FEW.get(head_dim, {}) if few else {}),
+               **(_TOP_RESIDUAL.get(head_dim, {}) if top_residual else {}),
                **(_ENTRY_REGISTERS.get(head_dim, {}) if entry_registers else {})}
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
