@@ -1,12 +1,12 @@
 """Tiling sweep of the Hopper kernels (pallas_mosaic_gpu): one line per variant, same process.
 
-    PYTHONPATH=. python benchmarks/mosaic_sweep.py [--shapes targets] [--kernels fwd,dkv,dkv2,dq]
+    PYTHONPATH=. python benchmarks/mosaic_sweep.py [--shapes targets] [--kernels fwd,dkv,dq,...]
 
 Each variant replaces one kernel's Tiles in the table's TuningConfig for this JAX (on 0.12 the
 entry-register tiles: `tuning.registers_fixed_at_entry`); the forward's and the dQ kernel's also
 their compute warpgroups, 2 or 3 (`TuningConfig.fwd_wgs`, `dq_wgs`), "dkv" one pass of the dK/dV
-kernel and "dkv2" two (`dkv_passes`). "fwd" variants are timed forward only, the others
-forward+backward, against cuDNN timed in the same run.
+kernel, "dkv2" two (`dkv_passes`), "dkvs" one split between its warpgroups (`dkv_split`). "fwd"
+variants are timed forward only, the others forward+backward, against cuDNN timed in the same run.
 Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks).
 """
 from __future__ import annotations
@@ -39,6 +39,9 @@ VARIANTS = {   # TuningConfig fields each variant replaces
     # every thread at its entry registers (ptxas ignoring setmaxnreg: docs/ptxas_setmaxnreg.md)
     "dkv2": [dict(dkv=t, dkv_passes=2) for t in (T(64, 64, 2), T(64, 64, 3), T(32, 64, 2),
                                                  T(32, 64, 4))],
+    # dK and dV in one pass, one warpgroup each over one key tile (`dkv_split`): head dim 256
+    "dkvs": [dict(dkv=t, dkv_passes=1, dkv_split=True, dkv_persistent=False)
+             for t in (T(64, 64, 2), T(32, 64, 2), T(32, 64, 3))],
     "dq": [dict(dq=t, dq_wgs=w) for w in (2, 3)
            for t in (T(64, 32, 2), T(64, 32, 3), T(64, 64, 2), T(64, 64, 3), T(64, 128, 2),
                      T(64, 128, 3))],
@@ -47,15 +50,17 @@ VARIANTS = {   # TuningConfig fields each variant replaces
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--shapes", default="targets2", choices=("targets2", "targets", "h128", "h256"),
-                 help="h128: B4 T4096 N16 H128 causal alone; h256: the head-dim-256 rows")
+  p.add_argument("--shapes", default="targets2",
+                 choices=("targets2", "targets", "h128", "16k", "h256"),
+                 help="h128: B4 T4096 N16 H128 causal alone; 16k: B1 T16384 N16 H128 causal; "
+                      "h256: the head-dim-256 rows")
   p.add_argument("--kernels", default="fwd,dkv,dq")
   p.add_argument("--max-adjust", default="safe")
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--blocks", type=int, default=3)
   args = p.parse_args(argv)
   shapes = {"targets2": bench.TARGETS[:2], "targets": bench.TARGETS,
-            "h128": bench.TARGETS[1:2], "h256": bench.H256}[args.shapes]
+            "h128": bench.TARGETS[1:2], "16k": bench.TARGETS[4:], "h256": bench.H256}[args.shapes]
   for shape in shapes:
     B, T_, N, K, H, causal = shape
     q, k, v, do = bench.make_inputs(*shape[:5], jnp.bfloat16)
@@ -78,11 +83,12 @@ def main(argv=None):
     for kernel in args.kernels.split(","):
       for variant in VARIANTS[kernel]:
         config = base.replace(**variant)
-        tiles = variant["dkv" if kernel == "dkv2" else kernel]
+        tiles = variant["dkv" if kernel in ("dkv2", "dkvs") else kernel]
         tag = " (table)" if all(getattr(base, k) == v for k, v in variant.items()) else ""
         wgs = "".join(f" wg{w}" for name, w in variant.items() if name.endswith("_wgs"))
         wgs += " persistent" if variant.get("fwd_persistent") else ""
         wgs += " 2 passes" if variant.get("dkv_passes") == 2 else ""
+        wgs += " split" if variant.get("dkv_split") else ""
         try:
           config.check_smem(H, 2)
           fn = functools.partial(

@@ -235,6 +235,8 @@ def test_tuning_config_validates():
   with pytest.raises(ValueError, match="dkv_persistent runs one dK/dV pass"):
     tuning.fused_dq_config(64).replace(dkv_persistent=True)
   with pytest.raises(ValueError, match="dkv_persistent runs one dK/dV pass"):
+    tuning.table_config(256).replace(dkv_split=False, dkv_passes=2, dkv_persistent=True)
+  with pytest.raises(ValueError, match="dkv_split gives each of 2 dK/dV warpgroups one gradient"):
     tuning.table_config(256).replace(dkv_persistent=True)
   with pytest.raises(ValueError, match="dkv tiling"):
     tuning.table_config(128).replace(dkv_persistent=True, dkv=T(64, 64, 4)).check_smem(128, 2)
@@ -464,8 +466,9 @@ LOWER_CASES = [
 
 @pytest.mark.parametrize("kwargs", LOWER_CASES, ids=lambda k: f"H{k['shape'][-1]}")
 def test_lowers_for_cuda(kwargs):
-  """Forward and backward lower to three Mosaic GPU kernels (fwd, dK/dV, dQ); four at head dim
-  256, whose dK and dV take a pass each."""
+  """Forward and backward lower to three Mosaic GPU kernels (fwd, dK/dV, dQ), also at head dim
+  256, whose dK and dV take a warpgroup each of one pass (dkv_split); four where they take a pass
+  each."""
   spec, ops = _spec_ops(**kwargs)
   assert mosaic.covers(spec, ops) is None
   config = tuning.table_config(ops.q.shape[-1])
@@ -956,7 +959,9 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
   """On JAX 0.12 (ptxas drops setmaxnreg: every thread keeps 65536 / threads registers) the head
   dim 128 table takes two compute warpgroups (168 registers a thread) and dK, dV in two passes
   (one fp32 accumulator each); head dims 64 and 256, and calls with bias or mask tiles, keep the
-  table's. Every config it gives fits shared memory and validates."""
+  table's, but for head dim 256's dK/dV kernel: two passes over 32-query blocks, not dkv_split's
+  one (its warpgroups' fp32 accumulators take 128 of the 168). Every config it gives fits shared
+  memory and validates."""
   assert tuning.registers_fixed_at_entry(version) is fixed
   for h in tuning.HEAD_DIMS:
     for kw in (dict(), dict(full=True), dict(dense=True), dict(packed=True),
@@ -964,6 +969,10 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
       plain = tuning.table_config(h, **kw)
       config = tuning.table_config(h, entry_registers=fixed, **kw)
       config.check_smem(h, 2, **{k: v for k, v in kw.items() if k in ("beside", "ds_itemsize")})
+      if fixed and h == 256 and "beside" not in kw:
+        assert plain.dkv_split and not config.dkv_split, kw
+        assert config == plain.replace(dkv=tuning.Tiles(32, 64, 2), dkv_passes=2, dkv_split=False)
+        continue
       if not fixed or h != 128 or "beside" in kw:
         assert config == plain, (h, kw)
         continue
@@ -1057,6 +1066,31 @@ def _assert_bitwise_equal(a, b):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
+
+
+# dkv_split serves calls without bias or mask tiles, at head dims 128 and 256.
+SPLIT_CASES = [name for name, case in GPU_CASES.items()
+               if "bias" not in case and "mask" not in case and case["H"] >= 128]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("max_adjust", ["off", "safe"])
+@pytest.mark.parametrize("name", SPLIT_CASES)
+def test_gpu_dkv_split_matches_the_passes(name, max_adjust):
+  """TuningConfig.dkv_split (one warpgroup accumulates dV and hands P^T to the other, which
+  accumulates dK, over one key tile) computes the products the dK/dV kernel computes without it,
+  over the same blocks in the same order, P^T handed over in fp32: outputs and gradients bitwise
+  equal to one pass (head dim 128) or to two passes (256, where one does not fit), same tiles."""
+  (q, k, v, _, _), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 3)
+  H = q.shape[-1]
+  tiles = tuning.Tiles(64, 64, 2) if H == 128 else tuning.Tiles(32, 64, 2)
+  passes = tuning.table_config(H).replace(dkv=tiles, dkv_passes=1 if H == 128 else 2,
+                                          dkv_persistent=False, dkv_split=False)
+  split = passes.replace(dkv_passes=1, dkv_split=True)
+  args = (q, k, v, None, None)
+  _assert_bitwise_equal(_outputs_and_grads(args, kwargs, do, max_adjust, passes),
+                        _outputs_and_grads(args, kwargs, do, max_adjust, split))
 
 # A bias without a mask: the forward's three warpgroups (grid and persistent) take its tiles of
 # all their rows; the last CTA's first warpgroups idle (T not a multiple of 192), its bias tile
@@ -1551,6 +1585,31 @@ def test_fp8_forward_lowers_for_cuda(feature):
   assert len(kernels) == 2 + config.dkv_passes, (feature, len(kernels))
   assert sum("f8E4M3FN" in line for line in kernels) == 1, feature   # the forward's operands
 
+
+
+@pytest.mark.parametrize("feature", ["plain", "gqa_window", "segments", "qkvpacked", "h128"])
+def test_dkv_split_lowers_for_cuda(feature):
+  """TuningConfig.dkv_split (dK and dV in one pass, one warpgroup each, P^T handed over through
+  shared memory) lowers for CUDA with the features it serves, at head dim 256 (and 128), on a
+  CPU host; it is one dK/dV kernel, and the API refuses it beside a bias."""
+  H = 128 if feature == "h128" else 256
+  ids = jnp.asarray(np.repeat(np.arange(3), 128)[None], jnp.int32)
+  kwargs = dict(plain={}, h128={}, qkvpacked={}, gqa_window=dict(local_window_size=(200, 0)),
+                segments=dict(q_segment_ids=ids))[feature]
+  spec, ops = _spec_ops(shape=(1, 384, 4, H), kv_heads=2 if feature == "gqa_window" else 4,
+                        is_causal=True, **kwargs)
+  config = tuning.table_config(H).replace(dkv=tuning.Tiles(64, 64, 2), dkv_passes=1,
+                                          dkv_persistent=False, dkv_split=True)
+  if feature == "qkvpacked":
+    ops = pack(jnp.stack([ops.q, ops.k, ops.v], axis=2), ops)
+  text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+  assert sum("custom_call @mosaic_gpu" in line for line in text.splitlines()) == 3
+  spec, ops = _spec_ops(shape=(1, 384, 4, 128), kv_heads=4,
+                        bias=jnp.zeros((1, 4, 384, 384), bf16))
+  with pytest.raises(ValueError, match="dkv_split=True takes no bias"):
+    mosaic._checked_config(spec, ops, mosaic.default_config(spec, ops).replace(dkv_split=True))
+  with pytest.raises(ValueError, match="dkv_split"):
+    config.replace(dkv_passes=2)
 
 def test_fp8_forward_takes_128_key_blocks():
   spec, ops = _spec_ops(shape=(1, 256, 2, 128), kv_heads=2, is_causal=True, numerics=FP8)

@@ -269,6 +269,9 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
     raise ValueError("config.fwd_persistent=True takes no mask operand (its blocks stream in a "
                      "per-call compacted order a persistent CTA does not follow): use "
                      "fwd_persistent=False")
+  if config.dkv_split and _extras(ops):
+    raise ValueError("config.dkv_split=True takes no bias or mask operands (the dK warpgroup "
+                     "reads no tiles beside the blocks): use dkv_split=False")
   if config.dkv_persistent and _extras(ops):
     raise ValueError("config.dkv_persistent=True takes no bias or mask operands (their blocks "
                      "stream in a per-call order a persistent CTA does not follow): use "

@@ -15,6 +15,10 @@ dK/dV  one CTA per (batch, kv head, W * block_kv key rows; W = TuningConfig.dkv_
        the key tiles in zigzag rounds, key CTA 0 (the heaviest under a causal mask) first; each
        compute warpgroup loads its next tile's K and V into a second buffer during this one, and
        the producer's slots run on across tiles.
+       Split (TuningConfig.dkv_split, the table's at head dim 256): one block_kv key tile per CTA,
+       warpgroup 0 accumulating dV and warpgroup 1 dK over it; the first computes P^T and hands it
+       (fp32) through shared memory on a ready / free barrier pair, the second computes dP^T, so
+       each holds one fp32 accumulator and a step takes four tile products.
 dQ     one CTA per (batch, query head, W * block_q query rows; W = TuningConfig.dq_wgs compute
        warpgroups, 3 at head dims 64 and 128 as in the forward, 2 with a bias's dS or a mask),
        like the forward: Q, dO, LSE and delta (or O, to compute it) resident, K and V streamed;
@@ -62,6 +66,14 @@ def _scores_then_p(qk_product, dp_product, shape, p_of_scores):
   return pl.run_scoped(body, *accs)
 
 
+def _product(issue, shape):
+  """issue(acc) issues a product into a fresh fp32 accumulator of `shape` -> its value."""
+  def body(acc):
+    issue(acc)
+    return plgpu.wgmma_accumulator_load(acc, wait_n=0)
+  return pl.run_scoped(body, plgpu.ACC(shape, f32))
+
+
 def _store(smem, value, gmem):
   smem[...] = value
   plgpu.commit_smem()
@@ -91,45 +103,66 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
   if into is not None:
     outs = [into.at[:, :, _QKV_SLOT[name]] for name in names]
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kseg_smem, qseg_smem, bias_smem,
-   mask_smem, ds_smem, dq_smem), (kv_loaded, loaded, ds_ready), free = scratch
+   mask_smem, ds_smem, dq_smem, p_smem), (kv_loaded, loaded, ds_ready, handoff), free = scratch
   spec, tiles, G, wgs = call.spec, call.config.dkv, call.geo.G, call.config.dkv_wgs
   split = _splits_dq(call)
+  # TuningConfig.dkv_split: warpgroup 0 accumulates dV and hands each step's P^T to warpgroup 1,
+  # which accumulates dK, over the CTA's one key tile (owners: the warpgroups with keys of their
+  # own, each a key tile of bk rows).
+  roles, owners = call.config.dkv_split, call.config.dkv_key_wgs
+  p_ready, p_free = handoff or (None, None)
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   wg = lax.axis_index("wg")
-  key_tiles = common.key_tiles(call, refs, wgs, bk, ctas)
+  key_tiles = common.key_tiles(call, refs, owners, bk, ctas)
+  out_of = dict(zip(names, outs))
 
   def key_tile(i):
     """Tile i's (b, kv head, first key row, lengths, the query blocks of a warpgroup's keys as a
     function of its first key, the CTA's streaming order)."""
     b, kvh, index = key_tiles.tile(i)
-    cta_k = index * (wgs * bk)
+    cta_k = index * (owners * bk)
     lens = call.lengths(refs, b)
     # The query blocks of one warpgroup's keys (its packed-sequence and mask ranges intersected
     # in; the mask's merged over the kv head's query heads).
     q_ranges = lambda k_start: common.q_ranges_of(call, ranges, b, kvh, k_start, bk, bq, lens,
-                                                  wgs=wgs)
-    lo, hi = common.union_range(*(q_ranges(cta_k + w * bk) for w in range(wgs)))
-    order = common.schedule(ranges, b, kvh, lo, hi, cta_k, wgs * bk)
+                                                  wgs=owners)
+    lo, hi = common.union_range(*(q_ranges(cta_k + w * bk) for w in range(owners)))
+    order = common.schedule(ranges, b, kvh, lo, hi, cta_k, owners * bk)
     return b, kvh, cta_k, lens, q_ranges, (lo, hi), order
 
-  @pl.when(wg < wgs)
-  def _compute():
-    plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
+  def accumulate(names, kw):
+    """A compute warpgroup's work: the gradients `names` of its CTA's key tile kw (its own;
+    under dkv_split the CTA's one, 0, shared)."""
+    takes_p = roles and "dk" in names   # P^T comes from the dV warpgroup
 
     def load_kv(i, buf):
-      """Tile i's K and V rows of this warpgroup (and their segment ids) into K/V buffer buf."""
+      """Tile i's K and V rows of key tile kw (and their segment ids) into K/V buffer buf."""
       b, kvh, index = key_tiles.tile(i)
-      k_start = index * (wgs * bk) + wg * bk
+      k_start = index * (owners * bk) + kw * bk
       rows = (b, pl.ds(k_start, bk), kvh)
-      barrier = kv_loaded.at[buf * wgs + wg]
+      barrier = kv_loaded.at[buf * owners + kw]
 
-      @common.if_keys(call, wgs, bk, k_start)
+      @common.if_keys(call, owners, bk, k_start)
       def _load():
-        plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[buf, wg], barrier)
-        plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[buf, wg], barrier)
+        plgpu.copy_gmem_to_smem(refs.k.at[rows], k_smem.at[buf, kw], barrier)
+        plgpu.copy_gmem_to_smem(refs.v.at[rows], v_smem.at[buf, kw], barrier)
         if call.packed:
-          plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(k_start, bk)], kseg_smem.at[buf, wg],
+          plgpu.copy_gmem_to_smem(refs.kv_seg.at[b, pl.ds(k_start, bk)], kseg_smem.at[buf, kw],
                                   barrier)
+
+    def hand_p(p_t):
+      """dkv_split, the dV warpgroup: this step's fp32 P^T to the dK warpgroup, once that has
+      read the last one (it arrives once ahead, before its first step)."""
+      plgpu.barrier_wait(p_free)
+      p_smem[...] = p_t
+      plgpu.barrier_arrive(p_ready)
+
+    def take_p():
+      """dkv_split, the dK warpgroup: this step's P^T from the dV warpgroup."""
+      plgpu.barrier_wait(p_ready)
+      p_t = common.load_tile(p_smem, plgpu.Layout.WGMMA)
+      plgpu.barrier_arrive(p_free)
+      return p_t
 
     def run_tile(i, base):
       """Tile i, whose first streamed block is the CTA's base-th -> the next tile's base."""
@@ -141,16 +174,16 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           load_kv(i + 1, 1 - buf)
       b, kvh, cta_k, lens, q_ranges, (lo, hi), order = key_tile(i)
       per_head = order.stop - order.first
-      k_start = cta_k + wg * bk
+      k_start = cta_k + kw * bk
       rows = (b, pl.ds(k_start, bk), kvh)
       # With 3 warpgroups the last CTA's last ones may own no keys: they load and store nothing
       # and step over every block.
-      if_keys = common.if_keys(call, wgs, bk, k_start)
-      if_keys(lambda: plgpu.barrier_wait(kv_loaded.at[buf * wgs + wg]))
+      if_keys = common.if_keys(call, owners, bk, k_start)
+      if_keys(lambda: plgpu.barrier_wait(kv_loaded.at[buf * owners + kw]))
       if split:   # each warpgroup's dQ columns take both warpgroups' keys
         plgpu.barrier_wait(kv_loaded.at[buf * wgs + 1 - wg])
       # Segment ids are read on the masked steps that need them, not held across the loop.
-      kv_ids = lambda: common.load_tile(kseg_smem.at[buf, wg], ROWS) if call.packed else None
+      kv_ids = lambda: common.load_tile(kseg_smem.at[buf, kw], ROWS) if call.packed else None
       mine = common.clamp_ranges(q_ranges(k_start), lo, hi)
       half = call.pad.H // 2
 
@@ -208,9 +241,9 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
             return carry
           q, do = q_smem.at[slot], do_smem.at[slot]
           bias_t, allowed_t = common.read_beside(bias_smem, mask_smem, slot,
-                                                 pl.ds(wg * bk, bk), kind == "masked")
+                                                 pl.ds(kw * bk, bk), kind == "masked")
           ok = None
-          if kind == "masked":
+          if kind == "masked" and not takes_p:
             q_ids = common.load_tile(qseg_smem.at[slot], COLS) if call.packed else None
             ok = call.visible((bk, bq), i * bq, k_start, lens, q_axis=1, q_ids=q_ids,
                               kv_ids=kv_ids(), mask=allowed_t)
@@ -220,12 +253,18 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
             return tile.backward_p(s_t, common.load_tile(lse_smem.at[slot], COLS),
                                    in_dtype=call.dt.input, base2=True, q_axis=1)
 
-          dp_product = lambda acc: plgpu.wgmma(acc, v_smem.at[buf, wg], do.transpose((1, 0)))
+          dp_product = lambda acc: plgpu.wgmma(acc, v_smem.at[buf, kw], do.transpose((1, 0)))
           with jax.named_scope("s_dp_p"):
-            (p_t, p_op), dp_t = _scores_then_p(
-                lambda acc: plgpu.wgmma(acc, k_smem.at[buf, wg], q.transpose((1, 0))),
-                dp_product if "dk" in names else None,   # the dV pass needs no dP
-                (bk, bq), p_of_scores)
+            if takes_p:
+              dp_t = _product(dp_product, (bk, bq))
+              p_t, p_op = take_p(), None
+            else:
+              (p_t, p_op), dp_t = _scores_then_p(
+                  lambda acc: plgpu.wgmma(acc, k_smem.at[buf, kw], q.transpose((1, 0))),
+                  dp_product if "dk" in names else None,   # the dV pass needs no dP
+                  (bk, bq), p_of_scores)
+              if roles:
+                hand_p(p_t)
 
           def update(accs):
             accs = dict(zip(names, accs))
@@ -271,22 +310,36 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
 
       zeros = common.zeros((bk, call.pad.H), plgpu.Layout.WGMMA)
       grads_of = dict(zip(names, lax.fori_loop(0, G, head, (zeros,) * len(names))))
-      out_of = dict(zip(names, outs))
 
       @if_keys
       def _store_grads():
         # Staged in this tile's K and V buffers (the products that read them have landed); a
-        # persistent CTA's next load into them waits for these stores to have read them.
+        # persistent CTA's next load into them waits for these stores to have read them. Under
+        # dkv_split the dK warpgroup's last read of P^T follows its last product with V.
         if "dk" in grads_of:
-          _store(k_smem.at[buf, wg], (grads_of["dk"] * spec.scale).astype(k_smem.dtype),
+          _store(k_smem.at[buf, kw], (grads_of["dk"] * spec.scale).astype(k_smem.dtype),
                  out_of["dk"].at[rows])
         if "dv" in grads_of:
-          _store(v_smem.at[buf, wg], grads_of["dv"].astype(v_smem.dtype), out_of["dv"].at[rows])
+          if roles:
+            plgpu.barrier_wait(p_free)
+          _store(v_smem.at[buf, kw], grads_of["dv"].astype(v_smem.dtype), out_of["dv"].at[rows])
       return base + G * per_head
 
-    load_kv(0, 0)
+    if not takes_p:   # under dkv_split the dV warpgroup loads the shared K and V
+      load_kv(0, 0)
+    if takes_p:
+      plgpu.barrier_arrive(p_free)
     key_tiles.run(run_tile)
     common.drain_stores()
+
+  @pl.when(wg < wgs)
+  def _compute():
+    plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
+    if roles:
+      for w, name in enumerate(("dv", "dk")):
+        pl.when(wg == w)(functools.partial(accumulate, (name,), 0))
+    else:
+      accumulate(names, wg)
 
   @pl.when(wg == wgs)
   def _produce():
@@ -312,7 +365,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
         plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
                                 loaded.at[slot])
         # The queries' segment ids and the CTA's transposed bias and mask tiles travel with Q.
-        common.copy_beside(refs, b, n, pl.ds(cta_k, wgs * bk), pl.ds(q_start, bq),
+        common.copy_beside(refs, b, n, pl.ds(cta_k, owners * bk), pl.ds(q_start, bq),
                            loaded.at[slot], (qseg_smem, bias_smem, mask_smem), slot,
                            seg_rows=pl.ds(q_start, bq), seg_ref=refs.q_seg)
 
@@ -343,26 +396,30 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
   fused = call.config.fused_dq
   split = _splits_dq(call)
   wgs = call.config.dkv_wgs   # 2 with a bias or mask or the fused dQ (TuningConfig, the API)
+  roles, owners = call.config.dkv_split, call.config.dkv_key_wgs
   # Persistent CTAs (TuningConfig.dkv_persistent): two K/V buffers, the next tile's loading.
-  grid, grid_names, ctas = common.key_grid(call, x, wgs, bk, call.config.dkv_persistent)
+  grid, grid_names, ctas = common.key_grid(call, x, owners, bk, call.config.dkv_persistent)
   kv_bufs = 2 if ctas else 1
 
-  smem = (plgpu.SMEM((kv_bufs, wgs, bk, H), dtype, transforms=mma),
-          plgpu.SMEM((kv_bufs, wgs, bk, H), dtype, transforms=mma),
+  smem = (plgpu.SMEM((kv_bufs, owners, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((kv_bufs, owners, bk, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq, H), dtype, transforms=mma),
           plgpu.SMEM((stages, bq), f32), plgpu.SMEM((stages, bq), f32),
           plgpu.SMEM((kv_bufs, wgs, bk), jnp.int32) if call.packed else None,
           plgpu.SMEM((stages, bq), jnp.int32) if call.packed else None,
-          *common.pairwise_smem(x, stages, wgs * bk, bq),
+          *common.pairwise_smem(x, stages, owners * bk, bq),
           plgpu.SMEM((2, 2, bk, bq) if split else (2, bk, bq), dtype, transforms=mma)
           if fused else None,
           plgpu.SMEM((2, bq, H // (1 + split)), f32,
-                     transforms=common.tile_transforms(H // (1 + split), f32)) if fused else None)
+                     transforms=common.tile_transforms(H // (1 + split), f32)) if fused else None,
+          # dkv_split: the P^T the dV warpgroup hands the dK warpgroup
+          plgpu.SMEM((bk, bq), f32, transforms=common.tile_transforms(bq, f32)) if roles else None)
   beside = call.packed + (x.bias is not None) + (x.mask is not None)
-  barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=kv_bufs * wgs),
+  barriers = (plgpu.Barrier(num_arrivals=2 + call.packed, num_barriers=kv_bufs * owners),
               plgpu.Barrier(num_arrivals=4 + beside, num_barriers=stages),
-              plgpu.Barrier(num_arrivals=2, num_barriers=2) if split else None)
+              plgpu.Barrier(num_arrivals=2, num_barriers=2) if split else None,
+              (plgpu.Barrier(), plgpu.Barrier()) if roles else None)   # P^T ready, P^T free
   kv_grad = jax.ShapeDtypeStruct((B, Sp, K, H), dtype)
 
   def passes(dq_acc, into):

@@ -82,6 +82,12 @@ class TuningConfig:
   # 2 * block_kv: the last CTA's last warpgroups may idle): 2 or 3; 3 takes no bias or mask
   # operands and not the fused dQ.
   dkv_wgs: int = COMPUTE_WGS
+  # dK and dV in one pass over one block_kv key tile per CTA, one gradient per warpgroup: the dV
+  # warpgroup computes P^T and hands it (fp32, through shared memory) to the dK warpgroup, which
+  # computes dP^T: four tile products a step, where two passes take five (head dim 256, whose
+  # 64 x 256 fp32 dK and dV do not fit one warpgroup's registers together). Two warpgroups, one
+  # pass, no fused dQ, not persistent, no bias or mask operands (the API checks).
+  dkv_split: bool = False
   # A persistent forward: one CTA per SM taking the query tiles round-robin (heaviest rows
   # first), the next tile's Q loading during this one (two Q buffers, O staged apart); with two
   # warpgroups their ping-pong runs on across the tiles.
@@ -130,12 +136,25 @@ class TuningConfig:
       raise ValueError("dkv_persistent runs one dK/dV pass without the fused dQ: it needs "
                        f"fused_dq=False and dkv_passes=1, got fused_dq={self.fused_dq}, "
                        f"dkv_passes={self.dkv_passes}")
+    if self.dkv_split and (self.dkv_wgs != COMPUTE_WGS or self.dkv_passes != 1 or self.fused_dq
+                           or self.dkv_persistent):
+      raise ValueError(f"dkv_split gives each of {COMPUTE_WGS} dK/dV warpgroups one gradient in "
+                       f"one pass: it needs dkv_wgs={COMPUTE_WGS}, dkv_passes=1, fused_dq=False "
+                       f"and dkv_persistent=False, got dkv_wgs={self.dkv_wgs}, dkv_passes="
+                       f"{self.dkv_passes}, fused_dq={self.fused_dq}, dkv_persistent="
+                       f"{self.dkv_persistent}")
     if self.fused_dq and self.dkv_wgs != COMPUTE_WGS:
       raise ValueError(f"fused_dq splits dQ between two dK/dV warpgroups: it needs dkv_wgs="
                        f"{COMPUTE_WGS}, got {self.dkv_wgs}")
 
   def replace(self, **changes) -> "TuningConfig":
     return dataclasses.replace(self, **changes)
+
+  @property
+  def dkv_key_wgs(self) -> int:
+    """How many of the dK/dV kernel's warpgroups own key tiles of their own (a CTA owns that
+    many times dkv.block_kv keys): one under `dkv_split`, else every one."""
+    return 1 if self.dkv_split else self.dkv_wgs
 
   @property
   def q_multiple(self) -> int:
@@ -167,8 +186,9 @@ class TuningConfig:
                 * fwd.block_kv
                 # persistent: a second Q buffer (with offsets and segment ids) and O's staging
                 + self.fwd_persistent * self.fwd_wgs * fwd.block_q * (2 * row + 8)),
-        "dkv": ((1 + self.dkv_persistent) * self.dkv_wgs * dkv.block_kv * (2 * row + 4)
+        "dkv": ((1 + self.dkv_persistent) * self.dkv_key_wgs * dkv.block_kv * (2 * row + 4)
                 + dkv.stages * dkv.block_q * (2 * row + 12)
+                + self.dkv_split * dkv.block_kv * dkv.block_q * 4   # the fp32 P^T handed over
                 + dkv.stages * COMPUTE_WGS * dkv.block_kv * dkv.block_q * beside
                 # fused dQ: each warpgroup's dS^T tile and fp32 dQ staging tile
                 + self.fused_dq * COMPUTE_WGS * dkv.block_q * (dkv.block_kv * itemsize
@@ -218,10 +238,19 @@ TABLE = {
     # 0.98x with GQA, 1.00x at T4096, 1.03x at T16384, 1.15-1.20x packed: not taken.
     128: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3,
                       dq_wgs=3, dq_delta=True),
-    # What fits 227 KB at 512-byte rows: 64-row K/V blocks in the forward; 32-row streamed blocks
-    # in the backward, whose dK and dV take two passes (docs/hopper_kernel.md).
-    256: TuningConfig(fwd=_T(64, 64, 2), dkv=_T(32, 64, 2), dq=_T(64, 32, 2), dkv_passes=2),
+    # What fits 227 KB at 512-byte rows: 64-row K/V blocks in the forward, 32-row in the dQ
+    # kernel; dK and dV in one pass over one 64-key tile per CTA, a warpgroup each (dkv_split:
+    # their fp32 accumulators do not fit one warpgroup together), beside 64-row Q/dO blocks. H200,
+    # one process, fwd+bwd against the two passes over 32-query blocks it replaces (gradients
+    # bitwise equal under the same tiles): 1.20x at B2 T4096 N8 causal, 1.36x at B1 T8192 N8 K4
+    # causal, now 1.11x cuDNN at both (docs/hopper_kernel.md).
+    256: TuningConfig(fwd=_T(64, 64, 2), dkv=_T(64, 64, 2), dq=_T(64, 32, 2), dkv_split=True),
 }
+
+# Where dkv_split cannot run at head dim 256 (bias or mask tiles beside the blocks; registers
+# fixed at entry, JAX 0.12, not measured there): the dK/dV kernel it replaced, dK and dV in two
+# passes over 32-query blocks.
+_PASSES_256 = dict(dkv=_T(32, 64, 2), dkv_passes=2, dkv_split=False)
 
 
 # With bias or mask tiles streaming beside K/V (or Q/dO), 64-key forward blocks and two stages
@@ -336,18 +365,21 @@ _TOP_RESIDUAL = {128: dict(fwd_wgs=2)}
 # (64-query blocks) and 3.01 ms (32), cuDNN 2.03 ms. Head dim 64 keeps its tiles (its forward ran
 # 1.30x cuDNN there); at 256 no tiling that fits reaches cuDNN (0.35-0.39x fwd+bwd; a 32-key
 # forward is 1.26x the table's, not taken untested on 0.12:
-# benchmarks/results/mosaic_sweep_h256_nvidia_h200_j012.md). Not with bias or mask tiles: the one
+# benchmarks/results/mosaic_sweep_h256_nvidia_h200_j012.md); it keeps the two dK/dV passes there
+# (`_PASSES_256`: dkv_split's warpgroups hold 64 x 256 fp32 accumulators, 128 of the 168
+# registers, beside their tiles; not measured on 0.12). Not with bias or mask tiles: the one
 # call of the compiled tests that faulted on 0.12 (an illegal address) had a block mask, fp16, and
 # these tiles; with bias or mask the table already runs two warpgroups.
 # (On 0.11.2 that call with these tiles passes: the fault comes with 0.12's compilation.)
 _ENTRY_REGISTERS = {128: dict(fwd_wgs=2, dq_wgs=2, dkv_wgs=COMPUTE_WGS, dkv_passes=2,
-                              fwd_persistent=False, dkv_persistent=False)}
+                              fwd_persistent=False, dkv_persistent=False),
+                    256: _PASSES_256}
 
 
 def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
   """How many key tiles (one dK/dV CTA's keys each) the table's dK/dV kernel has."""
   dkv = TABLE[head_dim]
-  return batch * kv_heads * -(-kv_len // (dkv.dkv_wgs * dkv.dkv.block_kv))
+  return batch * kv_heads * -(-kv_len // (dkv.dkv_key_wgs * dkv.dkv.block_kv))
 
 
 def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense: bool = False,
@@ -379,7 +411,8 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
                **(_ENTRY_REGISTERS.get(head_dim, {}) if entry_registers else {})}
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
-                          dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False)
+                          dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False,
+                          **(_PASSES_256 if config.dkv_split else {}))
   # Each kernel's shared memory is its own: each takes the first of its options that fits (the
   # dQ kernel keeps delta's O tile before it gives up 64-key blocks; without it, XLA's delta).
   alone = {**(_BIAS_FULL_FWD if full or dense else _BIAS_FWD), **_BIAS_APART}   # a bias alone
