@@ -39,9 +39,10 @@ VARIANTS = {   # TuningConfig fields each variant replaces
     # every thread at its entry registers (ptxas ignoring setmaxnreg: docs/ptxas_setmaxnreg.md)
     "dkv2": [dict(dkv=t, dkv_passes=2) for t in (T(64, 64, 2), T(64, 64, 3), T(32, 64, 2),
                                                  T(32, 64, 4))],
-    # dK and dV in one pass, one warpgroup each over one key tile (`dkv_split`): head dim 256
+    # dK and dV in one pass, one warpgroup each over one key tile (`dkv_split`): head dim 256's;
+    # at 128, 128-row Q/dO blocks fit beside it
     "dkvs": [dict(dkv=t, dkv_passes=1, dkv_split=True, dkv_persistent=False)
-             for t in (T(64, 64, 2), T(32, 64, 2), T(32, 64, 3))],
+             for t in (T(64, 64, 2), T(64, 64, 3), T(128, 64, 2), T(32, 64, 2), T(32, 64, 3))],
     "dq": [dict(dq=t, dq_wgs=w) for w in (2, 3)
            for t in (T(64, 32, 2), T(64, 32, 3), T(64, 64, 2), T(64, 64, 3), T(64, 128, 2),
                      T(64, 128, 3))],

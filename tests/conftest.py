@@ -50,6 +50,8 @@ QUICK_SHARE = {
     "test_fp16_subnormals.py::test_long_fp16_rows_against_float64": 3,
     "test_pallas_mosaic_gpu.py::test_fp8_forward_lowers_for_cuda": 3,
     "test_pallas_mosaic_gpu.py::test_features_lower_for_cuda": 3,
+    "test_pallas_mosaic_gpu.py::test_dkv_split_lowers_for_cuda": 5,
+    "test_pallas_mosaic_gpu.py::test_entry_register_tiles_lower_for_cuda": 3,
     "test_debug_infs.py::test_flash_implementations_make_no_inf": 2,
     "test_train_model.py::test_linear_bias_in_matmul_matches_float64": 3,
 }

@@ -957,11 +957,11 @@ def test_gpu_fp8_preset_keeps_safe_about_as_accurate_as_off(head_dim):
                                            ("0.13.0.dev20261101", False)])
 def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
   """On JAX 0.12 (ptxas drops setmaxnreg: every thread keeps 65536 / threads registers) the head
-  dim 128 table takes two compute warpgroups (168 registers a thread) and dK, dV in two passes
-  (one fp32 accumulator each); head dims 64 and 256, and calls with bias or mask tiles, keep the
-  table's, but for head dim 256's dK/dV kernel: two passes over 32-query blocks, not dkv_split's
-  one (its warpgroups' fp32 accumulators take 128 of the 168). Every config it gives fits shared
-  memory and validates."""
+  dim 128 table takes two compute warpgroups (168 registers a thread) and dK, dV a warpgroup
+  each (dkv_split: one fp32 accumulator each); head dims 64 and 256, and calls with bias or mask
+  tiles, keep the table's, but for head dim 256's dK/dV kernel: two passes over 32-query blocks,
+  not dkv_split's one (its warpgroups' fp32 accumulators take 128 of the 168). Every config it
+  gives fits shared memory and validates."""
   assert tuning.registers_fixed_at_entry(version) is fixed
   for h in tuning.HEAD_DIMS:
     for kw in (dict(), dict(full=True), dict(dense=True), dict(packed=True),
@@ -976,9 +976,10 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
       if not fixed or h != 128 or "beside" in kw:
         assert config == plain, (h, kw)
         continue
-      assert (config.fwd_wgs, config.dq_wgs, config.dkv_wgs, config.dkv_passes) == (2, 2, 2, 2)
+      assert (config.fwd_wgs, config.dq_wgs, config.dkv_wgs, config.dkv_passes) == (2, 2, 2, 1)
+      assert config.dkv_split and config.dkv_key_wgs == 1
       assert not (config.fwd_persistent or config.dkv_persistent or config.fused_dq)
-      # 384 threads: 65536 / 384 registers at entry, what the two-pass dK/dV kernel fits
+      # 384 threads: 65536 / 384 registers at entry, what the split dK/dV kernel fits
       assert 65536 // (128 * (config.fwd_wgs + 1)) >= 168
       assert (config.fwd, config.dkv, config.dq) == (plain.fwd, plain.dkv, plain.dq)
 
@@ -1524,17 +1525,17 @@ def test_calls_take_the_tiles_of_this_jax(monkeypatch, fixed):
   spec, ops = _spec_ops(shape=(2, 256, 4, 128), kv_heads=2, is_causal=True)
   config = mosaic.default_config(spec, ops)
   assert seen == [jax.__version__]
-  assert (config.fwd_wgs, config.dkv_passes) == ((2, 2) if fixed else (3, 1))
+  assert (config.fwd_wgs, config.dkv_split) == ((2, True) if fixed else (3, False))
   spec, ops = _spec_ops(shape=(2, 256, 4, 128), kv_heads=2, is_causal=True,
                         mask=jnp.ones((1, 1, 256, 256), bool))
-  assert mosaic.default_config(spec, ops).dkv_passes == 1
+  assert not mosaic.default_config(spec, ops).dkv_split
   spec, ops = _spec_ops(shape=(2, 256, 4, 64), kv_heads=2, is_causal=True)
   assert mosaic.default_config(spec, ops).fwd_wgs == 3
 
 
 @pytest.mark.parametrize("feature", ["plain", "segments", "sinks", "soft_cap", "qkvpacked"])
 def test_entry_register_tiles_lower_for_cuda(feature):
-  """JAX 0.12's head-dim-128 tiles (two compute warpgroups, dK and dV in two passes:
+  """JAX 0.12's head-dim-128 tiles (two compute warpgroups, dK and dV a warpgroup each:
   tuning._ENTRY_REGISTERS) lower for CUDA, forward and backward, with each feature they serve
   (not bias or mask: those keep the table's tiles), on a CPU host."""
   B, T, N, K, H = 1, 384, 4, 2, 128
@@ -1544,13 +1545,13 @@ def test_entry_register_tiles_lower_for_cuda(feature):
   spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=N if feature == "qkvpacked" else K,
                         is_causal=True, **kwargs)
   config = tuning.table_config(H, 2, packed=feature == "segments", entry_registers=True)
-  assert (config.fwd_wgs, config.dq_wgs, config.dkv_passes) == (2, 2, 2)
+  assert (config.fwd_wgs, config.dq_wgs, config.dkv_split) == (2, 2, True)
   if feature == "qkvpacked":
     ops = pack(jnp.stack([ops.q, ops.k, ops.v], axis=2), ops)
   text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
-  # the forward, the dQ kernel and the dK/dV kernel once per pass (a lowering error fails first)
+  # the forward, the dQ kernel and the dK/dV kernel (a lowering error fails first)
   kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-  assert len(kernels) == 4, (feature, len(kernels))
+  assert len(kernels) == 3, (feature, len(kernels))
 
 
 @pytest.mark.parametrize("feature", ["gqa", "segments_sinks_window", "soft_cap_paper",
@@ -1608,6 +1609,11 @@ def test_dkv_split_lowers_for_cuda(feature):
                         bias=jnp.zeros((1, 4, 384, 384), bf16))
   with pytest.raises(ValueError, match="dkv_split=True takes no bias"):
     mosaic._checked_config(spec, ops, mosaic.default_config(spec, ops).replace(dkv_split=True))
+  # nor, at head dim 256, three forward warpgroups (which failed to compile there)
+  spec, ops = _spec_ops(shape=(1, 384, 4, 256), kv_heads=4, is_causal=True)
+  with pytest.raises(ValueError, match="fwd_wgs=3: at head dim 256"):
+    mosaic._checked_config(spec, ops, tuning.table_config(256).replace(fwd=tuning.Tiles(64, 32, 2),
+                                                                       fwd_wgs=3))
   with pytest.raises(ValueError, match="dkv_split"):
     config.replace(dkv_passes=2)
 

@@ -253,6 +253,11 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
                      "its gradients are not bitwise reproducible; deterministic=True takes the "
                      "two-kernel backward (fused_dq=False)")
   config.check_smem(H, itemsize, **_extras(ops))
+  if H == 256 and config.fwd_wgs != tuning.COMPUTE_WGS:
+    # 160 registers a thread, of which the [64, 256] fp32 O takes 128: Mosaic GPU failed to
+    # compile it (H200, JAX 0.11.2, "Pass pipeline failed"; 64-key blocks do not fit besides)
+    raise ValueError(f"config.fwd_wgs={config.fwd_wgs}: at head dim 256 the forward runs "
+                     f"{tuning.COMPUTE_WGS} compute warpgroups")
   if fp8_forward(spec, ops.q.dtype) and config.fwd.block_kv != FP8_K:
     raise ValueError(f"config.fwd.block_kv={config.fwd.block_kv}: the FP8 forward's P V product "
                      f"reduces over {FP8_K} keys at a time (e4m3 wgmma); use {FP8_K}")

@@ -325,10 +325,10 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           _store(v_smem.at[buf, kw], grads_of["dv"].astype(v_smem.dtype), out_of["dv"].at[rows])
       return base + G * per_head
 
-    if not takes_p:   # under dkv_split the dV warpgroup loads the shared K and V
-      load_kv(0, 0)
-    if takes_p:
+    if takes_p:   # the P^T tile starts free; the dV warpgroup loads the shared K and V
       plgpu.barrier_arrive(p_free)
+    else:
+      load_kv(0, 0)
     key_tiles.run(run_tile)
     common.drain_stores()
 

@@ -358,11 +358,15 @@ _TOP_RESIDUAL = {128: dict(fwd_wgs=2)}
 # with two. At head dim 128 the table's three-warpgroup forward and dQ kernel then spill (1,456
 # bytes a thread in the forward) and serialise their wgmma (ptxas C7512), and the dK/dV kernel's
 # two fp32 accumulators (128 registers a thread) leave no room beside its score tiles. Two compute
-# warpgroups and dK, dV in two passes fit 168. H200, JAX 0.12.0.1, one process, time against
-# cuDNN at B4 T4096 N16 / B2 T8192 N32 K8 / B1 T16384 N16 causal: forward 0.98x / 1.03x / 1.09x
-# (the table's 0.32x / 0.33x / 0.29x), fwd+bwd 0.84x / 0.80x / 0.80x (0.42x / 0.39x / 0.42x).
-# The dK/dV sweep there (fwd+bwd, B4 T4096): two passes of 64-key tiles 2.51 ms, one pass 3.43 ms
-# (64-query blocks) and 3.01 ms (32), cuDNN 2.03 ms. Head dim 64 keeps its tiles (its forward ran
+# warpgroups fit 168, and so do dK and dV a warpgroup each (dkv_split: one fp32 accumulator a
+# warpgroup, four tile products a step). H200, JAX 0.12.0.1, one process, time against cuDNN at
+# B4 T4096 N16 / B2 T8192 N32 K8 / B1 T16384 N16 causal with dK and dV in two passes: forward
+# 0.98x / 1.03x / 1.09x (the table's 0.32x / 0.33x / 0.29x), fwd+bwd 0.84x / 0.80x / 0.80x (0.42x /
+# 0.39x / 0.42x). The dK/dV sweep there (fwd+bwd, B4 T4096): two passes of 64-key tiles 2.51 ms,
+# one pass 3.43 ms (64-query blocks) and 3.01 ms (32), cuDNN 2.03 ms; dkv_split (2026-11-29, one
+# process) 2.396 ms against the two passes' 2.540 at B4 T4096 (1.06x; cuDNN 2.165) and 8.475
+# against 8.987 at B1 T16384 (1.06x; cuDNN 7.271), with three stages 2.451 / 8.884.
+# Head dim 64 keeps its tiles (its forward ran
 # 1.30x cuDNN there); at 256 no tiling that fits reaches cuDNN (0.35-0.39x fwd+bwd; a 32-key
 # forward is 1.26x the table's, not taken untested on 0.12:
 # benchmarks/results/mosaic_sweep_h256_nvidia_h200_j012.md); it keeps the two dK/dV passes there
@@ -371,7 +375,7 @@ _TOP_RESIDUAL = {128: dict(fwd_wgs=2)}
 # call of the compiled tests that faulted on 0.12 (an illegal address) had a block mask, fp16, and
 # these tiles; with bias or mask the table already runs two warpgroups.
 # (On 0.11.2 that call with these tiles passes: the fault comes with 0.12's compilation.)
-_ENTRY_REGISTERS = {128: dict(fwd_wgs=2, dq_wgs=2, dkv_wgs=COMPUTE_WGS, dkv_passes=2,
+_ENTRY_REGISTERS = {128: dict(fwd_wgs=2, dq_wgs=2, dkv_wgs=COMPUTE_WGS, dkv_split=True,
                               fwd_persistent=False, dkv_persistent=False),
                     256: _PASSES_256}
 
