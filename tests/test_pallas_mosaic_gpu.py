@@ -1582,7 +1582,7 @@ def test_fp8_forward_lowers_for_cuda(feature):
     ops = pack(jnp.stack([ops.q, ops.k, ops.v], axis=2), ops)
   text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
   kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-  # the forward, the dQ kernel and the dK/dV kernel once per pass (two on JAX 0.12's tiles)
+  # the forward, the dQ kernel and the dK/dV kernel once per pass
   assert len(kernels) == 2 + config.dkv_passes, (feature, len(kernels))
   assert sum("f8E4M3FN" in line for line in kernels) == 1, feature   # the forward's operands
 

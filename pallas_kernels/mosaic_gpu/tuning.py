@@ -84,9 +84,10 @@ class TuningConfig:
   dkv_wgs: int = COMPUTE_WGS
   # dK and dV in one pass over one block_kv key tile per CTA, one gradient per warpgroup: the dV
   # warpgroup computes P^T and hands it (fp32, through shared memory) to the dK warpgroup, which
-  # computes dP^T: four tile products a step, where two passes take five (head dim 256, whose
-  # 64 x 256 fp32 dK and dV do not fit one warpgroup's registers together). Two warpgroups, one
-  # pass, no fused dQ, not persistent, no bias or mask operands (the API checks).
+  # computes dP^T: four tile products a step, where two passes take five. The table's at head dim
+  # 256, whose 64 x 256 fp32 dK and dV do not fit one warpgroup's registers together, and at 128
+  # where registers are fixed at entry (`_ENTRY_REGISTERS`). Two warpgroups, one pass, no fused
+  # dQ, not persistent, no bias or mask operands (the API checks).
   dkv_split: bool = False
   # A persistent forward: one CTA per SM taking the query tiles round-robin (heaviest rows
   # first), the next tile's Q loading during this one (two Q buffers, O staged apart); with two
@@ -243,7 +244,8 @@ TABLE = {
     # their fp32 accumulators do not fit one warpgroup together), beside 64-row Q/dO blocks. H200,
     # one process, fwd+bwd against the two passes over 32-query blocks it replaces (gradients
     # bitwise equal under the same tiles): 1.20x at B2 T4096 N8 causal, 1.36x at B1 T8192 N8 K4
-    # causal, now 1.11x cuDNN at both (docs/hopper_kernel.md).
+    # causal, 1.11x cuDNN at both in that run, 1.08x in benchmarks/attention.py's
+    # (docs/hopper_kernel.md).
     256: TuningConfig(fwd=_T(64, 64, 2), dkv=_T(64, 64, 2), dq=_T(64, 32, 2), dkv_split=True),
 }
 
