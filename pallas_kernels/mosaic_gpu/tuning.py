@@ -367,7 +367,8 @@ _TOP_RESIDUAL = {128: dict(fwd_wgs=2)}
 # 0.39x / 0.42x). The dK/dV sweep there (fwd+bwd, B4 T4096): two passes of 64-key tiles 2.51 ms,
 # one pass 3.43 ms (64-query blocks) and 3.01 ms (32), cuDNN 2.03 ms; dkv_split (2026-11-29, one
 # process) 2.396 ms against the two passes' 2.540 at B4 T4096 (1.06x; cuDNN 2.165) and 8.475
-# against 8.987 at B1 T16384 (1.06x; cuDNN 7.271), with three stages 2.451 / 8.884.
+# against 8.987 at B1 T16384 (1.06x; cuDNN 7.271), with three stages 2.451 / 8.884; at B2 T8192
+# N32 K8 8.993 against 9.629 (1.07x; cuDNN 7.799).
 # Head dim 64 keeps its tiles (its forward ran
 # 1.30x cuDNN there); at 256 no tiling that fits reaches cuDNN (0.35-0.39x fwd+bwd; a 32-key
 # forward is 1.26x the table's, not taken untested on 0.12:
