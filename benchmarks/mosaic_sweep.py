@@ -32,13 +32,13 @@ VARIANTS = {   # TuningConfig fields each variant replaces
     # take three (their second Q buffer fits shared memory at head dim 64)
     "fwd": [dict(fwd=t, fwd_wgs=w, fwd_persistent=p) for w in (2, 3) for p in (False, True)
             for t in _FWD if (w == 2 and not p) or (w == 3 and t.block_kv <= 128)],
-    "dkv": [dict(dkv=t, dkv_passes=1) for t in (T(64, 64, 2), T(64, 64, 3), T(64, 64, 4),
-                                                T(128, 64, 2), T(32, 64, 2), T(32, 64, 3),
-                                                T(32, 64, 4))],
+    "dkv": [dict(dkv=t, dkv_passes=1, dkv_split=False)
+            for t in (T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(128, 64, 2), T(32, 64, 2),
+                      T(32, 64, 3), T(32, 64, 4))],
     # dK and dV in two passes, one fp32 accumulator each: what fits where the toolchain keeps
     # every thread at its entry registers (ptxas ignoring setmaxnreg: docs/ptxas_setmaxnreg.md)
-    "dkv2": [dict(dkv=t, dkv_passes=2) for t in (T(64, 64, 2), T(64, 64, 3), T(32, 64, 2),
-                                                 T(32, 64, 4))],
+    "dkv2": [dict(dkv=t, dkv_passes=2, dkv_split=False, dkv_persistent=False)
+             for t in (T(64, 64, 2), T(64, 64, 3), T(32, 64, 2), T(32, 64, 4))],
     # dK and dV in one pass, one warpgroup each over one key tile (`dkv_split`): head dim 256's;
     # at 128, 128-row Q/dO blocks fit beside it
     "dkvs": [dict(dkv=t, dkv_passes=1, dkv_split=True, dkv_persistent=False)

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import attention, compile_time, features, fp8, peers, profile_mosaic, safe_cost
+from benchmarks import (attention, compile_time, features, fp8, mosaic_sweep, peers, profile_mosaic,
+                        safe_cost)
 
 
 @pytest.mark.slow
@@ -297,3 +298,17 @@ def test_context_parallel_figure_from_written_rows(tmp_path):
   assert (tmp_path / "rows.png").stat().st_size > 10_000
   with pytest.raises(SystemExit):
     context_parallel.main(["--plot-from", str(tmp_path / "missing.json")])
+
+
+@pytest.mark.parametrize("entry_registers", [False, True])
+def test_mosaic_sweep_variants_are_configs_of_every_table(entry_registers):
+  """Every tiling variant of benchmarks/mosaic_sweep.py, applied to each head dim's table (and
+  JAX 0.12's), is a valid TuningConfig that changes only what it names: a variant that left the
+  table's dkv_split on under two passes would be refused, and one pass would run split."""
+  from pallas_kernels.mosaic_gpu import tuning
+  for h in tuning.HEAD_DIMS:
+    base = tuning.table_config(h, entry_registers=entry_registers)
+    for kernel, variants in mosaic_sweep.VARIANTS.items():
+      for variant in variants:
+        config = base.replace(**variant)
+        assert config.dkv_split == (kernel == "dkvs") or kernel in ("fwd", "dq"), (h, variant)
