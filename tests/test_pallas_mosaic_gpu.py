@@ -1617,6 +1617,34 @@ def test_dkv_split_lowers_for_cuda(feature):
   with pytest.raises(ValueError, match="dkv_split"):
     config.replace(dkv_passes=2)
 
+@pytest.mark.parametrize("feature, ordered", [
+    ("plain", 0), ("bias_with_k", 1), ("bias_apart", 1), ("mask", 1), ("segments", 1),
+    ("dkv_split", 1)])
+def test_releases_after_thread_reads_wait_for_the_warpgroup(feature, ordered, monkeypatch):
+  """A slot whose tiles threads read (a bias, mask or segment-id tile with K, the bias buffer
+  apart from K, dkv_split's P^T) is released after a warpgroup barrier (common.release): Pallas
+  arrives from one thread, and a lagging warp's reads could otherwise land after the producer's
+  next TMA copy (as they did for the bias buffer without one). Counted while the kernels trace
+  for CUDA: none where only the tensor cores read the slots."""
+  barriers = []
+  original = common._warpgroup_barrier
+  monkeypatch.setattr(common, "_warpgroup_barrier", lambda: (barriers.append(1), original())[1])
+  H = dict(bias_with_k=64, dkv_split=256).get(feature, 128)
+  T = 256
+  kwargs = dict(
+      bias_with_k=dict(bias=jnp.zeros((1, 2, T, T), bf16)),
+      bias_apart=dict(bias=jnp.zeros((1, 2, T, T), bf16)),
+      mask=dict(mask=jnp.asarray(np.random.default_rng().random((1, 1, T, T)) < 0.8)),
+      segments=dict(q_segment_ids=jnp.asarray(np.repeat(np.arange(2), T // 2)[None],
+                                              jnp.int32))).get(feature, {})
+  spec, ops = _spec_ops(shape=(1, T, 2, H), kv_heads=2, is_causal=feature != "mask", **kwargs)
+  config = mosaic.default_config(spec, ops)
+  assert config.fwd_bias_apart == (feature == "bias_apart")
+  assert config.dkv_split == (feature == "dkv_split")
+  cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+  assert bool(barriers) == bool(ordered), (feature, len(barriers))
+
+
 def test_fp8_forward_takes_128_key_blocks():
   spec, ops = _spec_ops(shape=(1, 256, 2, 128), kv_heads=2, is_causal=True, numerics=FP8)
   config = mosaic.default_config(spec, ops)

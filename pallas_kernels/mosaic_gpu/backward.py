@@ -161,7 +161,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
       """dkv_split, the dK warpgroup: this step's P^T from the dV warpgroup."""
       plgpu.barrier_wait(p_ready)
       p_t = common.load_tile(p_smem, plgpu.Layout.WGMMA)
-      plgpu.barrier_arrive(p_free)
+      common.release(p_free)
       return p_t
 
     def run_tile(i, base):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
 
 from stable_attn import blocks, fp8, tile
 from stable_attn import numerics as numerics_lib
@@ -684,6 +685,25 @@ def drain_stores():
   FlashAttention-3's epilogues end); waiting for them kept each CTA on its SM for a store's round
   trip, ahead of the next CTA's start."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@plgpu.inline_mgpu()
+def _warpgroup_barrier(_):
+  mgpu.utils.warpgroup_barrier()
+
+
+def release(free, after_reads: bool = True):
+  """Frees a slot whose tiles this warpgroup's threads have read (a bias, mask, segment-id or P
+  tile). Pallas arrives on `free` from one thread, and nothing orders the other three warps'
+  shared-memory reads before that arrival, so the producer's next TMA copy could overwrite a
+  row a lagging warp has not read yet (it did, for the bias buffer: docs/hopper_kernel.md). A
+  warpgroup barrier (bar.sync) first orders them, as every consumer thread's own arrival does
+  in CUTLASS's pipelines and tokamax's named barriers; no proxy fence is needed for a TMA write
+  after generic reads. after_reads=False: only the tensor cores read the slot, and the
+  product's wait already ordered those reads."""
+  if after_reads:
+    _warpgroup_barrier()
+  plgpu.barrier_arrive(free)
 
 
 def slot_of(step, stages: int):

@@ -38,7 +38,7 @@ read's latency hides behind the tensor cores), before the slot is freed; with a 
 stays outside the tile (tile.scores). A bias may stream apart from K instead
 (TuningConfig.fwd_bias_apart, the table's at head dim 128: tuning._BIAS_APART): one [block_q,
 block_kv] buffer per warpgroup, each its own ring of one slot in the producer's stream, released
-(after a fence) once QK^T has landed; half the shared memory of a slot per stage, so 128-key
+(after a warpgroup barrier: common.release) once QK^T has landed; half the shared memory of a slot per stage, so 128-key
 blocks fit beside it. The mask's block ranges (blocks.mask_sections) bound the
 loop like the segments', the producer streams only the blocks whose tile holds a True for the
 CTA's rows (blocks.mask_order), and only edge blocks read the mask tile.
@@ -201,14 +201,14 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
       def softmax(slot, j, qk, beside, acc, stats, kind):
         bias, allowed, kv_ids = beside   # read during QK^T, before the slot is freed
-        plgpu.barrier_arrive(k_free.at[slot])
+        # Threads read what travels with K and the bias buffer: a warpgroup barrier orders those
+        # reads before the release (common.release). Released without one, the bias buffer's
+        # next TMA copy overwrote rows not yet read (three warpgroups: wrong O in every run; H200,
+        # JAX 0.11.2); with a proxy fence as well, the forward ran 0.98-0.99x as fast.
+        with_k = (bias is not None and not apart) or allowed is not None or kv_ids is not None
+        common.release(k_free.at[slot], after_reads=with_k)
         if apart:
-          # The fence first: without it the compiled reads of the bias tile landed after the
-          # release, and the next block's TMA copy overwrote rows not yet read (three warpgroups:
-          # wrong O in every run; H200, JAX 0.11.2). Released during QK^T, after a fence, it ran
-          # 0.94-0.95x as fast (the fence waits on the product in flight, presumably).
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(bias_free.at[wg])
+          common.release(bias_free.at[wg], after_reads=not with_k)
         ok = None
         if kind == "masked":
           ok = call.visible((bq, bk), q_start, j * bk, lens, q_ids=q_ids(),
