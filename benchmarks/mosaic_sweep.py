@@ -57,6 +57,8 @@ def main(argv=None):
                       "h256: the head-dim-256 rows")
   p.add_argument("--kernels", default="fwd,dkv,dq")
   p.add_argument("--max-adjust", default="safe")
+  p.add_argument("--soft-cap", type=float, default=None,
+                 help="our calls' logits_soft_cap (cuDNN's line stays uncapped: jax.nn has none)")
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--blocks", type=int, default=3)
   args = p.parse_args(argv)
@@ -79,7 +81,8 @@ def main(argv=None):
     base = tuning.table_config(H, entry_registers=tuning.registers_fixed_at_entry(jax.__version__))
     for forward_only in (True, False):
       ms, tf = timed(cudnn, forward_only)
-      print(f"sweep {bench.shape_name(shape)} cudnn {'fwd' if forward_only else 'f+b'}: "
+      print(f"sweep {bench.shape_name(shape)} cudnn {'fwd' if forward_only else 'f+b'}"
+            f"{' (no cap)' if args.soft_cap else ''}: "
             f"{ms:.3f} ms {tf:.0f} TF", flush=True)
     for kernel in args.kernels.split(","):
       for variant in VARIANTS[kernel]:
@@ -95,7 +98,8 @@ def main(argv=None):
           fn = functools.partial(
               lambda q, k, v, config: stable_attn.dot_product_attention(
                   q, k, v, is_causal=causal, implementation="pallas_mosaic_gpu",
-                  max_adjust=args.max_adjust, config=config), config=config)
+                  max_adjust=args.max_adjust, logits_soft_cap=args.soft_cap, config=config),
+              config=config)
           ms, tf = timed(fn, kernel == "fwd")
           line = f"{ms:.3f} ms {tf:.0f} TF{tag}"
         except Exception as e:

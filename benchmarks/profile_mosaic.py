@@ -2,6 +2,7 @@
 
   python -m benchmarks.profile_mosaic [--shapes targets|short|gpt2|h128|16k|h256]
                                       [--max-adjust safe] [--bias alibi] [--backward] [--fused]
+                                      [--numerics fp8]
 
 Runs each shape once unprofiled (compile, warm-up), then once inside `common.profiling`, which
 makes every compute warpgroup record its named regions (`jax.named_scope` in the kernel bodies:
@@ -30,7 +31,9 @@ import jax.numpy as jnp
 import stable_attn
 from benchmarks.attention import H256, TARGETS, make_inputs, shape_name
 from benchmarks.features import _alibi
+import pallas_kernels.mosaic_gpu as mosaic
 from pallas_kernels.mosaic_gpu import common, tuning
+from stable_attn.api import Options, canonicalize
 
 
 def traces(path):
@@ -62,10 +65,12 @@ def regions(trace):
   return found
 
 
-def summarize(path) -> list[str]:
+def summarize(path, wgs: int = 2) -> list[str]:
+  """wgs: the kernel's compute warpgroups per CTA (the producer is warpgroup wgs)."""
   by_trace, starts = traces(path)
-  # The dump's trace id is 1 + warpgroup + 3 * CTA; warpgroup 2, the producer, names no region.
-  by_trace = {k: v for k, v in by_trace.items() if (k[1] - 1) % 3 != 2}
+  # The dump's trace id is 1 + warpgroup + (wgs + 1) * CTA; the producer names no region.
+  per_cta = wgs + 1
+  by_trace = {k: v for k, v in by_trace.items() if (k[1] - 1) % per_cta != wgs}
   spans = {k: v[-1][2] for k, v in by_trace.items() if v}
   per_region = collections.defaultdict(lambda: [0, 0.0])   # entries, cycles (over traces)
   for trace in by_trace.values():
@@ -83,7 +88,7 @@ def summarize(path) -> list[str]:
   # Per SM, one CTA after another: warpgroup 0's traces.
   by_sm = collections.defaultdict(list)
   for (sm, tid), t in starts.items():
-    if (tid - 1) % 3 == 0:
+    if (tid - 1) % per_cta == 0:
       by_sm[sm].append((t, spans[(sm, tid)]))
   intervals, cta_spans = [], []
   for rows in by_sm.values():
@@ -105,6 +110,10 @@ def main(argv=None):
                        "B4 T4096 N16 H128 causal, B1 T16384 N16 H128 causal, or "
                        "B2 T4096 N8 H256 causal")
   ap.add_argument("--max-adjust", default="safe", choices=["off", "safe", "paper"])
+  ap.add_argument("--numerics", default="fast",
+                  help="the call's numerics: e.g. fp8 (the preset) or "
+                       "fast+qkv=e4m3+p=e4m3+p_scale=256 (FlashAttention-3's FP8 arithmetic), "
+                       "whose forwards run the FP8 kernel")
   ap.add_argument("--bias", default="none", choices=["none", "alibi"],
                   help="alibi: a bf16 ALiBi bias [1, N, T, T] beside K (its tiles stream with K)")
   ap.add_argument("--backward", action="store_true", help="profile the backward kernels too")
@@ -120,6 +129,7 @@ def main(argv=None):
   shapes = {"targets": TARGETS, "short": TARGETS[:3], "gpt2": TARGETS[:1],
             "h128": TARGETS[1:2], "16k": TARGETS[4:], "h256": H256[:1]}[args.shapes]
   report = [f"# Hopper kernel profile ({jax.devices()[0].device_kind}, bf16, "
+            f"{'' if args.numerics == 'fast' else f'numerics={args.numerics}, '}"
             f"max_adjust={args.max_adjust}{', ALiBi bias' if args.bias == 'alibi' else ''}"
             f"{', fused backward' if args.fused else ''})", ""]
   for shape in shapes:
@@ -127,9 +137,14 @@ def main(argv=None):
     q, k, v, do = make_inputs(B, T, N, K, H, jnp.bfloat16)
     bias = _alibi((B, T, N, H)) if args.bias == "alibi" else None
     config = tuning.fused_dq_config(H) if args.fused else None
+    spec, ops, _ = canonicalize(q, k, v, bias, None, Options(
+        is_causal=causal, implementation="pallas_mosaic_gpu", max_adjust=args.max_adjust,
+        numerics=args.numerics))
+    used = config or mosaic.default_config(spec, ops)
+    wgs = dict(forward=used.fwd_wgs, dq=used.dq_wgs)   # else a dK/dV kernel's
     attend = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, bias, is_causal=causal, implementation="pallas_mosaic_gpu",
-        max_adjust=args.max_adjust, config=config)
+        max_adjust=args.max_adjust, numerics=args.numerics, config=config)
     if args.backward:
       fn = jax.jit(lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do))
       operands = (q, k, v, do)
@@ -145,7 +160,9 @@ def main(argv=None):
                    f"{str(e).splitlines()[0][:200]}", ""]
       for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
         kernel = os.path.basename(path).split("-")[0]
-        report += [f"## {shape_name(shape)}: {kernel}", ""] + summarize(path) + [""]
+        part = kernel.removeprefix("stable_attn_").split("_mosaic")[0]
+        report += [f"## {shape_name(shape)}: {kernel}", ""]
+        report += summarize(path, wgs.get(part, used.dkv_wgs)) + [""]
   text = "\n".join(report)
   print(text)
   if args.out:

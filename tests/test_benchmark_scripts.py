@@ -168,28 +168,30 @@ def test_compile_time_leaves_out_backward_kernels():
   assert {name: getattr(backward, name) for name in kernels.values()} == originals
 
 
-def test_profile_summary_of_a_known_trace(tmp_path):
+@pytest.mark.parametrize("wgs", [2, 3])
+def test_profile_summary_of_a_known_trace(tmp_path, wgs):
   """profile_mosaic reads Mosaic GPU's Chrome trace (ts = (globaltimer ns + cycles) / 1e3, trace
-  id 1 + warpgroup + 3 * CTA): nested regions, per-entry and per-warpgroup cycles, the producer
-  left out, and per SM the time from one CTA's start to the next's."""
+  id 1 + warpgroup + (wgs + 1) * CTA, the producer being warpgroup wgs): nested regions,
+  per-entry and per-warpgroup cycles, the producer left out, and per SM the time from one CTA's
+  start to the next's."""
   rng = np.random.default_rng()
   qk, rest, tail = (int(x) for x in rng.integers(50, 500, size=3))
   full = qk + rest   # qk nests inside full
   events = []
   for cta, start_ns in ((0, 1000.0), (1, 9000.0)):   # one SM, one CTA after the other
-    for wg in range(3):
-      names = [("Init", 0, 10)] if wg == 2 else [
+    for wg in range(wgs + 1):
+      names = [("Init", 0, 10)] if wg == wgs else [
           ("full", 10, 10 + full), ("qk", 10, 10 + qk), ("epilogue", 10 + full, 10 + full + tail)]
       for name, enter, leave in names:
         for ph, t in (("B", enter), ("E", leave)):
           events.append(dict(name=name, ph=ph, ts=(start_ns + t) / 1e3, pid=7,
-                             tid=1 + wg + 3 * cta))
+                             tid=1 + wg + (wgs + 1) * cta))
   events.sort(key=lambda e: (e["tid"], e["ts"], e["ph"] == "B"))   # E before B at equal times
   path = tmp_path / "trace.json"
   path.write_text(json.dumps({"traceEvents": events}))
-  text = "\n".join(profile_mosaic.summarize(str(path)))
+  text = "\n".join(profile_mosaic.summarize(str(path), wgs))
   span = full + tail
-  assert f"4 compute-warpgroup traces; mean span {span:,.0f} cycles" in text
+  assert f"{2 * wgs} compute-warpgroup traces; mean span {span:,.0f} cycles" in text
   assert f"| full/qk | 1.00 | {qk:,} | {qk:,} | {qk / span:.1%} |" in text
   assert f"| epilogue | 1.00 | {tail:,} | {tail:,} |" in text
   assert "Init" not in text   # the producer's
