@@ -152,19 +152,6 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
           rendezvous()
           return carry
 
-        qk, beside = scores_of(slot, kind)
-        with jax.named_scope("softmax"):
-          acc, stats, probs = softmax(slot, j, qk, beside, acc, stats, kind)
-        wait_v(slot)
-        with jax.named_scope("pv"):
-          acc = pl.run_state(lambda acc_ref: pv_product(acc_ref, p, slot, probs))(
-              plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(v_free.at[slot])
-        return acc, stats
-
-      def scores_of(slot, kind):
-        """QK^T of the block in `slot` (its wait also waits for any product still in flight),
-        and what travels with K."""
         def qk_product(acc_ref):
           plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
           # What travels with K is read into registers while the product runs.
@@ -173,9 +160,9 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
           return acc_ref[...], beside
 
         with jax.named_scope("qk"):
-          return pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
-
-      def wait_v(slot):
+          qk, beside = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
+        with jax.named_scope("softmax"):
+          acc, stats, probs = softmax(slot, j, qk, beside, acc, stats, kind)
         with jax.named_scope("wait_v"):
           if wgs == 2:
             plgpu.barrier_arrive(schedule)
@@ -183,47 +170,20 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
           if wgs == 2:
             plgpu.barrier_wait(schedule)
 
-      def pv_product(acc_ref, p, slot, probs):
-        """Issues O += P V for the block at position p; then waits for the next block's K."""
-        if fp8:   # V^T in SMEM viewed transposed: K-major, as 8-bit wgmma operands must be
-          v_t = v_smem.at[slot].transpose((1, 0))
-          plgpu.wgmma(acc_ref, p_smem.at[wg], v_t)
-          if r_smem is not None:   # the top keys' residual (tile.rescale's split_top)
-            plgpu.wgmma(acc_ref, r_smem.at[wg], v_t)
-        else:
-          plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
-        wait_k(p + 1)
+        def pv_product(acc_ref):
+          if fp8:   # V^T in SMEM viewed transposed: K-major, as 8-bit wgmma operands must be
+            v_t = v_smem.at[slot].transpose((1, 0))
+            plgpu.wgmma(acc_ref, p_smem.at[wg], v_t)
+            if r_smem is not None:   # the top keys' residual (tile.rescale's split_top)
+              plgpu.wgmma(acc_ref, r_smem.at[wg], v_t)
+          else:
+            plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+          wait_k(p + 1)
 
-      def full_overlapped(start, stop, carry):
-        """TuningConfig.fwd_overlap: the blocks all rows see whole, each PV product left in
-        flight into the next step, whose QK^T is issued behind it and whose wait for S waits
-        for both (one round trip to the tensor cores a step, not two); only then is the last
-        block's V released, and O read for its rescale. P in registers (bf16) stays live until
-        then; an FP8 P waits in shared memory, which the next softmax rewrites after that wait."""
-        def run(o_ref):
-          acc, stats = carry
-          o_ref[...] = acc
-
-          def one(p, stats):
-            with jax.named_scope("full"):
-              slot = slot_of(p)
-              qk, beside = scores_of(slot, "full")
-              pl.when(p > start)(lambda: plgpu.barrier_arrive(v_free.at[slot_of(p - 1)]))
-              with jax.named_scope("softmax"):
-                acc = plgpu.wgmma_accumulator_load(o_ref, wait_n=None)   # landed with S
-                acc, stats, probs = softmax(slot, order.block(p), qk, beside, acc, stats, "full")
-                o_ref[...] = acc
-              wait_v(slot)
-              with jax.named_scope("pv"):
-                pv_product(o_ref, p, slot, probs)
-              return stats
-
-          stats = lax.fori_loop(start, stop, one, stats)
-          acc = o_ref[...]   # waits for the last PV product
-          pl.when(stop > start)(lambda: plgpu.barrier_arrive(v_free.at[slot_of(stop - 1)]))
-          return acc, stats
-
-        return pl.run_scoped(run, plgpu.ACC((bq, call.pad.H), f32))
+        with jax.named_scope("pv"):
+          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_free.at[slot])
+        return acc, stats
 
       def read_beside(slot, kind):
         """The bias tile, the mask tile and the keys' segment ids of the block in `slot` (each
@@ -273,10 +233,8 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
         wait_k(order.first)
       init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
-      flags = common.block_flags(ranges.mask_blocks, b, n, q_start // bq)
-      overlap = call.config.fwd_overlap and flags is None
-      acc, stats = common.sections(order, mine, step, init, flags,
-                                   full=full_overlapped if overlap else None)
+      acc, stats = common.sections(order, mine, step, init,
+                                   common.block_flags(ranges.mask_blocks, b, n, q_start // bq))
       with jax.named_scope("epilogue"):
         pl.when(wg == 0)(rendezvous)
         sink = None if refs.sinks is None else refs.sinks[n].astype(f32)

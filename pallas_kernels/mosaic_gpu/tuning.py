@@ -114,11 +114,6 @@ class TuningConfig:
   # instead of one per stage: 128-key blocks fit beside it at head dim 128. No effect without a
   # bias (a mask stays with K).
   fwd_bias_apart: bool = False
-  # The forward's blocks that every row sees whole run with each PV product still in flight when
-  # the next QK^T is issued: one wait a step for both (FlashAttention-3 overlaps further, QK^T of
-  # the next block during this softmax, which needs a second S accumulator's registers). Not
-  # under a mask operand (its steps take a flag each).
-  fwd_overlap: bool = False
   # With a bias or mask that every batch row shares ([1, Nx, T, S]), grids of (heads, rows, batch),
   # batch fastest: the CTAs that read one of its tiles run side by side and HBM serves it once
   # (common.batch_inner). False keeps (batch, heads, rows), as without one.
