@@ -1093,43 +1093,6 @@ def test_gpu_dkv_split_matches_the_passes(name, max_adjust):
   _assert_bitwise_equal(_outputs_and_grads(args, kwargs, do, max_adjust, passes),
                         _outputs_and_grads(args, kwargs, do, max_adjust, split))
 
-# TuningConfig.fwd_overlap needs runs of blocks every row sees whole: long key ranges, beside the
-# shared cases (bias, soft cap, sinks, GQA, lengths, packed rows, windows); no mask operand.
-OVERLAP_CASES = {
-    "full_h128": dict(B=2, T=200, S=700, N=4, K=2, H=128, kv_lens=(700, 555)),
-    "causal_h128_long": dict(B=1, T=1100, S=1100, N=4, K=4, H=128, is_causal=True),
-    "causal_h64_long": dict(B=2, T=900, S=900, N=2, K=1, H=64, is_causal=True),
-    **{name: GPU_CASES[name] for name in ("softcap_sinks_gqa_h128", "cross_window",
-                                          "packed_causal_gqa", "alibi_causal_h64")},
-}
-
-
-@pytest.mark.gpu
-@on_hopper
-@pytest.mark.parametrize("max_adjust", ["off", "safe"])
-@pytest.mark.parametrize("numerics", ["fast", FP8])   # the preset's forward: two warpgroups
-@pytest.mark.parametrize("name", list(OVERLAP_CASES))
-def test_gpu_fwd_overlap_matches_the_table(name, numerics, max_adjust):
-  """TuningConfig.fwd_overlap (a warpgroup's softmax of block j beside its PV product of block
-  j - 1) computes the same products and roundings in the same order: O, the LSE and the
-  gradients bitwise equal to the forward without it over the same tiles and three warpgroups,
-  bf16 and FlashAttention-3's FP8 arithmetic (where it serves the call: no bias)."""
-  case = dict(OVERLAP_CASES[name])
-  if numerics != "fast" and "bias" in case:
-    pytest.skip("the FP8 forward takes no bias")
-  if numerics == FP8 and max_adjust == "safe":
-    pytest.skip("'safe' over an e4m3 top key warns and is not a kernel path of its own")
-  (q, k, v, bias, mask), kwargs, do = cases.make_inputs(case, bf16, 5)
-  kwargs["numerics"] = numerics
-  spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL,
-                                                           max_adjust=max_adjust, **kwargs))
-  table = mosaic.default_config(spec, ops).replace(fwd_wgs=3)
-  args = (q, k, v, bias, None)
-  _assert_bitwise_equal(
-      _outputs_and_grads(args, kwargs, do, max_adjust, table),
-      _outputs_and_grads(args, kwargs, do, max_adjust, table.replace(fwd_overlap=True)))
-
-
 # A bias without a mask: the forward's three warpgroups (grid and persistent) take its tiles of
 # all their rows; the last CTA's first warpgroups idle (T not a multiple of 192), its bias tile
 # starting above row 0 (TMA fills the rows before it with zeros, which no warpgroup reads).
@@ -1680,28 +1643,6 @@ def test_releases_after_thread_reads_wait_for_the_warpgroup(feature, ordered, mo
   assert config.dkv_split == (feature == "dkv_split")
   cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
   assert bool(barriers) == bool(ordered), (feature, len(barriers))
-
-
-@pytest.mark.parametrize("feature", ["plain", "fp8", "h64", "alibi_h64", "soft_cap", "segments"])
-def test_fwd_overlap_lowers_for_cuda(feature):
-  """TuningConfig.fwd_overlap (a warpgroup's softmax beside its previous PV product) lowers for
-  CUDA with what the forward serves, on three warpgroups, on a CPU host; it needs three
-  (ValueError otherwise)."""
-  H = 64 if feature in ("h64", "alibi_h64") else 128
-  T = 640
-  kwargs = dict(
-      fp8=dict(numerics=FP8, max_adjust="off"), preset=dict(numerics="fp8"),
-      alibi_h64=dict(bias=jnp.zeros((1, 2, T, T), bf16)), soft_cap=dict(logits_soft_cap=30.0),
-      segments=dict(q_segment_ids=jnp.asarray(np.repeat(np.arange(2), T // 2)[None], jnp.int32)),
-      ).get(feature, {})
-  spec, ops = _spec_ops(shape=(1, T, 2, H), kv_heads=2, is_causal=True, **kwargs)
-  table = mosaic.default_config(spec, ops).replace(fwd_wgs=3)
-  lower = lambda config: cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
-  plain, overlapped = lower(table), lower(table.replace(fwd_overlap=True))
-  assert sum("custom_call @mosaic_gpu" in line for line in overlapped.splitlines()) == 3
-  assert plain != overlapped, feature
-  with pytest.raises(ValueError, match="fwd_overlap runs three"):
-    table.replace(fwd_wgs=2, fwd_overlap=True)
 
 
 def test_fp8_forward_takes_128_key_blocks():

@@ -372,7 +372,7 @@ def clamp_ranges(ranges, lo, hi):
   return a, b, c, d
 
 
-def sections(order: Schedule, my_ranges, step, carry, flags=None, full=None):
+def sections(order: Schedule, my_ranges, step, carry, flags=None):
   """Runs step(p, j, carry, kind) over the CTA's streamed positions p (block j = order.block(p)):
   "skip" outside this warpgroup's range (my_ranges, clamped into the union), "masked" on its
   edge blocks and "full" on the blocks all its rows see whole.
@@ -382,11 +382,7 @@ def sections(order: Schedule, my_ranges, step, carry, flags=None, full=None):
   skip step that knows the block was in its range). Each step loads the next block's index and
   flag, so their latency hides behind a block. (An all-True tile could run unmasked as well: a
   third branch, measured on an H100 at B4 T4096 N16 H128, made a 25%-block-sparse mask 14%
-  faster and a random 80% mask 29% slower, so masked blocks keep one kind.)
-
-  full: None, or full(start, stop, carry) -> carry, which runs the "full" positions [start, stop)
-  itself in place of `step` (the forward's TuningConfig.fwd_overlap); without flags only."""
-  assert full is None or flags is None, "a loop of its own for the full blocks takes no flags"
+  faster and a random 80% mask 29% slower, so masked blocks keep one kind.)"""
   bounds = (order.first, *(order.rank(x) for x in my_ranges), order.stop)
 
   def named(p, j, carry, kind):
@@ -410,9 +406,6 @@ def sections(order: Schedule, my_ranges, step, carry, flags=None, full=None):
     first = order.block(order.first)
     carry = (carry, first, flags(first))
   for start, stop, kind in zip(bounds, bounds[1:], ("skip", "masked", "full", "masked", "skip")):
-    if kind == "full" and full is not None:
-      carry = full(start, stop, carry)
-      continue
     carry = lax.fori_loop(start, stop, lambda p, x, kind=kind: body(p, x, kind), carry)
   return carry if flags is None else carry[0]
 

@@ -152,19 +152,6 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
           rendezvous()
           return carry
 
-        qk, beside = scores_of(slot, kind)
-        with jax.named_scope("softmax"):
-          acc, stats, probs = softmax(slot, j, qk, beside, acc, stats, kind)
-        wait_v(slot)
-        with jax.named_scope("pv"):
-          acc = pl.run_state(lambda acc_ref: pv_product(acc_ref, p, slot, probs))(
-              plgpu.ACC.init(acc))
-          plgpu.barrier_arrive(v_free.at[slot])
-        return acc, stats
-
-      def scores_of(slot, kind):
-        """QK^T of the block in `slot` (its wait also waits for any product still in flight),
-        and what travels with K."""
         def qk_product(acc_ref):
           plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
           # What travels with K is read into registers while the product runs.
@@ -173,9 +160,9 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
           return acc_ref[...], beside
 
         with jax.named_scope("qk"):
-          return pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
-
-      def wait_v(slot):
+          qk, beside = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), f32))
+        with jax.named_scope("softmax"):
+          acc, stats, probs = softmax(slot, j, qk, beside, acc, stats, kind)
         with jax.named_scope("wait_v"):
           if wgs == 2:
             plgpu.barrier_arrive(schedule)
@@ -183,97 +170,20 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
           if wgs == 2:
             plgpu.barrier_wait(schedule)
 
-      def p_tiles(pbuf):
-        """This warpgroup's FP8 P tile and the preset's residual tile, in P buffer pbuf (None:
-        the one buffer; fwd_overlap's two alternate by position)."""
-        at = wg if pbuf is None else pbuf * wgs + wg
-        return p_smem.at[at], None if r_smem is None else r_smem.at[at]
-
-      def pv_product(acc_ref, p, slot, probs, pbuf=None, then_wait_k=True):
-        """Issues O += P V for the block at position p; then waits for the next block's K."""
-        if fp8:   # V^T in SMEM viewed transposed: K-major, as 8-bit wgmma operands must be
-          v_t = v_smem.at[slot].transpose((1, 0))
-          p_tile, r_tile = p_tiles(pbuf)
-          plgpu.wgmma(acc_ref, p_tile, v_t)
-          if r_tile is not None:   # the top keys' residual (tile.rescale's split_top)
-            plgpu.wgmma(acc_ref, r_tile, v_t)
-        else:
-          plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
-        if then_wait_k:
+        def pv_product(acc_ref):
+          if fp8:   # V^T in SMEM viewed transposed: K-major, as 8-bit wgmma operands must be
+            v_t = v_smem.at[slot].transpose((1, 0))
+            plgpu.wgmma(acc_ref, p_smem.at[wg], v_t)
+            if r_smem is not None:   # the top keys' residual (tile.rescale's split_top)
+              plgpu.wgmma(acc_ref, r_smem.at[wg], v_t)
+          else:
+            plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
           wait_k(p + 1)
 
-      def full_overlapped(start, stop, carry):
-        """TuningConfig.fwd_overlap, FlashAttention-3's intra-warpgroup overlap over the blocks
-        all rows see whole: a step issues QK^T of its block, rescales O and issues PV of the
-        block before (its P from the last step), waits for QK^T only, and runs its softmax while
-        that PV is on the tensor cores. The same products and roundings in the same order as
-        `step` (O * alpha + P V, each alpha applied one step later), so bitwise its result. P
-        stays live a step longer: in registers (bf16), or in the second of two shared-memory
-        buffers (FP8)."""
-        pv_groups = 1 + (r_smem is not None)   # wgmma groups PV issues
-
-        def scores(slot, behind=None):
-          """QK^T of the block in `slot` and what travels with K (read while it runs); behind():
-          issues more products after it (O's rescale and the previous block's PV), which stay
-          in flight."""
-          def body(s_ref):
-            plgpu.wgmma(s_ref, q, k_smem.at[slot].transpose((1, 0)))
-            beside = read_beside(slot, "full")
-            rendezvous()
-            if behind is not None:
-              behind()
-            waits = 0 if behind is None else pv_groups
-            return plgpu.wgmma_accumulator_load(s_ref, wait_n=waits), beside
-          return pl.run_scoped(body, plgpu.ACC((bq, bk), f32))
-
-        def run(o_ref, carry):
-          acc, stats = carry
-          first = slot_of(start)   # its K was waited for by the step before
-          with jax.named_scope("full"):
-            qk, beside = scores(first)
-            with jax.named_scope("softmax"):
-              alpha, stats, probs = softmax(first, order.block(start), qk, beside, None, stats,
-                                            "full", pbuf=lax.rem(start, 2) if fp8 else None)
-          o_ref[...] = tile.scale_acc(acc, alpha, dt=dt)
-
-          def one(p, state):
-            stats, probs = state   # of block p - 1
-            slot, before = slot_of(p), slot_of(p - 1)
-            pbuf = lax.rem(p, 2) if fp8 else None
-            with jax.named_scope("full"):
-              wait_k(p)
-
-              def behind():
-                wait_v(before)
-                pv_product(o_ref, p - 1, before, probs, 1 - pbuf if fp8 else None,
-                           then_wait_k=False)
-
-              qk, beside = scores(slot, behind)
-              with jax.named_scope("softmax"):
-                alpha, stats, probs = softmax(slot, order.block(p), qk, beside, None, stats,
-                                              "full", pbuf=pbuf)
-              plgpu.wgmma_wait(0)   # the previous block's PV
-              plgpu.barrier_arrive(v_free.at[before])
-              # O rescaled once that PV has landed, before the next QK^T is issued (between
-              # the two products ptxas serialised the wgmmas: C7513)
-              o_ref[...] = tile.scale_acc(plgpu.wgmma_accumulator_load(o_ref, wait_n=None),
-                                          alpha, dt=dt)
-            return stats, probs
-
-          stats, probs = lax.fori_loop(start + 1, stop, one, (stats, probs))
-          last = slot_of(stop - 1)
-          with jax.named_scope("pv"):
-            wait_v(last)
-            pv_product(o_ref, stop - 1, last, probs,
-                       lax.rem(stop - 1, 2) if fp8 else None)   # then K of position stop
-            acc = o_ref[...]
-          plgpu.barrier_arrive(v_free.at[last])
-          return acc, stats
-
-        return lax.cond(stop > start,
-                        lambda c: pl.run_scoped(lambda o_ref: run(o_ref, c),
-                                                plgpu.ACC((bq, call.pad.H), f32)),
-                        lambda c: c, carry)
+        with jax.named_scope("pv"):
+          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_free.at[slot])
+        return acc, stats
 
       def read_beside(slot, kind):
         """The bias tile, the mask tile and the keys' segment ids of the block in `slot` (each
@@ -289,9 +199,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
           kv_ids = common.load_tile(kseg_smem.at[slot], COLS)
         return bias, allowed, kv_ids
 
-      def softmax(slot, j, qk, beside, acc, stats, kind, pbuf=None):
-        """-> (O rescaled, the stats, P in registers or None); with acc None (fwd_overlap, O
-        in flight) alpha in O's place, for the next step to apply."""
+      def softmax(slot, j, qk, beside, acc, stats, kind):
         bias, allowed, kv_ids = beside   # read during QK^T, before the slot is freed
         # Threads read what travels with K and the bias buffer: a warpgroup barrier orders those
         # reads before the release (common.release). Released without one, the bias buffer's
@@ -309,13 +217,12 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         probs, alpha, stats = tile.rescale(stats, s, dt=dt, max_adjust=spec.max_adjust,
                                            beta=spec.beta, offset=offset, base2=True,
                                            split_top=fp8)
-        acc = alpha if acc is None else tile.scale_acc(acc, alpha, dt=dt)
+        acc = tile.scale_acc(acc, alpha, dt=dt)
         if fp8:   # no register relayout to the 8-bit wgmma operand: P goes through SMEM
           head, residual = probs   # the top keys' residual: None, or a second P V product's
-          p_tile, r_tile = p_tiles(pbuf)
-          p_tile[...] = head
+          p_smem.at[wg][...] = head
           if residual is not None:
-            r_tile[...] = residual
+            r_smem.at[wg][...] = residual
           plgpu.commit_smem()
           probs = None
         # Finish the softmax before handing the tensor cores over (as JAX's attention_mgpu does).
@@ -326,10 +233,8 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         pl.when(wg == 1)(rendezvous)   # offsets the two warpgroups by half a step: the ping-pong
         wait_k(order.first)
       init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
-      flags = common.block_flags(ranges.mask_blocks, b, n, q_start // bq)
-      overlap = call.config.fwd_overlap and flags is None
-      acc, stats = common.sections(order, mine, step, init, flags,
-                                   full=full_overlapped if overlap else None)
+      acc, stats = common.sections(order, mine, step, init,
+                                   common.block_flags(ranges.mask_blocks, b, n, q_start // bq))
       with jax.named_scope("epilogue"):
         pl.when(wg == 0)(rendezvous)
         sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
@@ -414,7 +319,6 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   # Q buffers (the next tile's rows load during this one) and O staged apart from them.
   grid, names, ctas = common.query_grid(call, x, wgs, bq, call.config.fwd_persistent)
   q_bufs = 2 if ctas else 1
-  p_bufs = 2 if call.config.fwd_overlap else 1   # FP8: P of two blocks (`full_overlapped`)
   apart = call.config.fwd_bias_apart and x.bias is not None
   bias_smem, mask_smem = common.pairwise_smem(x, stages, wgs * bq, bk)
   if apart:   # one tile per warpgroup (common.stream's rings of 1)
@@ -430,9 +334,9 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
           bias_smem, mask_smem,
           plgpu.SMEM((wgs, bq, H), out_dtype, transforms=common.mma_transforms(out_dtype, bk))
           if ctas or fp8 else None,
-          plgpu.SMEM((p_bufs * wgs, bq, bk), dtype, transforms=mma) if fp8 else None,
+          plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma) if fp8 else None,
           # the "fp8" preset's top keys' residual (tile.rescale's split_top): an e4m3 P tile
-          plgpu.SMEM((p_bufs * wgs, bq, bk), dtype, transforms=mma)
+          plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma)
           if fp8 and tile.has_top_residual(call.dt) else None)
   with_k = 1 + call.packed + (x.bias is not None and not apart) + (x.mask is not None)
   bias_ring = plgpu.Barrier(num_barriers=wgs) if apart else None   # one per warpgroup

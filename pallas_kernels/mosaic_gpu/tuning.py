@@ -114,11 +114,6 @@ class TuningConfig:
   # instead of one per stage: 128-key blocks fit beside it at head dim 128. No effect without a
   # bias (a mask stays with K).
   fwd_bias_apart: bool = False
-  # FlashAttention-3's intra-warpgroup overlap in the forward's blocks that every row sees
-  # whole: a warpgroup's softmax of block j runs while its PV product of block j - 1 does
-  # (`forward.full_overlapped`). Three warpgroups (no ping-pong to order); not under a mask
-  # operand (its steps take a flag each).
-  fwd_overlap: bool = False
   # With a bias or mask that every batch row shares ([1, Nx, T, S]), grids of (heads, rows, batch),
   # batch fastest: the CTAs that read one of its tiles run side by side and HBM serves it once
   # (common.batch_inner). False keeps (batch, heads, rows), as without one.
@@ -149,9 +144,6 @@ class TuningConfig:
                        f"and dkv_persistent=False, got dkv_wgs={self.dkv_wgs}, dkv_passes="
                        f"{self.dkv_passes}, fused_dq={self.fused_dq}, dkv_persistent="
                        f"{self.dkv_persistent}")
-    if self.fwd_overlap and self.fwd_wgs != 3:
-      raise ValueError(f"fwd_overlap runs three forward warpgroups free (no ping-pong): it "
-                       f"needs fwd_wgs=3, got {self.fwd_wgs}")
     if self.fused_dq and self.dkv_wgs != COMPUTE_WGS:
       raise ValueError(f"fused_dq splits dQ between two dK/dV warpgroups: it needs dkv_wgs="
                        f"{COMPUTE_WGS}, got {self.dkv_wgs}")
