@@ -1617,6 +1617,7 @@ def test_dkv_split_lowers_for_cuda(feature):
   with pytest.raises(ValueError, match="dkv_split"):
     config.replace(dkv_passes=2)
 
+
 @pytest.mark.parametrize("feature, ordered", [
     ("plain", 0), ("bias_with_k", 1), ("bias_apart", 1), ("mask", 1), ("segments", 1),
     ("dkv_split", 1)])

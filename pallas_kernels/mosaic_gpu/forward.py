@@ -38,11 +38,11 @@ read's latency hides behind the tensor cores), before the slot is freed; with a 
 stays outside the tile (tile.scores). A bias may stream apart from K instead
 (TuningConfig.fwd_bias_apart, the table's at head dim 128: tuning._BIAS_APART): one [block_q,
 block_kv] buffer per warpgroup, each its own ring of one slot in the producer's stream, released
-(after a warpgroup barrier: common.release) once QK^T has landed; half the shared memory of a slot per stage, so 128-key
-blocks fit beside it. The mask's block ranges (blocks.mask_sections) bound the
-loop like the segments', the producer streams only the blocks whose tile holds a True for the
-CTA's rows (blocks.mask_order), and only edge blocks read the mask tile.
-"""
+(after a warpgroup barrier: common.release) once QK^T has landed; half the shared memory of a
+slot per stage, so 128-key blocks fit beside it. The mask's block ranges (blocks.mask_sections)
+bound the loop like the segments', the producer streams only the blocks whose tile holds a True
+for the CTA's rows (blocks.mask_order), and only edge blocks read the mask tile. A slot whose
+tiles threads read is released after a warpgroup barrier (common.release)."""
 from __future__ import annotations
 
 import functools

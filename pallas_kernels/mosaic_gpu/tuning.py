@@ -109,10 +109,10 @@ class TuningConfig:
   # CTAs start in its own order whatever this says.
   persistent_order: str = "heaviest"
   # The forward's bias tiles stream apart from K: one buffer per compute warpgroup on barriers of
-  # its own, released (after a warpgroup barrier) once the warpgroup's QK^T product, during which it read its
-  # tile, has landed, so the next block's loads while the step runs. One slot's shared memory
-  # instead of one per stage: 128-key blocks fit beside it at head dim 128. No effect without a
-  # bias (a mask stays with K).
+  # its own, released (after a warpgroup barrier) once the warpgroup's QK^T product, during which
+  # it read its tile, has landed, so the next block's loads while the step runs. One slot's shared
+  # memory instead of one per stage: 128-key blocks fit beside it at head dim 128. No effect
+  # without a bias (a mask stays with K).
   fwd_bias_apart: bool = False
   # With a bias or mask that every batch row shares ([1, Nx, T, S]), grids of (heads, rows, batch),
   # batch fastest: the CTAs that read one of its tiles run side by side and HBM serves it once
