@@ -38,11 +38,11 @@ read's latency hides behind the tensor cores), before the slot is freed; with a 
 stays outside the tile (tile.scores). A bias may stream apart from K instead
 (TuningConfig.fwd_bias_apart, the table's at head dim 128: tuning._BIAS_APART): one [block_q,
 block_kv] buffer per warpgroup, each its own ring of one slot in the producer's stream, released
-(after a warpgroup barrier: common.release) once QK^T has landed; half the shared memory of a
-slot per stage, so 128-key blocks fit beside it. The mask's block ranges (blocks.mask_sections)
-bound the loop like the segments', the producer streams only the blocks whose tile holds a True
-for the CTA's rows (blocks.mask_order), and only edge blocks read the mask tile. A slot whose
-tiles threads read is released after a warpgroup barrier (common.release)."""
+once QK^T has landed; half the shared memory of a slot per stage, so 128-key blocks fit beside
+it. The mask's block ranges (blocks.mask_sections) bound the loop like the segments', the
+producer streams only the blocks whose tile holds a True for the CTA's rows (blocks.mask_order),
+and only edge blocks read the mask tile. A slot whose tiles threads read is released after a
+warpgroup barrier (common.release)."""
 from __future__ import annotations
 
 import functools
@@ -204,7 +204,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         # Threads read what travels with K and the bias buffer: a warpgroup barrier orders those
         # reads before the release (common.release). Released without one, the bias buffer's
         # next TMA copy overwrote rows not yet read (three warpgroups: wrong O in every run; H200,
-        # JAX 0.11.2); with a proxy fence as well, the forward ran 0.98-0.99x as fast.
+        # JAX 0.11.2); with a proxy fence as well, the forward ran 0.97-0.99x as fast.
         with_k = (bias is not None and not apart) or allowed is not None or kv_ids is not None
         common.release(k_free.at[slot], after_reads=with_k)
         if apart:
