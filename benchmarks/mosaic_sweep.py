@@ -29,8 +29,9 @@ _FWD = [T(64, 32, 2), T(64, 32, 3), T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(
         T(64, 128, 3), T(64, 192, 2), T(64, 256, 2)]
 VARIANTS = {   # TuningConfig fields each variant replaces
     # three warpgroups get 160 registers per thread: key blocks up to 128 rows; persistent CTAs
-    # take three (their second Q buffer fits shared memory at head dim 64)
-    "fwd": [dict(fwd=t, fwd_wgs=w, fwd_persistent=p) for w in (2, 3) for p in (False, True)
+    # take three (their second Q buffer fits shared memory at head dim 64) and a producer
+    "fwd": [dict(fwd=t, fwd_wgs=w, fwd_persistent=p, **({"producer": True} if p else {}))
+            for w in (2, 3) for p in (False, True)
             for t in _FWD if (w == 2 and not p) or (w == 3 and t.block_kv <= 128)],
     "dkv": [dict(dkv=t, dkv_passes=1, dkv_split=False)
             for t in (T(64, 64, 2), T(64, 64, 3), T(64, 64, 4), T(128, 64, 2), T(32, 64, 2),

@@ -35,6 +35,7 @@ bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
 
 mosaic = pytest.importorskip("pallas_kernels.mosaic_gpu")
 from pallas_kernels.mosaic_gpu import common, tuning  # noqa: E402
+import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: E402
 
 on_hopper = pytest.mark.skipif(not mosaic.is_available(), reason="needs a Hopper (sm_90) GPU")
 
@@ -957,11 +958,11 @@ def test_gpu_fp8_preset_keeps_safe_about_as_accurate_as_off(head_dim):
                                            ("0.13.0.dev20261101", False)])
 def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
   """On JAX 0.12 (ptxas drops setmaxnreg: every thread keeps 65536 / threads registers) the head
-  dim 128 table takes two compute warpgroups (168 registers a thread) and dK, dV a warpgroup
-  each (dkv_split: one fp32 accumulator each); head dims 64 and 256, and calls with bias or mask
-  tiles, keep the table's, but for head dim 256's dK/dV kernel: two passes over 32-query blocks,
-  not dkv_split's one (its warpgroups' fp32 accumulators take 128 of the 168). Every config it
-  gives fits shared memory and validates."""
+  dim 128 and 256 tables run without a producer warpgroup: the compute warpgroups alone, 255
+  registers a thread with two and 168 with three, at least what setmaxnreg gives them on 0.11
+  (232, 160), so their own tiles fit; at 128 with three Q/dO stages in the dK/dV kernel, and
+  nothing persistent. Head dim 64 and calls with bias or mask tiles keep the table's. Every
+  config it gives fits shared memory and validates."""
   assert tuning.registers_fixed_at_entry(version) is fixed
   for h in tuning.HEAD_DIMS:
     for kw in (dict(), dict(full=True), dict(dense=True), dict(packed=True),
@@ -969,27 +970,25 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
       plain = tuning.table_config(h, **kw)
       config = tuning.table_config(h, entry_registers=fixed, **kw)
       config.check_smem(h, 2, **{k: v for k, v in kw.items() if k in ("beside", "ds_itemsize")})
-      if fixed and h == 256 and "beside" not in kw:
-        assert plain.dkv_split and not config.dkv_split, kw
-        assert config == plain.replace(dkv=tuning.Tiles(32, 64, 2), dkv_passes=2, dkv_split=False)
-        continue
-      if not fixed or h != 128 or "beside" in kw:
+      if not fixed or h == 64 or "beside" in kw:
         assert config == plain, (h, kw)
         continue
-      assert (config.fwd_wgs, config.dq_wgs, config.dkv_wgs, config.dkv_passes) == (2, 2, 2, 1)
-      assert config.dkv_split and config.dkv_key_wgs == 1
+      assert not config.producer and plain.producer
       assert not (config.fwd_persistent or config.dkv_persistent or config.fused_dq)
-      # 384 threads: 65536 / 384 registers at entry, what the split dK/dV kernel fits
-      assert 65536 // (128 * (config.fwd_wgs + 1)) >= 168
-      assert (config.fwd, config.dkv, config.dq) == (plain.fwd, plain.dkv, plain.dq)
+      for wgs in (config.fwd_wgs, config.dq_wgs, config.dkv_wgs):   # registers at entry
+        assert min(255, 65536 // (128 * wgs)) >= common.REGISTERS[wgs][0]
+      dkv = tuning.Tiles(64, 64, 3) if h == 128 else plain.dkv
+      flat = dict(fwd_persistent=False, dkv_persistent=False)
+      assert config == plain.replace(producer=False, dkv=dkv, **flat), (h, kw)
 
 
 @pytest.mark.parametrize("version,warns", [("0.12.0.1", True), ("0.12.0", True),
                                            ("0.11.2", False), ("0.10.2", False),
                                            ("0.13.0.dev20261101", False)])
 def test_slow_toolchain_warns_once_on_jax_0_12(monkeypatch, version, warns):
-  """JAX 0.12 (its Mosaic GPU's ptxas drops setmaxnreg: 2.4-3x slower at head dim 128, measured
-  on 0.12.0.1) gets one RuntimeWarning per process saying what to do; other versions none."""
+  """JAX 0.12 (its Mosaic GPU's ptxas drops setmaxnreg: the table's tiles ran 2.4-3x slower at
+  head dim 128, measured on 0.12.0.1; the kernels without a producer still run some calls
+  slower) gets one RuntimeWarning per process saying what to do; other versions none."""
   import warnings
   monkeypatch.setattr(mosaic, "_warned", False)
   with warnings.catch_warnings(record=True) as seen:
@@ -1092,6 +1091,45 @@ def test_gpu_dkv_split_matches_the_passes(name, max_adjust):
   args = (q, k, v, None, None)
   _assert_bitwise_equal(_outputs_and_grads(args, kwargs, do, max_adjust, passes),
                         _outputs_and_grads(args, kwargs, do, max_adjust, split))
+
+# TuningConfig.producer=False serves calls without bias or mask tiles; at head dim 128 also under
+# the tiles taken where registers are fixed at entry (two warpgroups, dkv_split).
+PRODUCER_CASES = [(name, entry) for name, case in GPU_CASES.items()
+                  if "bias" not in case and "mask" not in case
+                  for entry in ((False, True) if case["H"] == 128 else (False,))]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("max_adjust", ["off", "safe"])
+@pytest.mark.parametrize("name, entry", PRODUCER_CASES)
+def test_gpu_without_a_producer_matches_the_producer(name, entry, max_adjust):
+  """Without a producer warpgroup (the last compute warpgroup issues the TMA copies between its
+  steps, no setmaxnreg) the kernels compute the same products over the same blocks: outputs,
+  residuals and gradients bitwise equal to the producer's under the same tiles."""
+  (q, k, v, _, _), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 5)
+  config = tuning.table_config(q.shape[-1], entry_registers=entry).replace(
+      fwd_persistent=False, dkv_persistent=False)
+  args = (q, k, v, None, None)
+  _assert_bitwise_equal(_outputs_and_grads(args, kwargs, do, max_adjust, config),
+                        _outputs_and_grads(args, kwargs, do, max_adjust,
+                                           config.replace(producer=False)))
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_gpu_fp8_forward_without_a_producer_matches_the_producer(case):
+  kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+            for k, v in FP8_CASES[case].items()}
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(rng.standard_normal(s), bf16)
+             for s in ((2, 384, 4, 128), (2, 384, 2, 128), (2, 384, 2, 128)))
+  config = tuning.table_config(128).replace(fwd_persistent=False, dkv_persistent=False)
+  run = lambda config: jax.device_get(stable_attn.dot_product_attention(
+      q, k, v, implementation=IMPL, numerics=FP8, max_adjust="off", config=config, **kwargs))
+  _assert_bitwise_equal(run(config), run(config.replace(producer=False)))
+
 
 # A bias without a mask: the forward's three warpgroups (grid and persistent) take its tiles of
 # all their rows; the last CTA's first warpgroups idle (T not a multiple of 192), its bias tile
@@ -1517,27 +1555,27 @@ def test_features_lower_for_cuda(feature):
 @pytest.mark.parametrize("fixed", [True, False])
 def test_calls_take_the_tiles_of_this_jax(monkeypatch, fixed):
   """A call's default config follows the JAX it runs on (`tuning.registers_fixed_at_entry` of
-  jax.__version__): on 0.12 the entry-register tiles at head dim 128 without bias or mask, the
-  table's with a mask and at head dim 64; elsewhere the table's."""
+  jax.__version__): on 0.12 the entry-register tiles (no producer warpgroup) at head dim 128
+  without bias or mask, the table's with a mask and at head dim 64; elsewhere the table's."""
   seen = []
   monkeypatch.setattr(tuning, "registers_fixed_at_entry",
                       lambda version: seen.append(version) or fixed)
   spec, ops = _spec_ops(shape=(2, 256, 4, 128), kv_heads=2, is_causal=True)
   config = mosaic.default_config(spec, ops)
   assert seen == [jax.__version__]
-  assert (config.fwd_wgs, config.dkv_split) == ((2, True) if fixed else (3, False))
+  assert config.producer is not fixed and config.fwd_wgs == 3
   spec, ops = _spec_ops(shape=(2, 256, 4, 128), kv_heads=2, is_causal=True,
                         mask=jnp.ones((1, 1, 256, 256), bool))
-  assert not mosaic.default_config(spec, ops).dkv_split
+  assert mosaic.default_config(spec, ops).producer
   spec, ops = _spec_ops(shape=(2, 256, 4, 64), kv_heads=2, is_causal=True)
-  assert mosaic.default_config(spec, ops).fwd_wgs == 3
+  assert mosaic.default_config(spec, ops).producer
 
 
 @pytest.mark.parametrize("feature", ["plain", "segments", "sinks", "soft_cap", "qkvpacked"])
 def test_entry_register_tiles_lower_for_cuda(feature):
-  """JAX 0.12's head-dim-128 tiles (two compute warpgroups, dK and dV a warpgroup each:
-  tuning._ENTRY_REGISTERS) lower for CUDA, forward and backward, with each feature they serve
-  (not bias or mask: those keep the table's tiles), on a CPU host."""
+  """JAX 0.12's head-dim-128 tiles (no producer warpgroup, three Q/dO stages in the dK/dV
+  kernel: tuning._ENTRY_REGISTERS) lower for CUDA, forward and backward, with each feature they
+  serve (not bias or mask: those keep the table's tiles), on a CPU host."""
   B, T, N, K, H = 1, 384, 4, 2, 128
   ids = jnp.asarray(np.repeat(np.arange(3), T // 3)[None], jnp.int32)
   kwargs = dict(plain={}, qkvpacked={}, segments=dict(q_segment_ids=ids),
@@ -1545,7 +1583,7 @@ def test_entry_register_tiles_lower_for_cuda(feature):
   spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=N if feature == "qkvpacked" else K,
                         is_causal=True, **kwargs)
   config = tuning.table_config(H, 2, packed=feature == "segments", entry_registers=True)
-  assert (config.fwd_wgs, config.dq_wgs, config.dkv_split) == (2, 2, True)
+  assert not config.producer and config.dkv.stages == 3
   if feature == "qkvpacked":
     ops = pack(jnp.stack([ops.q, ops.k, ops.v], axis=2), ops)
   text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
@@ -1644,6 +1682,46 @@ def test_releases_after_thread_reads_wait_for_the_warpgroup(feature, ordered, mo
   assert config.dkv_split == (feature == "dkv_split")
   cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
   assert bool(barriers) == bool(ordered), (feature, len(barriers))
+
+
+@pytest.mark.parametrize("H", tuning.HEAD_DIMS)
+def test_without_a_producer_no_warpgroup_moves_registers(H, monkeypatch):
+  """TuningConfig.producer=False: each kernel launches its compute warpgroups alone (no producer
+  warpgroup) and none runs setmaxnreg, so every thread keeps its share of the register file at
+  entry, what ptxas leaves where it ignores setmaxnreg (JAX 0.12). Counted while the kernels
+  trace for CUDA, against the producer's kernels."""
+  jax.clear_caches()   # the kernels are traced once per call (common.lowered_once)
+  launched, moves = [], []
+  original = common.launch
+  monkeypatch.setattr(common, "launch", lambda *a, **kw: (
+      launched.append((kw["compute_wgs"], kw.get("producer", True))), original(*a, **kw))[1])
+  set_max = plgpu.set_max_registers
+  monkeypatch.setattr(plgpu, "set_max_registers",
+                      lambda *a, **kw: (moves.append(a), set_max(*a, **kw))[1])
+  spec, ops = _spec_ops(shape=(1, 256, 4, H), kv_heads=2, is_causal=True)
+  config = mosaic.default_config(spec, ops).replace(fwd_persistent=False, dkv_persistent=False)
+  counts = {}
+  for producer in (True, False):
+    launched.clear(), moves.clear()
+    cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config.replace(producer=producer), o),
+                             ops)
+    counts[producer] = (list(launched), len(moves))
+  kernels = 3 + (config.dkv_passes == 2)   # forward, dQ, dK/dV (one or two passes)
+  assert counts[True][0] == [(wgs, True) for wgs, _ in counts[False][0]]
+  assert [p for _, p in counts[False][0]] == [False] * kernels
+  assert counts[True][1] == 2 * kernels and counts[False][1] == 0
+
+
+def test_without_a_producer_refuses_what_only_a_producer_streams():
+  base = tuning.table_config(128).replace(dkv_persistent=False)
+  for changes in (dict(fwd_persistent=True), dict(dkv_persistent=True), dict(fused_dq=True)):
+    with pytest.raises(ValueError, match="producer=False"):
+      base.replace(producer=False, **changes)
+  bias = jnp.zeros((1, 2, 256, 256), bf16)
+  spec, ops = _spec_ops(shape=(1, 256, 2, 128), kv_heads=2, is_causal=True, bias=bias)
+  config = mosaic.default_config(spec, ops).replace(producer=False)
+  with pytest.raises(ValueError, match="producer=False takes no bias or mask"):
+    mosaic._checked_config(spec, ops, config)
 
 
 def test_fp8_forward_takes_128_key_blocks():

@@ -277,6 +277,10 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
   if config.dkv_split and _extras(ops):
     raise ValueError("config.dkv_split=True takes no bias or mask operands (the dK warpgroup "
                      "reads no tiles beside the blocks): use dkv_split=False")
+  if not config.producer and _extras(ops):
+    raise ValueError("config.producer=False takes no bias or mask operands (their tiles stream "
+                     "in rings and block orders only a producer warpgroup follows): use "
+                     "producer=True")
   if config.dkv_persistent and _extras(ops):
     raise ValueError("config.dkv_persistent=True takes no bias or mask operands (their blocks "
                      "stream in a per-call order a persistent CTA does not follow): use "
@@ -290,9 +294,10 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
 
 SLOW_TOOLCHAIN = (
     "stable_attn: on JAX {version} ptxas ignores the Hopper kernels' register reallocation "
-    "(setmaxnreg, C7504); implementation='pallas_mosaic_gpu' takes tiles that do without it, but "
-    "its fwd+bwd still takes about 1.2x its JAX 0.11 time at head dim 128 and 2.5x at 256; for "
-    "full speed pin jax<0.12 (0.11.2 is tested). Why, and a workaround: docs/ptxas_setmaxnreg.md")
+    "(setmaxnreg, C7504); implementation='pallas_mosaic_gpu' runs kernels without a producer "
+    "warpgroup there, at JAX 0.11's speed on causal calls at head dims 128 and 256 but slower on "
+    "others (measured: up to 1.2x its JAX 0.11 time, with GQA and at head dim 64); for full speed "
+    "pin jax<0.12 (0.11.2 is tested). Why, and a workaround: docs/ptxas_setmaxnreg.md")
 _warned = False
 
 

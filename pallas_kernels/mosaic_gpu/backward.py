@@ -31,7 +31,8 @@ with a bias the dQ kernel also writes dS (the bias's gradient before any broadca
 per-warpgroup staging tile, zeros for the blocks its rows never visit.
 Both use stable_attn.tile's backward functions and the block ranges of stable_attn.blocks (causal,
 window and other documents' blocks skipped, edge blocks masked; segment ids stream with the blocks
-they belong to), with the pipelines of common.py.
+they belong to), with the pipelines of common.py (without a producer warpgroup,
+TuningConfig.producer False, the last compute warpgroup issues the streamed copies).
 """
 from __future__ import annotations
 
@@ -130,6 +131,33 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
     order = common.schedule(ranges, b, kvh, lo, hi, cta_k, owners * bk)
     return b, kvh, cta_k, lens, q_ranges, (lo, hi), order
 
+  def query_stream(b, kvh, cta_k, order):
+    """What streams through a key tile's CTA: (positions, block(t), loads) for common.stream,
+    the query heads of the group one after another."""
+    per_head = order.stop - order.first
+
+    def block(t):
+      """Position t -> (query head, query block)."""
+      g = lax.div(t, per_head)
+      return kvh * G + g, order.block(order.first + t - g * per_head)
+
+    def load(at, slot):
+      n, i = at
+      q_start = i * bq
+      rows = (b, pl.ds(q_start, bq), n)
+      plgpu.copy_gmem_to_smem(refs.q.at[rows], q_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(grads.do.at[rows], do_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(grads.lse.at[b, n, pl.ds(q_start, bq)], lse_smem.at[slot],
+                              loaded.at[slot])
+      plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
+                              loaded.at[slot])
+      # The queries' segment ids and the CTA's transposed bias and mask tiles travel with Q.
+      common.copy_beside(refs, b, n, pl.ds(cta_k, owners * bk), pl.ds(q_start, bq),
+                         loaded.at[slot], (qseg_smem, bias_smem, mask_smem), slot,
+                         seg_rows=pl.ds(q_start, bq), seg_ref=refs.q_seg)
+
+    return G * per_head, block, [(free, load)]
+
   def accumulate(names, kw):
     """A compute warpgroup's work: the gradients `names` of its CTA's key tile kw (its own;
     under dkv_split the CTA's one, 0, shared)."""
@@ -174,6 +202,12 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           load_kv(i + 1, 1 - buf)
       b, kvh, cta_k, lens, q_ranges, (lo, hi), order = key_tile(i)
       per_head = order.stop - order.first
+
+      def streams():   # without a producer (common.issuer)
+        stop, block, loads = query_stream(b, kvh, cta_k, order)
+        return common.inline_stream(jnp.zeros((), jnp.int32), stop, stages, loads, block,
+                                    call.config.refill_lag)
+      refill = common.issuer(call, wg, wgs, streams)
       k_start = cta_k + kw * bk
       rows = (b, pl.ds(k_start, bk), kvh)
       # With 3 warpgroups the last CTA's last ones may own no keys: they load and store nothing
@@ -306,7 +340,9 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
           return carry
 
         flags = common.block_flags(ranges.mask_blocks, b, kvh * G + g, k_start // bk)
-        return common.sections(order, mine, step, carry, flags)
+        before = None if refill is None else (
+            lambda p: refill(g * per_head + p - order.first))   # the stream's position
+        return common.sections(order, mine, step, carry, flags, before)
 
       zeros = common.zeros((bk, call.pad.H), plgpu.Layout.WGMMA)
       grads_of = dict(zip(names, lax.fori_loop(0, G, head, (zeros,) * len(names))))
@@ -334,7 +370,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
 
   @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
+    common.take_registers(call, wgs, "compute")
     if roles:
       for w, name in enumerate(("dv", "dk")):
         pl.when(wg == w)(functools.partial(accumulate, (name,), 0))
@@ -343,35 +379,14 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
 
   @pl.when(wg == wgs)
   def _produce():
-    plgpu.set_max_registers(common.REGISTERS[wgs][1], action="decrease")
+    common.take_registers(call, wgs, "producer")
 
     def stream_tile(i, base):
       b, kvh, cta_k, _, _, _, order = key_tile(i)
-      per_head = order.stop - order.first
-
-      def block(t):
-        """Position t -> (query head, query block): the heads of the group one after another."""
-        g = lax.div(t, per_head)
-        return kvh * G + g, order.block(order.first + t - g * per_head)
-
-      def load(at, slot):
-        n, i = at
-        q_start = i * bq
-        rows = (b, pl.ds(q_start, bq), n)
-        plgpu.copy_gmem_to_smem(refs.q.at[rows], q_smem.at[slot], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(grads.do.at[rows], do_smem.at[slot], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(grads.lse.at[b, n, pl.ds(q_start, bq)], lse_smem.at[slot],
-                                loaded.at[slot])
-        plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[slot],
-                                loaded.at[slot])
-        # The queries' segment ids and the CTA's transposed bias and mask tiles travel with Q.
-        common.copy_beside(refs, b, n, pl.ds(cta_k, owners * bk), pl.ds(q_start, bq),
-                           loaded.at[slot], (qseg_smem, bias_smem, mask_smem), slot,
-                           seg_rows=pl.ds(q_start, bq), seg_ref=refs.q_seg)
-
-      common.stream(jnp.zeros((), jnp.int32), G * per_head, stages, [(free, load)], block,
+      stop, block, loads = query_stream(b, kvh, cta_k, order)
+      common.stream(jnp.zeros((), jnp.int32), stop, stages, loads, block,
                     prefetch=ranges.order is not None, base=base)
-      return base + G * per_head
+      return base + stop
 
     key_tiles.run(stream_tile)
 
@@ -432,6 +447,7 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
           functools.partial(_dkv_kernel, call=call, part=part, ctas=ctas),
           (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
           name=f"stable_attn_{part}", out_type=out_type, compute_wgs=wgs,
+          producer=call.config.producer,
           grid=grid, grid_names=grid_names,
           in_place=dq_acc is not None or into is not None,
       )(x, grads, ranges, dq_acc, into)))
@@ -467,9 +483,23 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
   cta = common.query_cta(call, ranges, b, n, lens, wgs=wgs, bq=bq, bk=bk)
   cta_q, order = cta.start, cta.order
 
+  def loads():
+    """The K and V blocks' copies (`common.stream`'s loads)."""
+    kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
+
+    def load(j, slot):
+      keys = pl.ds(j * bk, bk)
+      plgpu.copy_gmem_to_smem(refs.k.at[b, keys, kv_head], k_smem.at[slot], loaded.at[slot])
+      plgpu.copy_gmem_to_smem(refs.v.at[b, keys, kv_head], v_smem.at[slot], loaded.at[slot])
+      common.copy_beside(refs, b, n, pl.ds(cta_q, wgs * bq), keys, loaded.at[slot],
+                         (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
+    return [(free, load)]
+
   @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
+    common.take_registers(call, wgs, "compute")
+    before = common.issuer(call, wg, wgs, lambda: common.inline_stream(
+        order.first, order.stop, stages, loads(), order.block, call.config.refill_lag))
     q_start = cta_q + wg * bq
     if_rows = cta.if_rows(q_start)
     rows = (b, pl.ds(q_start, bq), n)
@@ -547,7 +577,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
     mine = cta.mine(q_start)
     init = common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA)
     flags = common.block_flags(ranges.mask_blocks, b, n, q_start // bq)
-    dq = common.sections(order, mine, step, init, flags)
+    dq = common.sections(order, mine, step, init, flags, before)
     if_rows(lambda: _store(q, (dq * spec.scale).astype(q_smem.dtype), dq_ref.at[rows]))
     if ds_ref is not None:   # the blocks this warpgroup's rows never computed: dS = 0
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -565,17 +595,8 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
 
   @pl.when(wg == wgs)
   def _produce():
-    plgpu.set_max_registers(common.REGISTERS[wgs][1], action="decrease")
-    kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
-
-    def load(j, slot):
-      keys = pl.ds(j * bk, bk)
-      plgpu.copy_gmem_to_smem(refs.k.at[b, keys, kv_head], k_smem.at[slot], loaded.at[slot])
-      plgpu.copy_gmem_to_smem(refs.v.at[b, keys, kv_head], v_smem.at[slot], loaded.at[slot])
-      common.copy_beside(refs, b, n, pl.ds(cta_q, wgs * bq), keys, loaded.at[slot],
-                         (kseg_smem, bias_smem, mask_smem), slot, seg_rows=keys)
-
-    common.stream(order.first, order.stop, stages, [(free, load)], order.block,
+    common.take_registers(call, wgs, "producer")
+    common.stream(order.first, order.stop, stages, loads(), order.block,
                   prefetch=ranges.order is not None)
 
 
@@ -617,6 +638,7 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, o, ranges: common.R
       functools.partial(_dq_kernel, call=call, wgs=wgs, has_ds=ds_dtype is not None),
       (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
       name="stable_attn_dq", out_type=tuple(out_type), compute_wgs=wgs,
+      producer=call.config.producer,
       grid=grid, grid_names=grid_names,
       out_views=(lambda outs: (outs[0].at[:, :, _QKV_SLOT["dq"]],) + outs[1:]) if packed else None,
   )(x, grads, ranges, o)

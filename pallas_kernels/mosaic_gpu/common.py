@@ -10,6 +10,10 @@ waits on every barrier phase once, in order, which is what Mosaic GPU's per-thre
 tracking requires. Under a mask the union is compacted (`Schedule`): the CTA streams only the
 blocks whose mask tile holds a True for one of its warpgroups, and both warpgroups walk the same
 positions.
+
+Without a producer (TuningConfig.producer False, the table's where ptxas ignores setmaxnreg) the
+last compute warpgroup issues the same copies between its own steps (`inline_stream`, `issuer`),
+and every thread keeps its share of the register file at entry.
 """
 from __future__ import annotations
 
@@ -372,7 +376,7 @@ def clamp_ranges(ranges, lo, hi):
   return a, b, c, d
 
 
-def sections(order: Schedule, my_ranges, step, carry, flags=None):
+def sections(order: Schedule, my_ranges, step, carry, flags=None, before=None):
   """Runs step(p, j, carry, kind) over the CTA's streamed positions p (block j = order.block(p)):
   "skip" outside this warpgroup's range (my_ranges, clamped into the union), "masked" on its
   edge blocks and "full" on the blocks all its rows see whole.
@@ -382,10 +386,13 @@ def sections(order: Schedule, my_ranges, step, carry, flags=None):
   skip step that knows the block was in its range). Each step loads the next block's index and
   flag, so their latency hides behind a block. (An all-True tile could run unmasked as well: a
   third branch, measured on an H100 at B4 T4096 N16 H128, made a 25%-block-sparse mask 14%
-  faster and a random 80% mask 29% slower, so masked blocks keep one kind.)"""
+  faster and a random 80% mask 29% slower, so masked blocks keep one kind.)
+  before: None, or before(p), run at the start of every step (`issuer`'s refill)."""
   bounds = (order.first, *(order.rank(x) for x in my_ranges), order.stop)
 
   def named(p, j, carry, kind):
+    if before is not None:
+      before(p)
     with jax.named_scope(kind):   # a region of common.profiling's traces
       return step(p, j, carry, kind)
 
@@ -460,9 +467,10 @@ def qkv_views(x):
 
 
 def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: bool = False,
-           compute_wgs: int = 2, out_views=None):
+           compute_wgs: int = 2, producer: bool = True, out_views=None):
   """A warp-specialised Mosaic GPU kernel named `name` (in profiles): `compute_wgs` compute
-  warpgroups and a producer ("wg" 0 .. compute_wgs, the producer last) per CTA over `grid`.
+  warpgroups and a producer ("wg" 0 .. compute_wgs, the producer last) per CTA over `grid`; no
+  producer where `producer` is False (TuningConfig.producer: a compute warpgroup streams).
   Returns run(*inputs): each input is a pytree of arrays (the padded `Operands`,
   `BackwardInputs`; None leaves for absent ones), and kernel(*inputs as the same pytrees of refs,
   *output refs, scratch) gets them by name, then `scratch` (a tuple of SMEM / barrier types)
@@ -484,12 +492,13 @@ def launch(kernel, scratch, *, name: str, out_type, grid, grid_names, in_place: 
 
     params = plgpu.CompilerParams(approx_math=True, **_PROFILE)
     if in_place:
-      mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=compute_wgs + 1,
+      mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=compute_wgs + producer,
                         thread_name="wg", kernel_name=name)
       return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=params, name=name)(
           *flat)
     return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
-                        num_threads=compute_wgs + 1, thread_name="wg", compiler_params=params,
+                        num_threads=compute_wgs + producer, thread_name="wg",
+                        compiler_params=params,
                         kernel_name=name)(*flat)
 
   return run
@@ -515,6 +524,25 @@ def in_place(run: Callable, initial, results=()):
   return pl.run_state(body)((initial, placeholders))
 
 
+def _filler(loads, stages: int):
+  """fill(at, j, first_ones): loads block j, the at-th position streamed, into each of `loads`'
+  rings' slots (`stream`); waits for that slot to be free unless first_ones(ring) says it is
+  among the ring's first positions."""
+  rings = [(free, load, *(ring or (stages, 0))) for free, load, *ring in loads]
+
+  def fill(at, j, first_ones):
+    for free, load, ring, offset in rings:
+      slot = offset + (at % ring if isinstance(at, int) else slot_of(at, ring))
+      first_one = first_ones(ring)
+      wait = lambda free=free, slot=slot: plgpu.barrier_wait(free.at[slot])
+      if first_one is False:
+        wait()
+      elif first_one is not True:   # traced
+        pl.when(~first_one)(wait)
+      load(j, slot)
+  return fill
+
+
 def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = False, base=0):
   """The producer warpgroup's loop: positions first .. stop-1 go to slots (p - first) % stages.
 
@@ -528,20 +556,7 @@ def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = 
   p goes to slot (base + p - first) % stages and waits for it unless it is among the first
   `stages` overall.
   """
-  rings = [(free, load, *(ring or (stages, 0))) for free, load, *ring in loads]
-
-  def fill(at, j, first_ones):
-    """Loads block j, the at-th position streamed, into each ring's slot; waits for that slot
-    to be free unless first_ones(ring) says it is among the ring's first positions."""
-    for free, load, ring, offset in rings:
-      slot = offset + (at % ring if isinstance(at, int) else slot_of(at, ring))
-      first_one = first_ones(ring)
-      wait = lambda free=free, slot=slot: plgpu.barrier_wait(free.at[slot])
-      if first_one is False:
-        wait()
-      elif first_one is not True:   # traced
-        pl.when(~first_one)(wait)
-      load(j, slot)
+  fill = _filler(loads, stages)
 
   if not isinstance(base, int) or base:
     assert not prefetch, "a persistent CTA streams no mask block order"
@@ -563,6 +578,54 @@ def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = 
     lax.fori_loop(first + stages, stop, refill, block(first + stages))
   else:
     pl.loop(first + stages, stop)(lambda p: refill(p, None))
+
+
+def inline_stream(first, stop, stages: int, loads, block=lambda p: p, lag: int = 1):
+  """`stream` without a producer warpgroup (TuningConfig.producer False): one compute warpgroup,
+  the issuer, issues the copies between its own steps -> (start(), refill(p)). start() loads
+  positions first .. first + stages - 1 at once; refill(p), called by the issuer at the start of
+  its step at position p, waits until every compute warpgroup freed position p - lag's slot and
+  loads position p - lag + stages into it (TuningConfig.refill_lag, at most stages - 1). The
+  issuer is the last warpgroup (the ping-pong's second, which runs behind the first).
+  One tile per CTA (not persistent), no rings and no prefetched block order (the API checks)."""
+  assert all(len(entry) == 2 for entry in loads), "rings need a producer"
+  lag = min(lag, stages - 1)
+  fill = _filler(loads, stages)
+
+  def start():
+    for i in range(stages):
+      pl.when(first + i < stop)(lambda i=i: fill(i, block(first + i), lambda ring: True))
+
+  def refill(p):
+    at = p - lag + stages
+
+    @pl.when((p >= first + lag) & (at < stop))
+    def _refill():
+      fill(at - first, block(at), lambda ring: False)
+  return start, refill
+
+
+def take_registers(call: Call, wgs: int, role: str) -> None:
+  """A warpgroup's register share (setmaxnreg): role "compute" takes REGISTERS[wgs][0] per
+  thread, "producer" gives back down to REGISTERS[wgs][1]. Without a producer
+  (TuningConfig.producer False) nothing moves: every thread keeps 65536 / (128 * wgs), 255 with
+  two compute warpgroups, 168 with three."""
+  if call.config.producer:
+    producer = role == "producer"
+    plgpu.set_max_registers(REGISTERS[wgs][producer],
+                            action="decrease" if producer else "increase")
+
+
+def issuer(call: Call, wg, wgs: int, streams: Callable):
+  """Without a producer: the last compute warpgroup runs start() of streams() -> (start,
+  refill) (`inline_stream`) now -> before(p) for `sections` (its refill at each position). With
+  a producer -> None (streams is not called)."""
+  if call.config.producer:
+    return None
+  start, refill = streams()
+  issues = wg == wgs - 1
+  pl.when(issues)(start)
+  return lambda p: pl.when(issues)(lambda: refill(p))
 
 
 def query_grid(call: Call, x, wgs: int, bq: int, persistent: bool):

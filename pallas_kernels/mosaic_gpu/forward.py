@@ -14,7 +14,8 @@ forward at head dim 128, tuning._TOP_RESIDUAL):
                 turn-taking ring like FA3's scheduler barrier measured slower). CTAs are
                 aligned to T's end, so when 3 * block_q does not divide T the last CTA's first
                 warpgroups idle.
-  producer      streams K and V blocks through `stages` slots with TMA (common.py: pipelines).
+  producer      streams K and V blocks through `stages` slots with TMA (common.py: pipelines);
+                without one (TuningConfig.producer False) the last compute warpgroup does.
 Persistent (TuningConfig.fwd_persistent, the table's at head dim 64, and with a bias alone where
 every query sees every key: tuning._BIAS_FULL_FWD): one CTA per SM takes the query tiles in zigzag
 rounds (common.persistent_tiles), heaviest causal rows first, or in the grid's order where the
@@ -83,6 +84,34 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
     return b, n, common.query_cta(call, ranges, b, n, lens, wgs=wgs, bq=bq, bk=bk,
                                   index=index), lens
 
+  def loads(b, n, cta):
+    """The K and V blocks' copies (and the bias apart from K's, one ring per warpgroup) of
+    CTA `cta` of tile (b, n): `common.stream`'s loads."""
+    kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
+
+    def loader(ref, smem, barrier):
+      def load(j, slot):
+        keys = pl.ds(j * bk, bk)
+        rows = ref.at[b, kv_head, :, keys] if fp8 and ref is refs.v else ref.at[b, keys, kv_head]
+        plgpu.copy_gmem_to_smem(rows, smem.at[slot], barrier.at[slot])
+        if ref is refs.k:   # the keys' segment ids and the CTA's bias and mask tiles: with K
+          common.copy_beside(refs, b, n, pl.ds(cta.start, wgs * bq), keys, barrier.at[slot],
+                             (kseg_smem, None if apart else bias_smem, mask_smem), slot,
+                             seg_rows=keys)
+      return load
+
+    def bias_loader(w):
+      """Warpgroup w's bias tile into its one buffer (a ring of 1 at slot w: common.stream)."""
+      def load(j, slot):
+        plgpu.copy_gmem_to_smem(
+            common.pairwise_tile(refs.bias, b, n, pl.ds(cta.start + w * bq, bq),
+                                 pl.ds(j * bk, bk)), bias_smem.at[slot], bias_loaded.at[slot])
+      return load
+
+    return [(k_free, loader(refs.k, k_smem, k_loaded)),
+            (v_free, loader(refs.v, v_smem, v_loaded)),
+            *((bias_free, bias_loader(w), 1, w) for w in range(wgs) if apart)]
+
   def rendezvous():   # the ping-pong of two warpgroups; three run free
     if wgs == 2:
       plgpu.barrier_arrive(schedule)
@@ -90,7 +119,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
   @pl.when(wg < wgs)
   def _compute():
-    plgpu.set_max_registers(common.REGISTERS[wgs][0], action="increase")
+    common.take_registers(call, wgs, "compute")
 
     def load_q(i, buf):
       """Tile i's Q rows of this warpgroup (and their offsets and segment ids) into Q buffer buf."""
@@ -117,6 +146,10 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         pl.when(i + 1 < count)(lambda: load_q(i + 1, 1 - buf))
       b, n, cta, lens = query_tile(i)
       order = cta.order
+      # Without a producer the last warpgroup streams K and V (first, before any rendezvous).
+      before = common.issuer(call, wg, wgs, lambda: common.inline_stream(
+          order.first, order.stop, stages, loads(b, n, cta), order.block,
+          call.config.refill_lag))
       q_start = cta.start + wg * bq
       if_rows = cta.if_rows(q_start)
       q = q_smem.at[buf, wg]
@@ -234,7 +267,8 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         wait_k(order.first)
       init = (common.zeros((bq, call.pad.H), plgpu.Layout.WGMMA), common.init_stats(bq, dt))
       acc, stats = common.sections(order, mine, step, init,
-                                   common.block_flags(ranges.mask_blocks, b, n, q_start // bq))
+                                   common.block_flags(ranges.mask_blocks, b, n, q_start // bq),
+                                   before)
       with jax.named_scope("epilogue"):
         pl.when(wg == 0)(rendezvous)
         sink = None if refs.sinks is None else refs.sinks[n].astype(f32)
@@ -263,37 +297,13 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
   @pl.when(wg == wgs)
   def _produce():
-    plgpu.set_max_registers(common.REGISTERS[wgs][1], action="decrease")
+    common.take_registers(call, wgs, "producer")
 
     def stream_tile(i, base):
       b, n, cta, _ = query_tile(i)
       order = cta.order
-      kv_head = lax.div(n, jnp.asarray(call.geo.G, n.dtype))
-
-      def loader(ref, smem, barrier):
-        def load(j, slot):
-          keys = pl.ds(j * bk, bk)
-          rows = ref.at[b, kv_head, :, keys] if fp8 and ref is refs.v else ref.at[b, keys, kv_head]
-          plgpu.copy_gmem_to_smem(rows, smem.at[slot], barrier.at[slot])
-          if ref is refs.k:   # the keys' segment ids and the CTA's bias and mask tiles: with K
-            common.copy_beside(refs, b, n, pl.ds(cta.start, wgs * bq), keys, barrier.at[slot],
-                               (kseg_smem, None if apart else bias_smem, mask_smem), slot,
-                               seg_rows=keys)
-        return load
-
-      def bias_loader(w):
-        """Warpgroup w's bias tile into its one buffer (a ring of 1 at slot w: common.stream)."""
-        def load(j, slot):
-          plgpu.copy_gmem_to_smem(
-              common.pairwise_tile(refs.bias, b, n, pl.ds(cta.start + w * bq, bq),
-                                   pl.ds(j * bk, bk)), bias_smem.at[slot], bias_loaded.at[slot])
-        return load
-
-      common.stream(order.first, order.stop, stages,
-                    [(k_free, loader(refs.k, k_smem, k_loaded)),
-                     (v_free, loader(refs.v, v_smem, v_loaded)),
-                     *((bias_free, bias_loader(w), 1, w) for w in range(wgs) if apart)],
-                    order.block, prefetch=ranges.order is not None, base=base)
+      common.stream(order.first, order.stop, stages, loads(b, n, cta), order.block,
+                    prefetch=ranges.order is not None, base=base)
       return base + (order.stop - order.first)
 
     tiles.run(stream_tile)
@@ -347,7 +357,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   schedule = plgpu.Barrier(num_arrivals=2) if wgs == 2 else None   # the ping-pong's
   return common.launch(
       functools.partial(_kernel, call=call, ctas=ctas), (smem, loaded, free, schedule),
-      name="stable_attn_forward", compute_wgs=wgs,
+      name="stable_attn_forward", compute_wgs=wgs, producer=call.config.producer,
       out_type=(jax.ShapeDtypeStruct((B, Tp, N, H), out_dtype),
                 jax.ShapeDtypeStruct((B, N, Tp), f32)),
       grid=grid, grid_names=names,

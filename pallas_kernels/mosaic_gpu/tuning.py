@@ -2,9 +2,9 @@
 
 Every kernel runs CTAs of two compute warpgroups (each owning `block_q` query rows, or `block_kv`
 key rows in the dK/dV kernel; three in the forward and the dQ kernel at head dims 64 and 128:
-`fwd_wgs`, `dq_wgs`; two at 128 where ptxas ignores setmaxnreg, JAX 0.12: `_ENTRY_REGISTERS`)
-and one producer warpgroup that streams the other operand through `stages` shared-memory slots
-with TMA.
+`fwd_wgs`, `dq_wgs`) and one producer warpgroup that streams the other operand through `stages`
+shared-memory slots with TMA (none where ptxas ignores setmaxnreg, JAX 0.12: `producer`,
+`_ENTRY_REGISTERS`).
 
     config = tuning.TuningConfig(fwd=tuning.Tiles(64, 128, 2), dkv=..., dq=...)
     stable_attn.dot_product_attention(..., implementation="pallas_mosaic_gpu", config=config)
@@ -85,9 +85,8 @@ class TuningConfig:
   # dK and dV in one pass over one block_kv key tile per CTA, one gradient per warpgroup: the dV
   # warpgroup computes P^T and hands it (fp32, through shared memory) to the dK warpgroup, which
   # computes dP^T: four tile products a step, where two passes take five. The table's at head dim
-  # 256, whose 64 x 256 fp32 dK and dV do not fit one warpgroup's registers together, and at 128
-  # where registers are fixed at entry (`_ENTRY_REGISTERS`). Two warpgroups, one pass, no fused
-  # dQ, not persistent, no bias or mask operands (the API checks).
+  # 256, whose 64 x 256 fp32 dK and dV do not fit one warpgroup's registers together. Two
+  # warpgroups, one pass, no fused dQ, not persistent, no bias or mask operands (the API checks).
   dkv_split: bool = False
   # A persistent forward: one CTA per SM taking the query tiles round-robin (heaviest rows
   # first), the next tile's Q loading during this one (two Q buffers, O staged apart); with two
@@ -118,6 +117,18 @@ class TuningConfig:
   # batch fastest: the CTAs that read one of its tiles run side by side and HBM serves it once
   # (common.batch_inner). False keeps (batch, heads, rows), as without one.
   batch_inner: bool = True
+  # A producer warpgroup per CTA that streams the blocks with TMA and gives its registers to the
+  # compute warpgroups (setmaxnreg: 232 a thread with two, 160 with three). False: no producer;
+  # the last compute warpgroup issues the copies between its steps (common.inline_stream), and
+  # every thread keeps its share at entry, 255 with two compute warpgroups and 168 with three:
+  # the table's tiles where ptxas ignores setmaxnreg (`_ENTRY_REGISTERS`). Not persistent, no
+  # fused dQ; takes no bias or mask operands (the API checks).
+  producer: bool = True
+  # Without a producer, the issuer's step at position p refills the slot of position
+  # p - refill_lag (with position p - refill_lag + stages), once every warpgroup freed it: 1 loads
+  # stages - 1 steps ahead but waits for the other warpgroups' previous step; stages - 1 loads one
+  # step ahead and waits only for older steps. At most each kernel's stages - 1 (capped there).
+  refill_lag: int = 1
 
   def __post_init__(self):
     self.fwd.check_owned("block_q", "fwd")
@@ -144,6 +155,13 @@ class TuningConfig:
                        f"and dkv_persistent=False, got dkv_wgs={self.dkv_wgs}, dkv_passes="
                        f"{self.dkv_passes}, fused_dq={self.fused_dq}, dkv_persistent="
                        f"{self.dkv_persistent}")
+    if not self.producer and (self.fwd_persistent or self.dkv_persistent or self.fused_dq):
+      raise ValueError("producer=False streams one tile per CTA from a compute warpgroup: it "
+                       "needs fwd_persistent=False, dkv_persistent=False and fused_dq=False, got "
+                       f"fwd_persistent={self.fwd_persistent}, dkv_persistent="
+                       f"{self.dkv_persistent}, fused_dq={self.fused_dq}")
+    if not isinstance(self.refill_lag, (int, np.integer)) or self.refill_lag < 1:
+      raise ValueError(f"refill_lag must be a positive int, got {self.refill_lag!r}")
     if self.fused_dq and self.dkv_wgs != COMPUTE_WGS:
       raise ValueError(f"fused_dq splits dQ between two dK/dV warpgroups: it needs dkv_wgs="
                        f"{COMPUTE_WGS}, got {self.dkv_wgs}")
@@ -249,9 +267,8 @@ TABLE = {
     256: TuningConfig(fwd=_T(64, 64, 2), dkv=_T(64, 64, 2), dq=_T(64, 32, 2), dkv_split=True),
 }
 
-# Where dkv_split cannot run at head dim 256 (bias or mask tiles beside the blocks; registers
-# fixed at entry, JAX 0.12, not measured there): the dK/dV kernel it replaced, dK and dV in two
-# passes over 32-query blocks.
+# Where dkv_split cannot run at head dim 256 (bias or mask tiles beside the blocks): the dK/dV
+# kernel it replaced, dK and dV in two passes over 32-query blocks.
 _PASSES_256 = dict(dkv=_T(32, 64, 2), dkv_passes=2, dkv_split=False)
 
 
@@ -354,33 +371,30 @@ _FEW = {128: dict(dkv_persistent=True)}
 # 0.834x at B1 T16384 N16 (0.666x); at head dim 64 two ran 0.91x three.
 _TOP_RESIDUAL = {128: dict(fwd_wgs=2)}
 
-# Where ptxas ignores setmaxnreg (JAX 0.12's Mosaic GPU compiles each kernel as a relocatable
-# module through libnvJitLink: docs/ptxas_setmaxnreg.md), every thread keeps its share of the
-# register file at entry, 65536 / threads: 128 with three compute warpgroups and the producer, 168
-# with two. At head dim 128 the table's three-warpgroup forward and dQ kernel then spill (1,456
-# bytes a thread in the forward) and serialise their wgmma (ptxas C7512), and the dK/dV kernel's
-# two fp32 accumulators (128 registers a thread) leave no room beside its score tiles. Two compute
-# warpgroups fit 168, and so do dK and dV a warpgroup each (dkv_split: one fp32 accumulator a
-# warpgroup, four tile products a step). H200, JAX 0.12.0.1, one process, time against cuDNN at
-# B4 T4096 N16 / B2 T8192 N32 K8 / B1 T16384 N16 causal with dK and dV in two passes: forward
-# 0.98x / 1.03x / 1.09x (the table's 0.32x / 0.33x / 0.29x), fwd+bwd 0.84x / 0.80x / 0.80x (0.42x /
-# 0.39x / 0.42x). The dK/dV sweep there (fwd+bwd, B4 T4096): two passes of 64-key tiles 2.51 ms,
-# one pass 3.43 ms (64-query blocks) and 3.01 ms (32), cuDNN 2.03 ms; dkv_split (2026-11-29, one
-# process) 2.396 ms against the two passes' 2.540 at B4 T4096 (1.06x; cuDNN 2.165) and 8.475
-# against 8.987 at B1 T16384 (1.06x; cuDNN 7.271), with three stages 2.451 / 8.884; at B2 T8192
-# N32 K8 8.993 against 9.629 (1.07x; cuDNN 7.799).
-# Head dim 64 keeps its tiles (its forward ran
-# 1.30x cuDNN there); at 256 no tiling that fits reaches cuDNN (0.35-0.39x fwd+bwd; a 32-key
-# forward is 1.26x the table's, not taken untested on 0.12:
-# benchmarks/results/mosaic_sweep_h256_nvidia_h200_j012.md); it keeps the two dK/dV passes there
-# (`_PASSES_256`: dkv_split's warpgroups hold 64 x 256 fp32 accumulators, 128 of the 168
-# registers, beside their tiles; not measured on 0.12). Not with bias or mask tiles: the one
-# call of the compiled tests that faulted on 0.12 (an illegal address) had a block mask, fp16, and
-# these tiles; with bias or mask the table already runs two warpgroups.
-# (On 0.11.2 that call with these tiles passes: the fault comes with 0.12's compilation.)
-_ENTRY_REGISTERS = {128: dict(fwd_wgs=2, dq_wgs=2, dkv_wgs=COMPUTE_WGS, dkv_split=True,
-                              fwd_persistent=False, dkv_persistent=False),
-                    256: _PASSES_256}
+# Where ptxas ignores setmaxnreg (JAX 0.12's Mosaic GPU compiles each kernel as a relocatable module
+# through libnvJitLink: docs/ptxas_setmaxnreg.md), every thread keeps its share of the register file
+# at entry, 65536 / threads: 128 with three compute warpgroups and the producer, 168 with two. The
+# table's kernels then spill (1,456 bytes a thread in the head-dim-128 forward) and serialise their
+# wgmma (C7512). Without the producer warpgroup (`producer=False`: the last compute warpgroup issues
+# the copies) two compute warpgroups keep 255 and three 168, at least what setmaxnreg gives them on
+# 0.11 (232, 160), so the table's own tiles fit: at head dim 128 with three Q/dO stages in the dK/dV
+# kernel (its issuer, waiting at each step for the slot both warpgroups freed in the previous one,
+# loads two steps ahead), at 256 as they are. H200, JAX 0.12.0.1, one process, fwd+bwd against
+# cuDNN, before -> after (the tiles taken before: two compute warpgroups and dkv_split at 128, two
+# dK/dV passes at 256, with a producer): B4 T4096 N16 H128 causal 0.84x -> 1.02x, B2 T8192 N32 K8
+# 0.80x -> 0.92x, B1 T16384 N16 0.80x -> 0.97x, B2 T4096 N8 H256 0.39x -> 1.07x, B1 T8192 N8 K4 H256
+# 0.35x -> 1.05x (JAX 0.11.2: 1.01x, 1.01x, 0.97x, 1.08x, 1.08x;
+# benchmarks/results/producer_nvidia_h200.md). With two stages (one step ahead) fwd+bwd ran
+# 0.91-0.95x cuDNN at those head-dim-128 shapes, with three and refill_lag 2 (one step ahead, no
+# wait for the other warpgroup) 0.92-1.03x. Head dim 64 keeps its tiles: its persistent forward
+# needs the producer (forward 1.28x cuDNN with it, 1.01x without; fwd+bwd 0.93x and 1.09x at B16
+# T1024 N12 causal). Calls with bias or mask tiles keep the table's too (their rings and block
+# orders need a producer; the one call of the compiled tests that faulted on 0.12, an illegal
+# address, had a block mask and two warpgroups' tiles: on 0.11.2 it passes, so the fault comes with
+# 0.12's compilation).
+_ENTRY_REGISTERS = {128: dict(producer=False, dkv=_T(64, 64, 3), fwd_persistent=False,
+                              dkv_persistent=False),
+                    256: dict(producer=False)}
 
 
 def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
