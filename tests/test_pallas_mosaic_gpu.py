@@ -1710,6 +1710,11 @@ def test_without_a_producer_no_warpgroup_moves_registers(H, monkeypatch):
   assert counts[True][0] == [(wgs, True) for wgs, _ in counts[False][0]]
   assert [p for _, p in counts[False][0]] == [False] * kernels
   assert counts[True][1] == 2 * kernels and counts[False][1] == 0
+  # a refill two steps after the slot's release (TuningConfig.refill_lag; capped at stages - 1)
+  lagged = config.replace(producer=False, refill_lag=2,
+                          dkv=tuning.Tiles(config.dkv.block_q, config.dkv.block_kv, 3))
+  if lagged.smem_problem(H, 2) is None:
+    cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, lagged, o), ops)
 
 
 def test_without_a_producer_refuses_what_only_a_producer_streams():
@@ -1717,6 +1722,9 @@ def test_without_a_producer_refuses_what_only_a_producer_streams():
   for changes in (dict(fwd_persistent=True), dict(dkv_persistent=True), dict(fused_dq=True)):
     with pytest.raises(ValueError, match="producer=False"):
       base.replace(producer=False, **changes)
+  for lag in (0, -1, 1.5):
+    with pytest.raises(ValueError, match="refill_lag"):
+      base.replace(producer=False, refill_lag=lag)
   bias = jnp.zeros((1, 2, 256, 256), bf16)
   spec, ops = _spec_ops(shape=(1, 256, 2, 128), kv_heads=2, is_causal=True, bias=bias)
   config = mosaic.default_config(spec, ops).replace(producer=False)
