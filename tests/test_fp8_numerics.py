@@ -426,8 +426,10 @@ def test_fp8_kernel_building_blocks_lower_for_cuda():
   repro = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(repro)
   for name in ("Q K^T, B = K.T", "P V, B = (V^T).T", "P through SMEM, A from SMEM",
-               "P through SMEM, A registers (WGMMA_8BIT)"):
+               "P through SMEM, A registers (WGMMA_8BIT)", "P relabelled in registers"):
     assert repro.lowering_error(repro.CASES[name]) is None, name
+  # the relabelled P's key order: a permutation within each group of 16 keys
+  assert sorted(repro.RELABELLED_KEYS) == list(range(16))
   # the constraint the plan works around: 8-bit B operands cannot be transposed
   assert "transpose" in repro.lowering_error(repro.CASES["P V, B = V as stored"])
 
