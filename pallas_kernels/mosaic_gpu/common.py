@@ -543,6 +543,13 @@ def _filler(loads, stages: int):
   return fill
 
 
+def _first_loads(fill, first, stop, stages: int, block):
+  """Positions first .. first + stages - 1 (those before stop), each ring's first ones without
+  waiting for a free slot."""
+  for i in range(stages):
+    pl.when(first + i < stop)(lambda i=i: fill(i, block(first + i), lambda ring: i < ring))
+
+
 def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = False, base=0):
   """The producer warpgroup's loop: positions first .. stop-1 go to slots (p - first) % stages.
 
@@ -566,8 +573,7 @@ def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = 
       fill(at, block(p), lambda ring: at < ring)
     pl.loop(first, stop)(load_at)
     return
-  for i in range(stages):
-    pl.when(first + i < stop)(lambda i=i: fill(i, block(first + i), lambda ring: i < ring))
+  _first_loads(fill, first, stop, stages, block)
 
   def refill(p, at):
     upcoming = block(p + 1) if prefetch else None
@@ -591,10 +597,7 @@ def inline_stream(first, stop, stages: int, loads, block=lambda p: p, lag: int =
   assert all(len(entry) == 2 for entry in loads), "rings need a producer"
   lag = min(lag, stages - 1)
   fill = _filler(loads, stages)
-
-  def start():
-    for i in range(stages):
-      pl.when(first + i < stop)(lambda i=i: fill(i, block(first + i), lambda ring: True))
+  start = lambda: _first_loads(fill, first, stop, stages, block)
 
   def refill(p):
     at = p - lag + stages
