@@ -70,7 +70,8 @@ def quantize_only(q, k, v):
   """The fp8 arm's preamble: quantize (the API) and e4m3 payloads with V^T (the backend's)."""
   q, k, v, scales = fp8.quantize_inputs(q, k, v, "e4m3")
   ops = OPERANDS.make(q=q, k=k, v=v, **scales)
-  x = mosaic._fp8_operands(ops, ops, q.shape[2] // k.shape[2])
+  x = mosaic._fp8_operands(ops, ops, q.shape[2] // k.shape[2],
+                           mosaic.tuning.table_config(q.shape[-1]).fp8_p_registers)
   return x.q, x.k, x.v, x.qk_descale, x.v_descale
 
 
@@ -90,16 +91,23 @@ def forward_kernel(arm, shape, changes=None):
 # --sweep: the FP8 forward kernel's tilings (changes to the table's config).
 SWEEP = {"table": {}, "2 warpgroups": dict(fwd_wgs=2), "3 warpgroups": dict(fwd_wgs=3),
          "3 stages": dict(fwd=mosaic.tuning.Tiles(64, 128, 3)),
-         "2 warpgroups, 3 stages": dict(fwd_wgs=2, fwd=mosaic.tuning.Tiles(64, 128, 3))}
+         "2 warpgroups, 3 stages": dict(fwd_wgs=2, fwd=mosaic.tuning.Tiles(64, 128, 3)),
+         # P kept in registers (TuningConfig.fp8_p_registers), no shared-memory tile or fence
+         "P in registers": dict(fp8_p_registers=True),
+         "P in registers + 2 warpgroups": dict(fp8_p_registers=True, fwd_wgs=2),
+         "P in registers + 3 warpgroups": dict(fp8_p_registers=True, fwd_wgs=3),
+         "P in registers + 3 stages": dict(fp8_p_registers=True,
+                                          fwd=mosaic.tuning.Tiles(64, 128, 3))}
 
 
-def sweep(shapes, calls, blocks, arm="fp8") -> str:
+def sweep(shapes, calls, blocks, arm="fp8", variants=tuple(SWEEP)) -> str:
   """Markdown: each SWEEP variant's FP8 forward kernel time (arm: "fp8", FlashAttention-3's
   arithmetic, or "preset") against the bf16 kernel's."""
   lines = ["| shape | FP8 forward config | ms | x bf16 kernel |", "|---|---|---:|---:|"]
   for shape in shapes:
     base = bench.time_calls(*forward_kernel("bf16", shape), calls, blocks)
-    for name, changes in SWEEP.items():
+    for name in variants:
+      changes = SWEEP[name]
       try:
         t = bench.time_calls(*forward_kernel(arm, shape, changes), calls, blocks)
         lines.append(f"| {shape} | {name} | {t * 1e3:.3f} | {base / t:.3f} |")
@@ -206,6 +214,8 @@ def main(argv=None) -> int:
   parser.add_argument("--sweep", action="store_true", help="the FP8 forward's tilings only")
   parser.add_argument("--sweep-arm", default="fp8", choices=("fp8", "preset"),
                       help="with --sweep: FlashAttention-3's arithmetic or the fp8 preset")
+  parser.add_argument("--sweep-variants", default=",".join(SWEEP),
+                      help=f"with --sweep: a comma list of {tuple(SWEEP)}")
   parser.add_argument("--preamble", action="store_true",
                       help="the cost of the FP8 operands' preparation only")
   parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {ARMS}")
@@ -214,7 +224,10 @@ def main(argv=None) -> int:
     print(preamble(SHAPES[0], args.calls, args.blocks))
     return 0
   if args.sweep:
-    print(sweep(SHAPES, args.calls, args.blocks, args.sweep_arm))
+    variants = tuple(v for v in args.sweep_variants.split(",") if v)
+    if set(variants) - set(SWEEP):
+      parser.error(f"--sweep-variants: unknown {sorted(set(variants) - set(SWEEP))}")
+    print(sweep(SHAPES, args.calls, args.blocks, args.sweep_arm, variants))
     return 0
   implementation, shapes, error_shape = "pallas_mosaic_gpu", SHAPES, ERROR_SHAPE
   arms = tuple(a for a in args.arms.split(",") if a)

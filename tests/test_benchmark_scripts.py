@@ -50,6 +50,18 @@ def test_safe_cost_smoke(capsys):
   assert safe_cost.ratio_cell([2.0, 3.3], [2.0, 3.0]) == "1.050 (1.000-1.100)"
 
 
+@pytest.mark.parametrize("H", [64, 128])
+def test_fp8_sweep_variants_are_configs_of_the_table(H):
+  """Every variant of benchmarks/fp8.py --sweep is a valid change to the table's config, and
+  --sweep-variants refuses a name it does not know."""
+  from pallas_kernels.mosaic_gpu import tuning
+  for name, changes in fp8.SWEEP.items():
+    config = tuning.table_config(H).replace(**changes)
+    assert all(getattr(config, k) == v for k, v in changes.items()), name
+  with pytest.raises(SystemExit):
+    fp8.main(["--sweep", "--sweep-variants", "table,P in SMEM"])
+
+
 @pytest.mark.slow
 def test_fp8_smoke(capsys):
   """benchmarks/fp8.py's arms that run on a CPU (the reference in each numerics) and its error

@@ -961,8 +961,9 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
   dim 128 and 256 tables run without a producer warpgroup: the compute warpgroups alone, 255
   registers a thread with two and 168 with three, at least what setmaxnreg gives them on 0.11
   (232, 160), so their own tiles fit; at 128 with three Q/dO stages in the dK/dV kernel, and
-  nothing persistent. Head dim 64 and calls with bias or mask tiles keep the table's. Every
-  config it gives fits shared memory and validates."""
+  nothing persistent. Head dim 64 keeps the table's but for full calls, whose forward (not
+  persistent) has no producer; calls with bias or mask tiles keep the table's. Every config it
+  gives fits shared memory and validates."""
   assert tuning.registers_fixed_at_entry(version) is fixed
   for h in tuning.HEAD_DIMS:
     for kw in (dict(), dict(full=True), dict(dense=True), dict(packed=True),
@@ -970,6 +971,10 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
       plain = tuning.table_config(h, **kw)
       config = tuning.table_config(h, entry_registers=fixed, **kw)
       config.check_smem(h, 2, **{k: v for k, v in kw.items() if k in ("beside", "ds_itemsize")})
+      if fixed and h == 64 and (kw.get("full") or kw.get("dense")):
+        assert config == plain.replace(fwd_producer=False, fwd_persistent=False), kw
+        assert not config.has_producer("fwd") and config.has_producer("dkv")
+        continue
       if not fixed or h == 64 or "beside" in kw:
         assert config == plain, (h, kw)
         continue
@@ -1118,6 +1123,28 @@ def test_gpu_without_a_producer_matches_the_producer(name, entry, max_adjust):
 
 @pytest.mark.gpu
 @on_hopper
+@pytest.mark.parametrize("producers", [(False, True), (True, False)])
+@pytest.mark.parametrize("name", [name for name, _ in PRODUCER_CASES
+                                  if GPU_CASES[name]["H"] == 64])
+def test_gpu_a_producer_in_one_kernel_matches_the_producer(name, producers):
+  """TuningConfig.fwd_producer: a producer in the forward only (its persistent form, JAX 0.12's
+  table at head dim 64) or in the backward kernels only gives the outputs, residuals and
+  gradients of a producer in all three, bitwise."""
+  (q, k, v, _, _), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 5)
+  spec, ops = _spec_ops(shape=q.shape, kv_heads=k.shape[2],
+                        is_causal=GPU_CASES[name].get("is_causal", False))
+  producer, fwd_producer = producers
+  config = mosaic.default_config(spec, ops)
+  config = config.replace(dkv_persistent=False, fwd_persistent=config.fwd_persistent and
+                          fwd_producer)
+  mixed = config.replace(producer=producer, fwd_producer=fwd_producer)
+  args = (q, k, v, None, None)
+  _assert_bitwise_equal(_outputs_and_grads(args, kwargs, do, "safe", config),
+                        _outputs_and_grads(args, kwargs, do, "safe", mixed))
+
+
+@pytest.mark.gpu
+@on_hopper
 @pytest.mark.parametrize("case", list(FP8_CASES))
 def test_gpu_fp8_forward_without_a_producer_matches_the_producer(case):
   kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
@@ -1126,9 +1153,45 @@ def test_gpu_fp8_forward_without_a_producer_matches_the_producer(case):
   q, k, v = (jnp.asarray(rng.standard_normal(s), bf16)
              for s in ((2, 384, 4, 128), (2, 384, 2, 128), (2, 384, 2, 128)))
   config = tuning.table_config(128).replace(fwd_persistent=False, dkv_persistent=False)
+  if tuning.registers_fixed_at_entry(jax.__version__):
+    # JAX 0.12: a producer leaves three compute warpgroups 128 registers a thread, too few for P
+    # kept in registers beside the packed rows' and sinks' (ptxas C7600, fatal); P through shared
+    # memory fits (the table has no producer there).
+    config = config.replace(fp8_p_registers=False)
   run = lambda config: jax.device_get(stable_attn.dot_product_attention(
       q, k, v, implementation=IMPL, numerics=FP8, max_adjust="off", config=config, **kwargs))
   _assert_bitwise_equal(run(config), run(config.replace(producer=False)))
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("numerics", [FP8, "fp8"])
+@pytest.mark.parametrize("case", list(FP8_CASES))
+@pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
+def test_gpu_fp8_p_in_registers_matches_p_through_shared_memory(head_dim, case, numerics):
+  """TuningConfig.fp8_p_registers: P's e4m3 registers relabelled as the 8-bit wgmma operand, V^T's
+  keys stored in the matching order, give the P V product of P through shared memory: the LSE
+  bitwise (the row sums do not see the order) and O within one bf16 ulp (the product adds its
+  fp32 terms in another order). A key order that did not match would pair P with other keys'
+  rows of V: O off by ~100%."""
+  kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+            for k, v in FP8_CASES[case].items()}
+  rng = np.random.default_rng()
+  q, k, v = (jnp.asarray(rng.standard_normal(s), bf16)
+             for s in ((2, 384, 4, head_dim), (2, 384, 2, head_dim), (2, 384, 2, head_dim)))
+  spec, ops = _spec_ops(shape=q.shape, kv_heads=2, is_causal=kwargs.get("is_causal", False),
+                        numerics=numerics)
+  config = mosaic.default_config(spec, ops)
+  assert mosaic.fp8_forward(spec, bf16)
+
+  def run(p_registers):
+    return jax.device_get(stable_attn.dot_product_attention(
+        q, k, v, implementation=IMPL, numerics=numerics, max_adjust="safe",
+        config=config.replace(fp8_p_registers=p_registers), return_residuals=True, **kwargs))
+  (o_smem, res_smem), (o_regs, res_regs) = run(False), run(True)
+  _assert_bitwise_equal(res_regs, res_smem)
+  a, b = np.asarray(o_regs, np.float32), np.asarray(o_smem, np.float32)
+  np.testing.assert_array_less(np.abs(a - b), 2.0 ** -7 * np.maximum(np.abs(a), np.abs(b)) + 1e-30)
 
 
 # A bias without a mask: the forward's three warpgroups (grid and persistent) take its tiles of
@@ -1592,13 +1655,16 @@ def test_entry_register_tiles_lower_for_cuda(feature):
   assert len(kernels) == 3, (feature, len(kernels))
 
 
-@pytest.mark.parametrize("feature", ["gqa", "segments_sinks_window", "soft_cap_paper",
+@pytest.mark.parametrize("feature,p_registers", [
+    (feature, False) for feature in ("gqa", "segments_sinks_window", "soft_cap_paper",
                                      "qkvpacked", "head_dim_64", "preset", "preset_head_dim_64",
-                                     "rounded_sum", "rounded_sum_top_bf16"])
-def test_fp8_forward_lowers_for_cuda(feature):
-  """The FP8 forward (e4m3 Q K^T, P cast to e4m3 through shared memory, V^T) lowers for CUDA with
-  the features it serves, and its backward is the bf16 kernels' (dQ, dK/dV) on the dequantized
-  q, k, v; on a CPU host."""
+                                     "rounded_sum", "rounded_sum_top_bf16")] + [
+    (feature, True) for feature in ("gqa", "segments_sinks_window", "head_dim_64", "preset",
+                                    "preset_head_dim_64")])
+def test_fp8_forward_lowers_for_cuda(feature, p_registers):
+  """The FP8 forward (e4m3 Q K^T, P cast to e4m3 through shared memory or kept in registers:
+  TuningConfig.fp8_p_registers, V^T) lowers for CUDA with the features it serves, and its backward
+  is the bf16 kernels' (dQ, dK/dV) on the dequantized q, k, v; on a CPU host."""
   B, T, N, K, H = 1, 384, 4, 2, 64 if feature.endswith("head_dim_64") else 128
   ids = jnp.asarray(np.repeat(np.arange(3), T // 3)[None], jnp.int32)
   kwargs = dict(gqa={}, qkvpacked={}, head_dim_64={},
@@ -1615,7 +1681,7 @@ def test_fp8_forward_lowers_for_cuda(feature):
   spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=N if feature == "qkvpacked" else K,
                         is_causal=True, **kwargs)
   assert mosaic.covers(spec, ops) is None and mosaic.fp8_forward(spec, bf16)
-  config = mosaic.default_config(spec, ops)
+  config = mosaic.default_config(spec, ops).replace(fp8_p_registers=p_registers)
   if feature == "qkvpacked":   # the forward reads split copies; the backward writes in place
     ops = pack(jnp.stack([ops.q, ops.k, ops.v], axis=2), ops)
   text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
@@ -1701,15 +1767,21 @@ def test_without_a_producer_no_warpgroup_moves_registers(H, monkeypatch):
   spec, ops = _spec_ops(shape=(1, 256, 4, H), kv_heads=2, is_causal=True)
   config = mosaic.default_config(spec, ops).replace(fwd_persistent=False, dkv_persistent=False)
   counts = {}
-  for producer in (True, False):
+  # (producer, fwd_producer): everywhere, nowhere, the forward's only, the backward's only
+  for producers in ((True, None), (False, None), (False, True), (True, False)):
     launched.clear(), moves.clear()
-    cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config.replace(producer=producer), o),
-                             ops)
-    counts[producer] = (list(launched), len(moves))
+    changes = dict(zip(("producer", "fwd_producer"), producers))
+    cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config.replace(**changes), o), ops)
+    counts[producers] = (list(launched), len(moves))
   kernels = 3 + (config.dkv_passes == 2)   # forward, dQ, dK/dV (one or two passes)
-  assert counts[True][0] == [(wgs, True) for wgs, _ in counts[False][0]]
-  assert [p for _, p in counts[False][0]] == [False] * kernels
-  assert counts[True][1] == 2 * kernels and counts[False][1] == 0
+  everywhere, nowhere = counts[True, None], counts[False, None]
+  assert everywhere[0] == [(wgs, True) for wgs, _ in nowhere[0]]
+  assert [p for _, p in nowhere[0]] == [False] * kernels
+  assert everywhere[1] == 2 * kernels and nowhere[1] == 0
+  # the forward launches first: its own producer, or the backward kernels' alone
+  assert [p for _, p in counts[False, True][0]] == [True] + [False] * (kernels - 1)
+  assert [p for _, p in counts[True, False][0]] == [False] + [True] * (kernels - 1)
+  assert counts[False, True][1] == 2 and counts[True, False][1] == 2 * (kernels - 1)
   # a refill two steps after the slot's release (TuningConfig.refill_lag; capped at stages - 1)
   lagged = config.replace(producer=False, refill_lag=2,
                           dkv=tuning.Tiles(config.dkv.block_q, config.dkv.block_kv, 3))
@@ -1725,11 +1797,17 @@ def test_without_a_producer_refuses_what_only_a_producer_streams():
   for lag in (0, -1, 1.5):
     with pytest.raises(ValueError, match="refill_lag"):
       base.replace(producer=False, refill_lag=lag)
+  with pytest.raises(ValueError, match="fwd_persistent=False"):   # the forward's own
+    base.replace(fwd_producer=False, fwd_persistent=True)
+  base.replace(producer=False, fwd_producer=True, fwd_persistent=True)   # JAX 0.12's H64 table
+  with pytest.raises(ValueError, match="fwd_producer must be"):
+    base.replace(fwd_producer="no")
   bias = jnp.zeros((1, 2, 256, 256), bf16)
   spec, ops = _spec_ops(shape=(1, 256, 2, 128), kv_heads=2, is_causal=True, bias=bias)
-  config = mosaic.default_config(spec, ops).replace(producer=False)
-  with pytest.raises(ValueError, match="producer=False takes no bias or mask"):
-    mosaic._checked_config(spec, ops, config)
+  config = mosaic.default_config(spec, ops)
+  for changes in (dict(producer=False), dict(fwd_producer=False)):
+    with pytest.raises(ValueError, match="producer=False takes no bias or mask"):
+      mosaic._checked_config(spec, ops, config.replace(**changes))
 
 
 def test_fp8_forward_takes_128_key_blocks():

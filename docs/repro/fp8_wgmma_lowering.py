@@ -13,10 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import fragmented_array as fa
-from jax._src.lib.mlir.dialects import vector
 
+from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import load_tile
 from tests import cases
 
@@ -58,30 +56,12 @@ def p_of(acc_s):
   return (jnp.exp2(acc_s[...] - 3.0) * 256.0).astype(F8)
 
 
-# P kept in registers (lowered only: not run, not in the kernel). The f32 accumulator's
-# layout (WGMMA) and the 8-bit operand's (WGMMA_8BIT) hold the same 4 values per thread and row in
-# each 16-column group, two vector<2> registers against one vector<4>; only the column order
-# differs. Relabelling the registers makes the e4m3 P an operand whose 16-key groups are in
-# RELABELLED_KEYS order, so V^T's keys must be stored in the same order (free in the XLA pass that
-# builds V^T). Lane t of a row's 4 holds columns 2t, 2t+1, 8+2t, 9+2t of each 16 in the
-# accumulator and columns 4t .. 4t+3 in the 8-bit operand (fragmented_array.py's WGMMA_LAYOUT
-# and WGMMA_LAYOUT_8BIT, JAX 0.10.2): operand column n holds key RELABELLED_KEYS[n].
-RELABELLED_KEYS = np.array([k for t in range(4) for k in (2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t)])
-
-
-@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                   return_type=plgpu.ShapeDtypeStruct((M, 128), F8, layout=LAYOUT.WGMMA_8BIT))
-def relabel(ctx, p):
-  """An e4m3 [64, 128] array in the WGMMA layout -> the same registers as a WGMMA_8BIT array
-  (each 16-column group's columns in RELABELLED_KEYS order); no data moves."""
-  del ctx
-  regs = p.registers   # [1, 16 column groups of 8, 1, 1, 2 row halves, 1, 1, 1, 1], vector<2>
-  out = np.empty(fa.WGMMA_LAYOUT_8BIT.registers_shape((M, 128)), dtype=object)
-  for group in range(out.shape[1]):
-    for half in range(2):
-      pair = (regs[0, 2 * group + i, 0, 0, half, 0, 0, 0, 0] for i in (0, 1))
-      out[0, group, 0, 0, half, 0, 0, 0, 0] = vector.shuffle(*pair, [0, 1, 2, 3])
-  return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=None)
+# P kept in registers: the accumulator's e4m3 registers relabelled as the 8-bit operand
+# (`common.as_8bit_operand`, what the FP8 forward runs with TuningConfig.fp8_p_registers); each
+# 16-key group of the operand is then in `common.RELABELLED_KEYS` order, so V^T's keys must be
+# stored in that order.
+RELABELLED_KEYS = np.array(common.RELABELLED_KEYS)
+relabel = common.as_8bit_operand
 
 
 SHAPES = ((M, 128), (128, 128), (M, 128))   # Q or P [64, 128]; K, V or V^T [128, 128]; P staging

@@ -207,7 +207,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
         stop, block, loads = query_stream(b, kvh, cta_k, order)
         return common.inline_stream(jnp.zeros((), jnp.int32), stop, stages, loads, block,
                                     call.config.refill_lag)
-      refill = common.issuer(call, wg, wgs, streams)
+      refill = common.issuer(call, "dkv", wg, wgs, streams)
       k_start = cta_k + kw * bk
       rows = (b, pl.ds(k_start, bk), kvh)
       # With 3 warpgroups the last CTA's last ones may own no keys: they load and store nothing
@@ -370,7 +370,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
 
   @pl.when(wg < wgs)
   def _compute():
-    common.take_registers(call, wgs, "compute")
+    common.take_registers(call, "dkv", wgs, "compute")
     if roles:
       for w, name in enumerate(("dv", "dk")):
         pl.when(wg == w)(functools.partial(accumulate, (name,), 0))
@@ -379,7 +379,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
 
   @pl.when(wg == wgs)
   def _produce():
-    common.take_registers(call, wgs, "producer")
+    common.take_registers(call, "dkv", wgs, "producer")
 
     def stream_tile(i, base):
       b, kvh, cta_k, _, _, _, order = key_tile(i)
@@ -447,7 +447,7 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
           functools.partial(_dkv_kernel, call=call, part=part, ctas=ctas),
           (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
           name=f"stable_attn_{part}", out_type=out_type, compute_wgs=wgs,
-          producer=call.config.producer,
+          producer=call.config.has_producer("dkv"),
           grid=grid, grid_names=grid_names,
           in_place=dq_acc is not None or into is not None,
       )(x, grads, ranges, dq_acc, into)))
@@ -497,8 +497,8 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
 
   @pl.when(wg < wgs)
   def _compute():
-    common.take_registers(call, wgs, "compute")
-    before = common.issuer(call, wg, wgs, lambda: common.inline_stream(
+    common.take_registers(call, "dq", wgs, "compute")
+    before = common.issuer(call, "dq", wg, wgs, lambda: common.inline_stream(
         order.first, order.stop, stages, loads(), order.block, call.config.refill_lag))
     q_start = cta_q + wg * bq
     if_rows = cta.if_rows(q_start)
@@ -595,7 +595,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
 
   @pl.when(wg == wgs)
   def _produce():
-    common.take_registers(call, wgs, "producer")
+    common.take_registers(call, "dq", wgs, "producer")
     common.stream(order.first, order.stop, stages, loads(), order.block,
                   prefetch=ranges.order is not None)
 
@@ -638,7 +638,7 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, o, ranges: common.R
       functools.partial(_dq_kernel, call=call, wgs=wgs, has_ds=ds_dtype is not None),
       (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),
       name="stable_attn_dq", out_type=tuple(out_type), compute_wgs=wgs,
-      producer=call.config.producer,
+      producer=call.config.has_producer("dq"),
       grid=grid, grid_names=grid_names,
       out_views=(lambda outs: (outs[0].at[:, :, _QKV_SLOT["dq"]],) + outs[1:]) if packed else None,
   )(x, grads, ranges, o)

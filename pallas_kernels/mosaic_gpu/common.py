@@ -24,6 +24,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -85,6 +86,47 @@ def zeros(shape, layout):
 
 def init_stats(rows: int, dt: Dtypes) -> tile.RowStats:
   return tile.RowStats(*(plgpu.layout_cast(x, ROWS) for x in tile.init_stats(rows, dt)))
+
+
+# An 8-bit P kept in registers for the P V wgmma (TuningConfig.fp8_p_registers). The f32
+# accumulator's layout (WGMMA) and the 8-bit operand's (WGMMA_8BIT) hold the same 4 values of each
+# row and 16-column group per thread -- lane t columns 2t, 2t+1, 8+2t, 9+2t in the accumulator,
+# 4t .. 4t+3 in the operand -- as two vector<2> registers against one vector<4>. Relabelled as
+# the operand (`as_8bit_operand`, no data moves), operand column n of each 16 holds key
+# RELABELLED_KEYS[n], so V^T's keys are stored in that order (`relabelled_keys`).
+RELABELLED_KEYS = tuple(k for t in range(4) for k in (2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t))
+
+
+def relabelled_keys(a, axis: int = -1):
+  """a with each group of 16 along `axis` (its length a multiple of 16) in RELABELLED_KEYS
+  order: a reshape and a transpose (key 8h + 2t + l goes to 4t + 2h + l), which XLA fuses into
+  the pass that writes V^T."""
+  axis = axis % a.ndim
+  shape = a.shape[:axis] + (a.shape[axis] // 16, 2, 4, 2) + a.shape[axis + 1:]
+  order = list(range(len(shape)))
+  order[axis + 1], order[axis + 2] = axis + 2, axis + 1
+  return jnp.transpose(a.reshape(shape), order).reshape(a.shape)
+
+
+def as_8bit_operand(p):
+  """An 8-bit [64, cols] array in the WGMMA layout (cols a multiple of 16) -> the same registers
+  as a WGMMA_8BIT array, the wgmma A operand from registers; its columns in each 16 are then in
+  RELABELLED_KEYS order."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax._src.lib.mlir.dialects import vector
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=plgpu.ShapeDtypeStruct(
+      p.shape, p.dtype, layout=plgpu.Layout.WGMMA_8BIT))
+  def relabel(ctx, x):
+    del ctx
+    regs = x.registers   # [1, cols / 8, 1, 1, 2 row halves, 1, 1, 1, 1] of vector<2>
+    out = np.empty(fa.WGMMA_LAYOUT_8BIT.registers_shape(p.shape), dtype=object)
+    for group in range(out.shape[1]):   # each 16 columns: one vector<4>
+      for half in range(out.shape[4]):
+        pair = (regs[0, 2 * group + i, 0, 0, half, 0, 0, 0, 0] for i in (0, 1))
+        out[0, group, 0, 0, half, 0, 0, 0, 0] = vector.shuffle(*pair, [0, 1, 2, 3])
+    return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=None)
+  return relabel(p)
 
 
 def fp8_forward(spec: AttentionSpec, dtype) -> bool:
@@ -608,22 +650,22 @@ def inline_stream(first, stop, stages: int, loads, block=lambda p: p, lag: int =
   return start, refill
 
 
-def take_registers(call: Call, wgs: int, role: str) -> None:
-  """A warpgroup's register share (setmaxnreg): role "compute" takes REGISTERS[wgs][0] per
-  thread, "producer" gives back down to REGISTERS[wgs][1]. Without a producer
-  (TuningConfig.producer False) nothing moves: every thread keeps 65536 / (128 * wgs), 255 with
-  two compute warpgroups, 168 with three."""
-  if call.config.producer:
+def take_registers(call: Call, kernel: str, wgs: int, role: str) -> None:
+  """A warpgroup's register share (setmaxnreg) in `kernel` ("fwd", "dq" or "dkv"): role "compute"
+  takes REGISTERS[wgs][0] per thread, "producer" gives back down to REGISTERS[wgs][1]. Without a
+  producer (TuningConfig.has_producer) nothing moves: every thread keeps 65536 / (128 * wgs), 255
+  with two compute warpgroups, 168 with three."""
+  if call.config.has_producer(kernel):
     producer = role == "producer"
     plgpu.set_max_registers(REGISTERS[wgs][producer],
                             action="decrease" if producer else "increase")
 
 
-def issuer(call: Call, wg, wgs: int, streams: Callable):
-  """Without a producer: the last compute warpgroup runs start() of streams() -> (start,
-  refill) (`inline_stream`) now -> before(p) for `sections` (its refill at each position). With
-  a producer -> None (streams is not called)."""
-  if call.config.producer:
+def issuer(call: Call, kernel: str, wg, wgs: int, streams: Callable):
+  """Without a producer in `kernel` ("fwd", "dq" or "dkv"): the last compute warpgroup runs
+  start() of streams() -> (start, refill) (`inline_stream`) now -> before(p) for `sections` (its
+  refill at each position). With a producer -> None (streams is not called)."""
+  if call.config.has_producer(kernel):
     return None
   start, refill = streams()
   issues = wg == wgs - 1

@@ -15,7 +15,8 @@ forward at head dim 128, tuning._TOP_RESIDUAL):
                 aligned to T's end, so when 3 * block_q does not divide T the last CTA's first
                 warpgroups idle.
   producer      streams K and V blocks through `stages` slots with TMA (common.py: pipelines);
-                without one (TuningConfig.producer False) the last compute warpgroup does.
+                without one (TuningConfig.producer, fwd_producer False) the last compute
+                warpgroup does.
 Persistent (TuningConfig.fwd_persistent, the table's at head dim 64, and with a bias alone where
 every query sees every key: tuning._BIAS_FULL_FWD): one CTA per SM takes the query tiles in zigzag
 rounds (common.persistent_tiles), heaviest causal rows first, or in the grid's order where the
@@ -73,6 +74,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
   apart = bias_loaded is not None   # the bias streams apart from K (TuningConfig.fwd_bias_apart)
   spec, dt, fwd, wgs, fp8 = call.spec, call.dt, call.config.fwd, call.config.fwd_wgs, call.fp8
   bq, bk, stages = fwd.block_q, fwd.block_kv, fwd.stages
+  in_registers = call.config.fp8_p_registers   # the FP8 P's, for P V
   wg = lax.axis_index("wg")
   tiles = common.query_tiles(call, refs, wgs, bq, ctas)
   tile_of, buffer_of, count = tiles.tile, tiles.buffer, tiles.count
@@ -119,7 +121,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
   @pl.when(wg < wgs)
   def _compute():
-    common.take_registers(call, wgs, "compute")
+    common.take_registers(call, "fwd", wgs, "compute")
 
     def load_q(i, buf):
       """Tile i's Q rows of this warpgroup (and their offsets and segment ids) into Q buffer buf."""
@@ -147,7 +149,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       b, n, cta, lens = query_tile(i)
       order = cta.order
       # Without a producer the last warpgroup streams K and V (first, before any rendezvous).
-      before = common.issuer(call, wg, wgs, lambda: common.inline_stream(
+      before = common.issuer(call, "fwd", wg, wgs, lambda: common.inline_stream(
           order.first, order.stop, stages, loads(b, n, cta), order.block,
           call.config.refill_lag))
       q_start = cta.start + wg * bq
@@ -206,9 +208,10 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         def pv_product(acc_ref):
           if fp8:   # V^T in SMEM viewed transposed: K-major, as 8-bit wgmma operands must be
             v_t = v_smem.at[slot].transpose((1, 0))
-            plgpu.wgmma(acc_ref, p_smem.at[wg], v_t)
-            if r_smem is not None:   # the top keys' residual (tile.rescale's split_top)
-              plgpu.wgmma(acc_ref, r_smem.at[wg], v_t)
+            head, residual = probs if in_registers else (p_smem.at[wg], r_smem)
+            plgpu.wgmma(acc_ref, head, v_t)
+            if residual is not None:   # the top keys' residual (tile.rescale's split_top)
+              plgpu.wgmma(acc_ref, residual if in_registers else residual.at[wg], v_t)
           else:
             plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
           wait_k(p + 1)
@@ -251,7 +254,9 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
                                            beta=spec.beta, offset=offset, base2=True,
                                            split_top=fp8)
         acc = tile.scale_acc(acc, alpha, dt=dt)
-        if fp8:   # no register relayout to the 8-bit wgmma operand: P goes through SMEM
+        if fp8 and in_registers:   # V^T's keys are in the relabelled order
+          probs = tuple(None if x is None else common.as_8bit_operand(x) for x in probs)
+        elif fp8:   # P through SMEM, fenced for the wgmma that reads it
           head, residual = probs   # the top keys' residual: None, or a second P V product's
           p_smem.at[wg][...] = head
           if residual is not None:
@@ -297,7 +302,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
 
   @pl.when(wg == wgs)
   def _produce():
-    common.take_registers(call, wgs, "producer")
+    common.take_registers(call, "fwd", wgs, "producer")
 
     def stream_tile(i, base):
       b, n, cta, _ = query_tile(i)
@@ -314,9 +319,10 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   """Padded Operands or PackedOperands (x.offset: [N, Tp] fp32 natural units, or None; x.bias,
   x.mask: [Bx, Nx, Tp, Sp], the mask as int8) and their block ranges (common.block_ranges per
   block_q rows) -> (O [B, Tp, N, H] in the input dtype, LSE fp32 [B, N, Tp]). With call.fp8:
-  x.q, x.k e4m3, x.v e4m3 V^T [B, K, H, Sp], x.qk_descale and x.v_descale [N] fp32; P goes
-  through a per-warpgroup e4m3 tile in shared memory, and where the top key is finer
-  (tile.has_top_residual: the "fp8" preset) its residual through a second one."""
+  x.q, x.k e4m3, x.v e4m3 V^T [B, K, H, Sp] (keys in common.relabelled_keys order with
+  config.fp8_p_registers), x.qk_descale and x.v_descale [N] fp32; P goes through a
+  per-warpgroup e4m3 tile in shared memory (or stays in registers: config.fp8_p_registers), and
+  where the top key is finer (tile.has_top_residual: the "fp8" preset) its residual too."""
   tiles, wgs, fp8 = call.config.fwd, call.config.fwd_wgs, call.fp8
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
@@ -324,6 +330,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   mma = common.mma_transforms(dtype, bk)
   # Q K^T reduces over the head dim: 8-bit rows of H bytes take a swizzle that wide (64 at H64).
   qk_mma = common.mma_transforms(dtype, H) if fp8 else mma
+  p_tiles = fp8 and not call.config.fp8_p_registers   # P through shared memory
 
   # Persistent CTAs (TuningConfig.fwd_persistent): as many as the device has SMs, each with two
   # Q buffers (the next tile's rows load during this one) and O staged apart from them.
@@ -344,10 +351,9 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
           bias_smem, mask_smem,
           plgpu.SMEM((wgs, bq, H), out_dtype, transforms=common.mma_transforms(out_dtype, bk))
           if ctas or fp8 else None,
-          plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma) if fp8 else None,
-          # the "fp8" preset's top keys' residual (tile.rescale's split_top): an e4m3 P tile
-          plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma)
-          if fp8 and tile.has_top_residual(call.dt) else None)
+          # P's e4m3 tile, and the "fp8" preset's top keys' residual (tile.rescale's split_top)
+          *(plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma) if needed else None
+            for needed in (p_tiles, p_tiles and tile.has_top_residual(call.dt))))
   with_k = 1 + call.packed + (x.bias is not None and not apart) + (x.mask is not None)
   bias_ring = plgpu.Barrier(num_barriers=wgs) if apart else None   # one per warpgroup
   loaded = (plgpu.Barrier(num_arrivals=1 + call.safe + call.packed, num_barriers=q_bufs * wgs),
@@ -357,7 +363,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   schedule = plgpu.Barrier(num_arrivals=2) if wgs == 2 else None   # the ping-pong's
   return common.launch(
       functools.partial(_kernel, call=call, ctas=ctas), (smem, loaded, free, schedule),
-      name="stable_attn_forward", compute_wgs=wgs, producer=call.config.producer,
+      name="stable_attn_forward", compute_wgs=wgs, producer=call.config.has_producer("fwd"),
       out_type=(jax.ShapeDtypeStruct((B, Tp, N, H), out_dtype),
                 jax.ShapeDtypeStruct((B, N, Tp), f32)),
       grid=grid, grid_names=names,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -129,6 +130,14 @@ class TuningConfig:
   # stages - 1 steps ahead but waits for the other warpgroups' previous step; stages - 1 loads one
   # step ahead and waits only for older steps. At most each kernel's stages - 1 (capped there).
   refill_lag: int = 1
+  # The forward's producer where it differs from the backward kernels' (None: `producer`): JAX
+  # 0.12's table at head dim 64 keeps one for its persistent forward only (`_ENTRY_REGISTERS`).
+  fwd_producer: Optional[bool] = None
+  # The FP8 forward keeps P in registers for its P V wgmma: the e4m3 P's registers relabelled as
+  # the 8-bit operand (common.as_8bit_operand), V^T's keys stored in the matching order
+  # (common.relabelled_keys); 1.11-1.21x the kernel that stores P to a shared-memory tile and
+  # fences it every step (False; H200, docs/fp8.md). No effect outside the FP8 forward.
+  fp8_p_registers: bool = True
 
   def __post_init__(self):
     self.fwd.check_owned("block_q", "fwd")
@@ -155,16 +164,27 @@ class TuningConfig:
                        f"and dkv_persistent=False, got dkv_wgs={self.dkv_wgs}, dkv_passes="
                        f"{self.dkv_passes}, fused_dq={self.fused_dq}, dkv_persistent="
                        f"{self.dkv_persistent}")
-    if not self.producer and (self.fwd_persistent or self.dkv_persistent or self.fused_dq):
+    if not self.has_producer("fwd") and self.fwd_persistent:
+      raise ValueError("a forward without a producer (producer=False or fwd_producer=False) "
+                       "streams one tile per CTA from a compute warpgroup: it needs "
+                       "fwd_persistent=False")
+    if not self.producer and (self.dkv_persistent or self.fused_dq):
       raise ValueError("producer=False streams one tile per CTA from a compute warpgroup: it "
-                       "needs fwd_persistent=False, dkv_persistent=False and fused_dq=False, got "
-                       f"fwd_persistent={self.fwd_persistent}, dkv_persistent="
+                       "needs dkv_persistent=False and fused_dq=False, got dkv_persistent="
                        f"{self.dkv_persistent}, fused_dq={self.fused_dq}")
+    if self.fwd_producer not in (None, True, False):
+      raise ValueError(f"fwd_producer must be None, True or False, got {self.fwd_producer!r}")
     if not isinstance(self.refill_lag, (int, np.integer)) or self.refill_lag < 1:
       raise ValueError(f"refill_lag must be a positive int, got {self.refill_lag!r}")
     if self.fused_dq and self.dkv_wgs != COMPUTE_WGS:
       raise ValueError(f"fused_dq splits dQ between two dK/dV warpgroups: it needs dkv_wgs="
                        f"{COMPUTE_WGS}, got {self.dkv_wgs}")
+
+  def has_producer(self, kernel: str) -> bool:
+    """Whether `kernel` ("fwd", "dq" or "dkv") has a producer warpgroup."""
+    if kernel == "fwd" and self.fwd_producer is not None:
+      return self.fwd_producer
+    return self.producer
 
   def replace(self, **changes) -> "TuningConfig":
     return dataclasses.replace(self, **changes)
@@ -386,15 +406,23 @@ _TOP_RESIDUAL = {128: dict(fwd_wgs=2)}
 # 0.35x -> 1.05x (JAX 0.11.2: 1.01x, 1.01x, 0.97x, 1.08x, 1.08x;
 # benchmarks/results/producer_nvidia_h200.md). With two stages (one step ahead) fwd+bwd ran
 # 0.91-0.95x cuDNN at those head-dim-128 shapes, with three and refill_lag 2 (one step ahead, no
-# wait for the other warpgroup) 0.92-1.03x. Head dim 64 keeps its tiles: its persistent forward
-# needs the producer (forward 1.28x cuDNN with it, 1.01x without; fwd+bwd 0.93x and 1.09x at B16
-# T1024 N12 causal). Calls with bias or mask tiles keep the table's too (their rings and block
-# orders need a producer; the one call of the compiled tests that faulted on 0.12, an illegal
-# address, had a block mask and two warpgroups' tiles: on 0.11.2 it passes, so the fault comes with
-# 0.12's compilation).
+# wait for the other warpgroup) 0.92-1.03x. Head dim 64 keeps its tiles (full calls aside:
+# `_ENTRY_REGISTERS_FULL`): its persistent forward needs the producer (forward 1.28x cuDNN with it,
+# 1.01x without at B16 T1024 N12 causal; fwd+bwd 1.24x and 1.10x in a second A/B, where the first
+# had read 0.93x for the table's, against 1.28x in benchmarks/attention.py the same day). Calls
+# with bias or mask tiles keep the table's too (their rings and block orders need a producer; the
+# one call of the compiled tests that faulted on 0.12 on 2026-11-28, an illegal address, had a
+# block mask and the tiles 0.12 took then; no bias or mask test failed in the compiled suite on
+# 0.12.0.1 of 2026-12-01).
 _ENTRY_REGISTERS = {128: dict(producer=False, dkv=_T(64, 64, 3), fwd_persistent=False,
                               dkv_persistent=False),
                     256: dict(producer=False)}
+# The same toolchain, head dim 64, full calls: a forward without a producer (not persistent), the
+# backward kernels with one (`fwd_producer`). B8 T2048 N16 H64 full, fwd+bwd against cuDNN: 0.967x,
+# the table's 0.897x, no producer at all 0.909x; at B16 T1024 N12 causal the table's stays
+# (1.243x; the forward's producer alone 1.161x, the backward's 1.186x, neither 1.101x). H200, JAX
+# 0.12.0.1, one process (benchmarks/results/producer_nvidia_h200.md, "Per kernel").
+_ENTRY_REGISTERS_FULL = {64: dict(fwd_producer=False, fwd_persistent=False)}
 
 
 def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
@@ -417,7 +445,7 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   `_BIAS_FULL_FWD`'s where that is also full, `_BIAS_APART`'s at head dim 128; top_residual (the
   "fp8" preset's FP8 forward, which takes no bias or mask): `_TOP_RESIDUAL`'s; entry_registers
   (a toolchain that ignores setmaxnreg: `registers_fixed_at_entry`), last, `_ENTRY_REGISTERS`'
-  changes where there are no bias or mask tiles."""
+  changes (and `_ENTRY_REGISTERS_FULL`'s where full) where there are no bias or mask tiles."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
@@ -429,7 +457,9 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
                **(_PACKED.get(head_dim, {}) if packed else {}),
                **(_FEW.get(head_dim, {}) if few else {}),
                **(_TOP_RESIDUAL.get(head_dim, {}) if top_residual else {}),
-               **(_ENTRY_REGISTERS.get(head_dim, {}) if entry_registers else {})}
+               **(_ENTRY_REGISTERS.get(head_dim, {}) if entry_registers else {}),
+               **(_ENTRY_REGISTERS_FULL.get(head_dim, {})
+                  if entry_registers and (full or dense) else {})}
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False,
