@@ -1127,9 +1127,9 @@ def test_gpu_without_a_producer_matches_the_producer(name, entry, max_adjust):
 @pytest.mark.parametrize("name", [name for name, _ in PRODUCER_CASES
                                   if GPU_CASES[name]["H"] == 64])
 def test_gpu_a_producer_in_one_kernel_matches_the_producer(name, producers):
-  """TuningConfig.fwd_producer: a producer in the forward only (its persistent form, JAX 0.12's
-  table at head dim 64) or in the backward kernels only gives the outputs, residuals and
-  gradients of a producer in all three, bitwise."""
+  """TuningConfig.fwd_producer: a producer in the forward only (its persistent form) or in the
+  backward kernels only (JAX 0.12's table at head dim 64 on full calls) gives the outputs,
+  residuals and gradients of a producer in all three, bitwise."""
   (q, k, v, _, _), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 5)
   spec, ops = _spec_ops(shape=q.shape, kv_heads=k.shape[2],
                         is_causal=GPU_CASES[name].get("is_causal", False))
@@ -1799,7 +1799,7 @@ def test_without_a_producer_refuses_what_only_a_producer_streams():
       base.replace(producer=False, refill_lag=lag)
   with pytest.raises(ValueError, match="fwd_persistent=False"):   # the forward's own
     base.replace(fwd_producer=False, fwd_persistent=True)
-  base.replace(producer=False, fwd_producer=True, fwd_persistent=True)   # JAX 0.12's H64 table
+  base.replace(producer=False, fwd_producer=True, fwd_persistent=True)   # the forward's only
   with pytest.raises(ValueError, match="fwd_producer must be"):
     base.replace(fwd_producer="no")
   bias = jnp.zeros((1, 2, 256, 256), bf16)

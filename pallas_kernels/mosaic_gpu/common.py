@@ -99,8 +99,7 @@ RELABELLED_KEYS = tuple(k for t in range(4) for k in (2 * t, 2 * t + 1, 8 + 2 * 
 
 def relabelled_keys(a, axis: int = -1):
   """a with each group of 16 along `axis` (its length a multiple of 16) in RELABELLED_KEYS
-  order: a reshape and a transpose (key 8h + 2t + l goes to 4t + 2h + l), which XLA fuses into
-  the pass that writes V^T."""
+  order: a reshape and a transpose (key 8h + 2t + l goes to 4t + 2h + l)."""
   axis = axis % a.ndim
   shape = a.shape[:axis] + (a.shape[axis] // 16, 2, 4, 2) + a.shape[axis + 1:]
   order = list(range(len(shape)))

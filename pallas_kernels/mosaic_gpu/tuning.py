@@ -131,11 +131,12 @@ class TuningConfig:
   # step ahead and waits only for older steps. At most each kernel's stages - 1 (capped there).
   refill_lag: int = 1
   # The forward's producer where it differs from the backward kernels' (None: `producer`): JAX
-  # 0.12's table at head dim 64 keeps one for its persistent forward only (`_ENTRY_REGISTERS`).
+  # 0.12's table at head dim 64 on full calls has none in the forward only
+  # (`_ENTRY_REGISTERS_FULL`).
   fwd_producer: Optional[bool] = None
   # The FP8 forward keeps P in registers for its P V wgmma: the e4m3 P's registers relabelled as
   # the 8-bit operand (common.as_8bit_operand), V^T's keys stored in the matching order
-  # (common.relabelled_keys); 1.11-1.21x the kernel that stores P to a shared-memory tile and
+  # (common.relabelled_keys); 1.10-1.21x the kernel that stores P to a shared-memory tile and
   # fences it every step (False; H200, docs/fp8.md). No effect outside the FP8 forward.
   fp8_p_registers: bool = True
 
