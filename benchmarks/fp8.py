@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/fp8.py            # on an H100 / H200
     PYTHONPATH=. python benchmarks/fp8.py --smoke    # tiny shapes, arms that run on the CPU
     PYTHONPATH=. python benchmarks/fp8.py --sweep [--sweep-arm preset]   # the FP8 forward's tilings
+    PYTHONPATH=. python benchmarks/fp8.py --plot benchmarks/results/fp8_nvidia_h200.md   # its .png
 
 Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu" unless named):
   cudnn     jax.nn.dot_product_attention(implementation="cudnn")
@@ -23,7 +24,7 @@ Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu"
 Times: the median of blocks of back-to-back calls (benchmarks/attention.py's protocol); fwd+bwd
 is jax.vjp and the pullback. Errors: the relative Frobenius error of O, dQ, dK, dV against
 float64 attention of the unquantized inputs (stable_attn.reference.exact_attention_vjp) at
-ERROR_SHAPE. Writes benchmarks/results/fp8_<device>.md and prints it.
+ERROR_SHAPE. Writes benchmarks/results/fp8_<device>.md and .png (`plot`) and prints the table.
 """
 from __future__ import annotations
 
@@ -204,6 +205,49 @@ def markdown(device, results, errs, calls, blocks) -> str:
   return "\n".join(lines) + "\n"
 
 
+# --plot: the latest run's ratios to our bf16 attention (the first table of a results file).
+PLOTTED = {"fwd": ("fp8_kernel", "preset_kernel", "fp8", "fp8_given", "preset", "cudnn"),
+           "fb": ("fp8", "fp8_given", "preset", "cudnn")}
+TARGETS = {"fwd": 1.4, "fb": 1.15}   # issue 49's: FP8 forward and fwd+bwd over our bf16
+
+
+def plot(markdown_path: str, png_path: str) -> None:
+  """Bars of each arm's forward and fwd+bwd time ratio to the bf16 arm (`fwd x bf16`, `fwd+bwd x
+  bf16`; the kernels' to the bf16 kernel) per shape, from the first table of a results file
+  this script wrote, with issue 49's targets drawn."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  with open(markdown_path) as f:
+    text = f.read()
+  table = text.split("\n\n")[next(i for i, block in enumerate(text.split("\n\n"))
+                                   if block.startswith("| shape | arm |"))]
+  ratios = {}
+  for line in table.splitlines()[2:]:
+    shape, arm, *_, fwd, fb, _, _ = (c.strip() for c in line.strip("|").split("|"))
+    ratios[shape, arm] = {"fwd": fwd, "fb": fb}
+  shapes = list(dict.fromkeys(shape for shape, _ in ratios))
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+  for ax, which, title in ((axes[0], "fwd", "forward"), (axes[1], "fb", "forward + backward")):
+    arms = PLOTTED[which]
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+      vals = [float(ratios.get((shape, arm), {}).get(which, "nan").replace("-", "nan"))
+              for shape in shapes]
+      ax.bar(np.arange(len(shapes)) + i * width, vals, width, label=arm)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(TARGETS[which], color="red", lw=0.8, ls="--", label=f"target {TARGETS[which]}x")
+    ax.set_xticks(np.arange(len(shapes)) + 0.4 - width / 2)
+    ax.set_xticklabels(shapes, fontsize=8)
+    ax.set_ylabel("speed x our bf16 (kernels: x the bf16 kernel)")
+    ax.set_title(f"{title}: {text.splitlines()[0].lstrip('# ')}", fontsize=9)
+    ax.set_ylim(0, 1.25 * TARGETS["fwd"])
+    ax.legend(fontsize=7, ncol=4, loc="upper center")
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=110)
+  plt.close(fig)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--smoke", action="store_true",
@@ -216,10 +260,15 @@ def main(argv=None) -> int:
                       help="with --sweep: FlashAttention-3's arithmetic or the fp8 preset")
   parser.add_argument("--sweep-variants", default=",".join(SWEEP),
                       help=f"with --sweep: a comma list of {tuple(SWEEP)}")
+  parser.add_argument("--plot", metavar="MD", help="render MD's first table (a results file of "
+                      "this script) to MD with .png, and stop")
   parser.add_argument("--preamble", action="store_true",
                       help="the cost of the FP8 operands' preparation only")
   parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {ARMS}")
   args = parser.parse_args(argv)
+  if args.plot:
+    plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
+    return 0
   if args.preamble:
     print(preamble(SHAPES[0], args.calls, args.blocks))
     return 0
@@ -249,6 +298,7 @@ def main(argv=None) -> int:
   if not args.smoke or args.out:
     with open(path, "w") as f:
       f.write(text)
+    plot(path, os.path.splitext(path)[0] + ".png")
   print(text)
   return 0
 

@@ -62,6 +62,16 @@ def test_fp8_sweep_variants_are_configs_of_the_table(H):
     fp8.main(["--sweep", "--sweep-variants", "table,P in SMEM"])
 
 
+def test_fp8_plot_renders_a_results_file(tmp_path):
+  """benchmarks/fp8.py --plot: a results file's first table to a PNG beside it."""
+  import shutil
+  md = tmp_path / "fp8.md"
+  shutil.copy(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                           "fp8_nvidia_h200.md"), md)
+  assert fp8.main(["--plot", str(md)]) == 0
+  assert (tmp_path / "fp8.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.slow
 def test_fp8_smoke(capsys):
   """benchmarks/fp8.py's arms that run on a CPU (the reference in each numerics) and its error
