@@ -593,7 +593,47 @@ def backward_tile(s: Scores, lse, dp, delta_rows, *, in_dtype, round_fn: RoundFn
   return TileGrads(p_op, ds, ds_op)
 
 
+class Fp8RowScale(NamedTuple):
+  running: jax.Array   # per row: the largest |value| over the blocks seen (fp32, 0 before any)
+  scale: jax.Array     # per row: the power of two the row's values are multiplied by for e4m3
+  ratio: jax.Array     # scale / the previous block's scale (<= 1): the accumulator's rescale
+
+
+def fp8_row_scale(running, block, *, largest: float = 448.0, q_axis: int = 0) -> Fp8RowScale:
+  """The FP8 backward's scale of an operand it makes as it goes (dS, issue 49; docs/fp8.md, "The
+  backward in FP8"): per row of a tile `block` (fp32, rows on q_axis), the running largest |value|
+  over the blocks seen (`running`, per row, 0 at first) and the largest power of two under which
+  it stays at or below `largest` (e4m3's 448; for a running max of 0 or a subnormal one, 2^127:
+  the row is all zeros or below every e4m3 value anyway). The products of the scaled block go into
+  an fp32 accumulator that is first multiplied by `ratio` (exact: powers of two; at least 2^-126,
+  past which the rows so far were zero or subnormal), and the result is divided by the last
+  scale. From the bits of the running max, so that it is exact and needs no log2 or division: a
+  max m = 1.f * 2^e takes 2^(E - e) when 1.f <= largest's own mantissa 1.F (largest = 1.F * 2^E),
+  else 2^(E - 1 - e)."""
+  new = jnp.maximum(running, jnp.max(jnp.abs(block), axis=1 - q_axis))
+  e_max, f_max = divmod(int(np.float32(largest).view(np.int32)), 1 << 23)
+  k_new, k_old = (_exponent_under(m, e_max, f_max) for m in (new, running))
+  return Fp8RowScale(new, _power_of_two(k_new), _power_of_two(k_new - k_old))
+
+
+def _exponent_under(m, e_max: int, f_max: int):
+  """k, the largest with m * 2^k <= largest (`fp8_row_scale`), capped at 127."""
+  bits = lax.bitcast_convert_type(m, jnp.int32)   # m >= 0: no sign bit
+  exponent = lax.shift_right_logical(bits, jnp.int32(23))   # biased
+  mantissa = lax.bitwise_and(bits, jnp.int32((1 << 23) - 1))
+  k = jnp.where(mantissa <= f_max, e_max, e_max - 1) - exponent   # the biases cancel
+  return jnp.minimum(k, 127)
+
+
+def _power_of_two(k):
+  """2^k in fp32 for int32 k, k clamped to fp32's normal exponents [-126, 127]."""
+  k = jnp.clip(k, -126, 127)
+  return lax.bitcast_convert_type(lax.shift_left(k + 127, jnp.int32(23)), f32)
+
+
 # ---------------------------------------------------------------------------------------------
+# Monitoring
+# ---------------------------------------------------------------------------------------------# ---------------------------------------------------------------------------------------------
 # Monitoring
 # ---------------------------------------------------------------------------------------------
 

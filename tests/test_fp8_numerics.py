@@ -426,7 +426,8 @@ def test_fp8_kernel_building_blocks_lower_for_cuda():
   repro = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(repro)
   for name in ("Q K^T, B = K.T", "P V, B = (V^T).T", "P through SMEM, A from SMEM",
-               "P through SMEM, A registers (WGMMA_8BIT)", "P relabelled in registers"):
+               "P through SMEM, A registers (WGMMA_8BIT)", "P relabelled in registers",
+               "dS scaled online, relabelled"):
     assert repro.lowering_error(repro.CASES[name]) is None, name
   # the relabelled P's key order: a permutation within each group of 16 keys
   assert sorted(repro.RELABELLED_KEYS) == list(range(16))
@@ -555,3 +556,41 @@ def test_fp8_backward_ds_scales_a_kernel_can_compute():
   assert rel["bound"][0] > 0.9, (rel, seed)
   with pytest.raises(ValueError, match="ds_scale"):
     fb.Variant("x", ds_scale="per-tensor")
+
+
+def test_fp8_row_scale_is_the_largest_power_of_two_under_the_running_max():
+  """tile.fp8_row_scale, the FP8 backward's online scale of dS: over a row's blocks its running
+  max is fp8_backward.running_max's, its scale the emulation's power of two under 448 (from the
+  bits: exact, also at 448's own mantissa, 1.75), no scaled value past 448, `ratio` the scale over
+  the previous one (at least 2^-126), and an accumulator rescaled by `ratio` before each block's
+  scaled sum, divided by the last scale, is the plain sum of the blocks (powers of two: exact but
+  for fp32's additions)."""
+  from stable_attn import tile
+  from stable_attn.diagnostics import fp8_backward as fb
+  rng = np.random.default_rng()
+  rows, block, blocks = 16, 32, 4
+  # rows whose largest |value| grows, shrinks or stays across blocks, over 2^-60 .. 2^60
+  x = (rng.standard_normal((rows, blocks * block))
+       * 2.0 ** rng.integers(-60, 60, (rows, blocks)).repeat(block, 1)).astype(np.float32)
+  x[0, :block] = 0.0               # a row that starts with a zero block
+  x[1, 3] = 448.0 * 2.0 ** -20     # a max at 448's own mantissa
+  running = jnp.zeros(rows, jnp.float32)
+  acc, scale = jnp.zeros(rows, jnp.float32), None
+  for i in range(blocks):
+    part = jnp.asarray(x[:, i * block:(i + 1) * block])
+    out = tile.fp8_row_scale(running, part)
+    want_running = fb.running_max(x.astype(np.float64), 1, block)[:, i * block]
+    np.testing.assert_array_equal(np.asarray(out.running, np.float64), want_running)
+    want_scale = fb.power_of_two_under(448.0, want_running)
+    np.testing.assert_array_equal(np.asarray(out.scale)[want_running > 0],
+                                  want_scale[want_running > 0])
+    scaled = np.abs(np.asarray(part) * np.asarray(out.scale)[:, None])
+    assert np.all(scaled <= 448.0) and np.all(np.isfinite(scaled))
+    previous = np.float64(2.0 ** 127) if i == 0 else np.asarray(scale, np.float64)
+    np.testing.assert_array_equal(np.asarray(out.ratio, np.float64),
+                                  np.maximum(np.asarray(out.scale, np.float64) / previous,
+                                             2.0 ** -126))
+    acc = acc * out.ratio + jnp.sum(part * out.scale[:, None], axis=1)
+    running, scale = out.running, out.scale
+  err = np.abs(np.asarray(acc / scale, np.float64) - x.astype(np.float64).sum(1))
+  assert np.all(err <= 1e-5 * np.abs(x.astype(np.float64)).sum(1)), err

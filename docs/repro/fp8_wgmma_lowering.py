@@ -11,9 +11,11 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stable_attn import tile
 from pallas_kernels.mosaic_gpu import common
 from pallas_kernels.mosaic_gpu.common import load_tile
 from tests import cases
@@ -64,6 +66,19 @@ RELABELLED_KEYS = np.array(common.RELABELLED_KEYS)
 relabel = common.as_8bit_operand
 
 
+def ds_online(acc_s, acc_o, a, b):
+  """The FP8 backward's dQ step (docs/fp8.md, "The FP8 backward's kernel"): dS (here the scores'
+  accumulator) scaled per row under its running max (tile.fp8_row_scale), cast to e4m3, its
+  registers relabelled as the 8-bit operand, dQ += dS K^T's product, the accumulator rescaled."""
+  plgpu.wgmma(acc_s, a, b.T)
+  ds = acc_s[...]
+  rows = plgpu.Layout.WGMMA.reduce(1)
+  scaled = tile.fp8_row_scale(plgpu.layout_cast(jnp.zeros((M,), F32), rows), ds)
+  widen = lambda x: lax.broadcast_in_dim(x, (M, 128), (0,))
+  acc_o[...] = acc_o[...] * widen(scaled.ratio)
+  plgpu.wgmma(acc_o, relabel((ds * widen(scaled.scale)).astype(F8)), b.T)
+
+
 SHAPES = ((M, 128), (128, 128), (M, 128))   # Q or P [64, 128]; K, V or V^T [128, 128]; P staging
 CASES = {
     # S = Q K^T: K [block_kv, H] as stored, viewed transposed (K-major, as 8-bit needs)
@@ -86,6 +101,8 @@ CASES = {
     # P kept in registers: the accumulator's registers relabelled as the 8-bit operand (`relabel`)
     "P relabelled in registers": lambda s, o, a, b, p: (
         plgpu.wgmma(s, a, b.T), plgpu.wgmma(o, relabel(p_of(s)), b.T)),
+    # the FP8 backward's dS under its online row scale, relabelled, dQ += dS K (`ds_online`)
+    "dS scaled online, relabelled": lambda s, o, a, b, p: ds_online(s, o, a, b),
 }
 
 if __name__ == "__main__":
