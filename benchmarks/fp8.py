@@ -220,8 +220,7 @@ def plot(markdown_path: str, png_path: str) -> None:
   import matplotlib.pyplot as plt
   with open(markdown_path) as f:
     text = f.read()
-  table = text.split("\n\n")[next(i for i, block in enumerate(text.split("\n\n"))
-                                   if block.startswith("| shape | arm |"))]
+  table = next(block for block in text.split("\n\n") if block.startswith("| shape | arm |"))
   ratios = {}
   for line in table.splitlines()[2:]:
     shape, arm, *_, fwd, fb, _, _ = (c.strip() for c in line.strip("|").split("|"))

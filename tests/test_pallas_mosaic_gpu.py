@@ -885,12 +885,17 @@ FP8_CASES = {   # B2 T384 N4 K2, head dim 64 and 128
 }
 
 
+def _fp8_kwargs(case):
+  """FP8_CASES[case] as call arguments (its arrays as jax arrays)."""
+  return {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+          for k, v in FP8_CASES[case].items()}
+
+
 def _fp8_errors(implementation, numerics, case, max_adjust, inputs):
   """Relative errors of O, dQ, dK, dV against float64 attention of the e4m3-quantized q, k, v
   (what is left is P's rounding and the products' accumulation), and O."""
   from stable_attn import fp8
-  kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
-            for k, v in FP8_CASES[case].items()}
+  kwargs = _fp8_kwargs(case)
   q, k, v, d_out = inputs
   f = lambda q, k, v: stable_attn.dot_product_attention(
       q, k, v, implementation=implementation, numerics=numerics, max_adjust=max_adjust, **kwargs)
@@ -1147,8 +1152,7 @@ def test_gpu_a_producer_in_one_kernel_matches_the_producer(name, producers):
 @on_hopper
 @pytest.mark.parametrize("case", list(FP8_CASES))
 def test_gpu_fp8_forward_without_a_producer_matches_the_producer(case):
-  kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
-            for k, v in FP8_CASES[case].items()}
+  kwargs = _fp8_kwargs(case)
   rng = np.random.default_rng(7)
   q, k, v = (jnp.asarray(rng.standard_normal(s), bf16)
              for s in ((2, 384, 4, 128), (2, 384, 2, 128), (2, 384, 2, 128)))
@@ -1174,8 +1178,7 @@ def test_gpu_fp8_p_in_registers_matches_p_through_shared_memory(head_dim, case, 
   bitwise (the row sums do not see the order) and O within one bf16 ulp (the product adds its
   fp32 terms in another order). A key order that did not match would pair P with other keys'
   rows of V: O off by ~100%."""
-  kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
-            for k, v in FP8_CASES[case].items()}
+  kwargs = _fp8_kwargs(case)
   rng = np.random.default_rng()
   q, k, v = (jnp.asarray(rng.standard_normal(s), bf16)
              for s in ((2, 384, 4, head_dim), (2, 384, 2, head_dim), (2, 384, 2, head_dim)))

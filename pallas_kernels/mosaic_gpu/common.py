@@ -29,6 +29,8 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax._src.lib.mlir.dialects import vector
 
 from stable_attn import blocks, fp8, tile
 from stable_attn import numerics as numerics_lib
@@ -111,9 +113,6 @@ def as_8bit_operand(p):
   """An 8-bit [64, cols] array in the WGMMA layout (cols a multiple of 16) -> the same registers
   as a WGMMA_8BIT array, the wgmma A operand from registers; its columns in each 16 are then in
   RELABELLED_KEYS order."""
-  from jax.experimental.mosaic.gpu import fragmented_array as fa
-  from jax._src.lib.mlir.dialects import vector
-
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=plgpu.ShapeDtypeStruct(
       p.shape, p.dtype, layout=plgpu.Layout.WGMMA_8BIT))
   def relabel(ctx, x):
