@@ -51,6 +51,9 @@ FORWARD_ONLY = ("jax_mgpu",)
 # Run only when named in --only: JAX's Pallas Triton mha (deprecated in JAX 0.11: its import
 # warns) and the Hopper kernel with its fused-dQ backward (TuningConfig.fused_dq, opt-in).
 OPT_IN = ("pallas_mha", "mosaic_fused")
+# Every arm name --only takes (`implementations`; an arm whose peer does not import is left out).
+ARMS = ("cudnn", "xla", "tokamax", "pallas_mha", "jax_mgpu", "mosaic_fused",
+        *(f"{prefix}_{mode}" for prefix in ("mosaic", "ours") for mode in ("off", "paper", "safe")))
 # The peers whose speed each row is put against (ratio columns), with their column names.
 RATIO_PEERS = {"cudnn": "cuDNN", "tokamax": "tokamax", "pallas_mha": "mha"}
 
@@ -386,6 +389,9 @@ def main(argv=None):
   device = jax.devices()[0].device_kind
   shapes = {"all": SHAPES, "targets": TARGETS, "targets2": TARGETS[:2], "h256": H256}[args.shapes]
   only = [s for s in args.only.split(",") if s] or None
+  unknown = sorted(set(only or ()) - set(ARMS))
+  if unknown:   # a misspelt arm would otherwise leave the table without it, silently
+    p.error(f"--only: unknown arm(s) {', '.join(unknown)}; the arms are {', '.join(ARMS)}")
   notes = peer_notes(only)
   print(f"device: {device}; jax {jax.__version__}; compilation cache: {cache or 'off'}",
         *notes, sep="\n", flush=True)

@@ -143,6 +143,14 @@ def _column(table: str, label: str, column: str) -> float:
 
 
 @pytest.mark.slow
+def test_attention_refuses_an_unknown_arm(capsys):
+  with pytest.raises(SystemExit):
+    attention.main(["--only", "cudnn,pallas_mosaic_gpu"])
+  assert "unknown arm(s) pallas_mosaic_gpu" in capsys.readouterr().err
+  arms = attention.implementations((1, 128, 2, 2, 64, True), only=list(attention.ARMS))
+  assert set(arms) <= set(attention.ARMS) and "mosaic_safe" in arms
+
+
 def test_compile_time_tiny(tmp_path, capsys):
   """The whole script on the CPU: attention programs (here, after jax.clear_caches()), the train
   step cold and then warm from the persistent cache in a second process."""

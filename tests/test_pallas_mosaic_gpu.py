@@ -967,8 +967,9 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
   registers a thread with two and 168 with three, at least what setmaxnreg gives them on 0.11
   (232, 160), so their own tiles fit; at 128 with three Q/dO stages in the dK/dV kernel, and
   nothing persistent. Head dim 64 keeps the table's but for full calls, whose forward (not
-  persistent) has no producer; calls with bias or mask tiles keep the table's. Every config it
-  gives fits shared memory and validates."""
+  persistent) has no producer and whose dK/dV kernel is the causal table's; calls with bias or
+  mask tiles keep the table's tiles without a producer (but in the forward with a bias alone at
+  head dim 128), the bias in K's slots. Every config it gives fits shared memory and validates."""
   assert tuning.registers_fixed_at_entry(version) is fixed
   for h in tuning.HEAD_DIMS:
     for kw in (dict(), dict(full=True), dict(dense=True), dict(packed=True),
@@ -977,10 +978,21 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
       config = tuning.table_config(h, entry_registers=fixed, **kw)
       config.check_smem(h, 2, **{k: v for k, v in kw.items() if k in ("beside", "ds_itemsize")})
       if fixed and h == 64 and (kw.get("full") or kw.get("dense")):
-        assert config == plain.replace(fwd_producer=False, fwd_persistent=False), kw
+        # the forward without a producer, the table's causal dK/dV kernel (two warpgroups and
+        # a producer, persistent), not _FULL's and _DENSE's three (128 registers beside one)
+        assert config == plain.replace(fwd_producer=False, fwd_persistent=False,
+                                       dkv_wgs=tuning.COMPUTE_WGS, dkv_persistent=True,
+                                       persistent_order="heaviest"), kw
+        assert config == tuning.TABLE[h].replace(fwd_producer=False, fwd_persistent=False), kw
         assert not config.has_producer("fwd") and config.has_producer("dkv")
         continue
-      if not fixed or h == 64 or "beside" in kw:
+      if fixed and "beside" in kw:
+        assert config == plain.replace(producer=False, fwd_bias_apart=False), (h, kw)
+        alone = tuning.table_config(h, entry_registers=True, bias_only=True, **kw)
+        assert not alone.producer and alone.has_producer("fwd") == (h == 128), (h, kw)
+        assert not alone.fwd_bias_apart
+        continue
+      if not fixed or h == 64:
         assert config == plain, (h, kw)
         continue
       assert not config.producer and plain.producer
@@ -1126,6 +1138,34 @@ def test_gpu_without_a_producer_matches_the_producer(name, entry, max_adjust):
                                            config.replace(producer=False)))
 
 
+# Calls with bias or mask tiles, under the tiles taken where registers are fixed at entry.
+BESIDE_CASES = [name for name, case in GPU_CASES.items() if "bias" in case or "mask" in case]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("name", BESIDE_CASES)
+def test_gpu_bias_and_mask_without_a_producer_match_the_producer(name, monkeypatch):
+  """JAX 0.12's config for a call with bias or mask tiles (tuning._ENTRY_REGISTERS_BESIDE: no
+  producer, the last compute warpgroup streams the tiles beside K or Q and follows a mask's
+  block order; with a bias alone at head dim 128 a producer in the forward), and the same with
+  the other forward, give outputs, residuals and gradients (the bias's too) bitwise equal to the same
+  tiles with a producer in every kernel."""
+  (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 5)
+  spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
+  monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: True)
+  monkeypatch.setattr(mosaic, "_warned", True)   # not this toolchain's warning
+  config = mosaic.default_config(spec, ops)
+  alone = mask is None and q.shape[-1] == 128   # a bias alone at head dim 128
+  assert not config.producer and config.has_producer("fwd") == alone
+  args = (q, k, v, bias, mask)
+  everywhere = _outputs_and_grads(args, kwargs, do, "safe",
+                                  config.replace(producer=True, fwd_producer=None))
+  _assert_bitwise_equal(everywhere, _outputs_and_grads(args, kwargs, do, "safe", config))
+  _assert_bitwise_equal(everywhere, _outputs_and_grads(
+      args, kwargs, do, "safe", config.replace(fwd_producer=not alone)))
+
+
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("producers", [(False, True), (True, False)])
@@ -1225,8 +1265,9 @@ def test_gpu_bias_forward_three_warpgroups_match_two(name, wgs, persistent, orde
   second Q buffer fits."""
   (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(BIAS_WGS[name]), bf16, 7)
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
+  # with a producer, which the persistent forward needs (JAX 0.12's default has none)
   two = mosaic.default_config(spec, ops).replace(fwd_wgs=2, fwd_persistent=False,
-                                                 fwd=tuning.Tiles(64, 64, 2))
+                                                 fwd=tuning.Tiles(64, 64, 2), producer=True)
   variant = two.replace(fwd_wgs=wgs, fwd_persistent=persistent, persistent_order=order)
   if variant.smem_problem(q.shape[-1], 2, **mosaic._extras(ops)) is not None:
     pytest.skip("the second Q buffer does not fit beside the bias tiles at this head dim")
@@ -1249,8 +1290,9 @@ def test_gpu_bias_apart_matches_bias_with_k(name, wgs, persistent):
   if mask is not None and (wgs == 3 or persistent):
     pytest.skip("a persistent or three-warpgroup forward takes no mask")
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
-  with_k = mosaic.default_config(spec, ops).replace(
-      fwd_wgs=wgs, fwd_persistent=persistent, fwd=tuning.Tiles(64, 64, 2), fwd_bias_apart=False)
+  with_k = mosaic.default_config(spec, ops).replace(   # a producer: the rings need one
+      fwd_wgs=wgs, fwd_persistent=persistent, fwd=tuning.Tiles(64, 64, 2), fwd_bias_apart=False,
+      producer=True)
   if with_k.smem_problem(q.shape[-1], 2, **mosaic._extras(ops)) is not None:
     pytest.skip("the second Q buffer does not fit beside the bias tiles at this head dim")
 
@@ -1621,8 +1663,9 @@ def test_features_lower_for_cuda(feature):
 @pytest.mark.parametrize("fixed", [True, False])
 def test_calls_take_the_tiles_of_this_jax(monkeypatch, fixed):
   """A call's default config follows the JAX it runs on (`tuning.registers_fixed_at_entry` of
-  jax.__version__): on 0.12 the entry-register tiles (no producer warpgroup) at head dim 128
-  without bias or mask, the table's with a mask and at head dim 64; elsewhere the table's."""
+  jax.__version__): on 0.12 the entry-register tiles (no producer warpgroup) at head dim 128,
+  with a mask the table's tiles without a producer, at head dim 64 (causal) the table's;
+  elsewhere the table's."""
   seen = []
   monkeypatch.setattr(tuning, "registers_fixed_at_entry",
                       lambda version: seen.append(version) or fixed)
@@ -1632,7 +1675,8 @@ def test_calls_take_the_tiles_of_this_jax(monkeypatch, fixed):
   assert config.producer is not fixed and config.fwd_wgs == 3
   spec, ops = _spec_ops(shape=(2, 256, 4, 128), kv_heads=2, is_causal=True,
                         mask=jnp.ones((1, 1, 256, 256), bool))
-  assert mosaic.default_config(spec, ops).producer
+  config = mosaic.default_config(spec, ops)
+  assert config.producer is not fixed and config.fwd_wgs == 2
   spec, ops = _spec_ops(shape=(2, 256, 4, 64), kv_heads=2, is_causal=True)
   assert mosaic.default_config(spec, ops).producer
 
@@ -1641,7 +1685,7 @@ def test_calls_take_the_tiles_of_this_jax(monkeypatch, fixed):
 def test_entry_register_tiles_lower_for_cuda(feature):
   """JAX 0.12's head-dim-128 tiles (no producer warpgroup, three Q/dO stages in the dK/dV
   kernel: tuning._ENTRY_REGISTERS) lower for CUDA, forward and backward, with each feature they
-  serve (not bias or mask: those keep the table's tiles), on a CPU host."""
+  serve, on a CPU host (bias and mask: `test_entry_register_tiles_with_bias_or_mask_...`)."""
   B, T, N, K, H = 1, 384, 4, 2, 128
   ids = jnp.asarray(np.repeat(np.arange(3), T // 3)[None], jnp.int32)
   kwargs = dict(plain={}, qkvpacked={}, segments=dict(q_segment_ids=ids),
@@ -1753,6 +1797,36 @@ def test_releases_after_thread_reads_wait_for_the_warpgroup(feature, ordered, mo
   assert bool(barriers) == bool(ordered), (feature, len(barriers))
 
 
+@pytest.mark.parametrize("feature", ["alibi", "block_mask", "bias_mask_h64", "bias_h256"])
+def test_entry_register_tiles_with_bias_or_mask_lower_for_cuda(feature, monkeypatch):
+  """JAX 0.12's tiles for calls with bias or mask tiles (the table's, two compute warpgroups,
+  no producer: the last compute warpgroup streams the tiles with K or Q and follows a mask's
+  compacted block order; with a bias alone at 128 the forward keeps its producer:
+  tuning._ENTRY_REGISTERS_BESIDE) lower for CUDA, forward and backward, on a CPU host; so does
+  each with the other forward."""
+  monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: True)
+  monkeypatch.setattr(mosaic, "_warned", True)   # not this toolchain's warning
+  monkeypatch.setattr(mosaic, "is_available", lambda: True)   # the checks, not the device
+  T, H = (384, 256) if feature == "bias_h256" else (384, 64 if feature == "bias_mask_h64" else 128)
+  bias = jnp.zeros((1, 4, T, T), bf16) if feature != "block_mask" else None
+  mask = None
+  if feature in ("block_mask", "bias_mask_h64"):   # every other 64 x 64 block
+    blocks = (np.arange(T)[:, None] // 64 + np.arange(T)[None] // 64) % 2 == 0
+    mask = jnp.asarray(blocks | np.eye(T, dtype=bool))[None, None]
+  spec, ops = _spec_ops(shape=(2, T, 4, H), kv_heads=2, is_causal=feature != "block_mask",
+                        bias=bias, mask=mask)
+  config = mosaic.default_config(spec, ops)
+  assert not (config.producer or config.fwd_bias_apart or config.fwd_persistent), config
+  alone = mask is None and H == 128   # a bias alone at head dim 128: the forward's producer
+  assert config.has_producer("fwd") == alone and not config.has_producer("dkv")
+  assert (config.fwd_wgs, config.dq_wgs, config.dkv_wgs) == (2, 2, 2)
+  for config in (config, config.replace(fwd_producer=not alone)):
+    mosaic._checked_config(spec, ops, config)
+    text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+    kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(kernels) == 3 + (config.dkv_passes == 2), (feature, len(kernels))
+
+
 @pytest.mark.parametrize("H", tuning.HEAD_DIMS)
 def test_without_a_producer_no_warpgroup_moves_registers(H, monkeypatch):
   """TuningConfig.producer=False: each kernel launches its compute warpgroups alone (no producer
@@ -1792,7 +1866,8 @@ def test_without_a_producer_no_warpgroup_moves_registers(H, monkeypatch):
     cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, lagged, o), ops)
 
 
-def test_without_a_producer_refuses_what_only_a_producer_streams():
+def test_without_a_producer_refuses_what_only_a_producer_streams(monkeypatch):
+  monkeypatch.setattr(mosaic, "is_available", lambda: True)   # the checks, not the device
   base = tuning.table_config(128).replace(dkv_persistent=False)
   for changes in (dict(fwd_persistent=True), dict(dkv_persistent=True), dict(fused_dq=True)):
     with pytest.raises(ValueError, match="producer=False"):
@@ -1808,9 +1883,14 @@ def test_without_a_producer_refuses_what_only_a_producer_streams():
   bias = jnp.zeros((1, 2, 256, 256), bf16)
   spec, ops = _spec_ops(shape=(1, 256, 2, 128), kv_heads=2, is_causal=True, bias=bias)
   config = mosaic.default_config(spec, ops)
+  assert config.fwd_bias_apart   # the table's at head dim 128: one ring per warpgroup
   for changes in (dict(producer=False), dict(fwd_producer=False)):
-    with pytest.raises(ValueError, match="producer=False takes no bias or mask"):
+    with pytest.raises(ValueError, match="fwd_bias_apart=True needs the forward's producer"):
       mosaic._checked_config(spec, ops, config.replace(**changes))
+    # in K's slots (64-key blocks fit beside them) or in the backward kernels it needs none
+    mosaic._checked_config(spec, ops, config.replace(fwd_bias_apart=False,
+                                                     fwd=tuning.Tiles(64, 64, 2), **changes))
+  mosaic._checked_config(spec, ops, config.replace(producer=False, fwd_producer=True))
 
 
 def test_fp8_forward_takes_128_key_blocks():

@@ -285,10 +285,10 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
   if config.dkv_split and _extras(ops):
     raise ValueError("config.dkv_split=True takes no bias or mask operands (the dK warpgroup "
                      "reads no tiles beside the blocks): use dkv_split=False")
-  if not (config.producer and config.has_producer("fwd")) and _extras(ops):
-    raise ValueError("config.producer=False or fwd_producer=False takes no bias or mask operands "
-                     "(their tiles stream in rings and block orders only a producer warpgroup "
-                     "follows): use producer=True and fwd_producer=None")
+  if config.fwd_bias_apart and ops.bias is not None and not config.has_producer("fwd"):
+    raise ValueError("config.fwd_bias_apart=True needs the forward's producer warpgroup (the "
+                     "bias streams in a ring per warpgroup that only a producer follows): use "
+                     "fwd_bias_apart=False, or producer=True and fwd_producer=None")
   if config.dkv_persistent and _extras(ops):
     raise ValueError("config.dkv_persistent=True takes no bias or mask operands (their blocks "
                      "stream in a per-call order a persistent CTA does not follow): use "

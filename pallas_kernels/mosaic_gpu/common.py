@@ -633,7 +633,8 @@ def inline_stream(first, stop, stages: int, loads, block=lambda p: p, lag: int =
   its step at position p, waits until every compute warpgroup freed position p - lag's slot and
   loads position p - lag + stages into it (TuningConfig.refill_lag, at most stages - 1). The
   issuer is the last warpgroup (the ping-pong's second, which runs behind the first).
-  One tile per CTA (not persistent), no rings and no prefetched block order (the API checks)."""
+  One tile per CTA (not persistent) and no rings (the API checks). A block order that reads
+  memory (a mask's) is read at the refill, before its wait for the slot."""
   assert all(len(entry) == 2 for entry in loads), "rings need a producer"
   lag = min(lag, stages - 1)
   fill = _filler(loads, stages)

@@ -411,19 +411,38 @@ _TOP_RESIDUAL = {128: dict(fwd_wgs=2)}
 # `_ENTRY_REGISTERS_FULL`): its persistent forward needs the producer (forward 1.28x cuDNN with it,
 # 1.01x without at B16 T1024 N12 causal; fwd+bwd 1.24x and 1.10x in a second A/B, where the first
 # had read 0.93x for the table's, against 1.28x in benchmarks/attention.py the same day). Calls
-# with bias or mask tiles keep the table's too (their rings and block orders need a producer; the
-# one call of the compiled tests that faulted on 0.12 on 2026-11-28, an illegal address, had a
-# block mask and the tiles 0.12 took then; no bias or mask test failed in the compiled suite on
-# 0.12.0.1 of 2026-12-01).
+# with bias or mask tiles: `_ENTRY_REGISTERS_BESIDE`.
 _ENTRY_REGISTERS = {128: dict(producer=False, dkv=_T(64, 64, 3), fwd_persistent=False,
                               dkv_persistent=False),
                     256: dict(producer=False)}
 # The same toolchain, head dim 64, full calls: a forward without a producer (not persistent), the
-# backward kernels with one (`fwd_producer`). B8 T2048 N16 H64 full, fwd+bwd against cuDNN: 0.967x,
-# the table's 0.897x, no producer at all 0.909x; at B16 T1024 N12 causal the table's stays
-# (1.243x; the forward's producer alone 1.161x, the backward's 1.186x, neither 1.101x). H200, JAX
-# 0.12.0.1, one process (benchmarks/results/producer_nvidia_h200.md, "Per kernel").
-_ENTRY_REGISTERS_FULL = {64: dict(fwd_producer=False, fwd_persistent=False)}
+# backward kernels with one (`fwd_producer`) and the causal table's dK/dV kernel (two warpgroups,
+# persistent), not `_FULL`'s and `_DENSE`'s (three warpgroups beside a producer keep 128 registers
+# a thread). B8 T2048 N16 H64 full, fwd+bwd against cuDNN: 0.967x and 0.957x in two runs, the
+# table's 0.897x, no producer at all 0.909x, the forward's change alone (`_DENSE`'s three dK/dV
+# warpgroups kept, this table's entry until 2026-12-01) 0.874x; at B16 T1024 N12 causal the
+# table's stays (1.243x; the forward's producer alone 1.161x, the backward's 1.186x, neither
+# 1.101x). H200, JAX 0.12.0.1, one process (benchmarks/results/producer_nvidia_h200.md, "Per
+# kernel").
+_ENTRY_REGISTERS_FULL = {64: dict(fwd_producer=False, fwd_persistent=False, dkv_wgs=COMPUTE_WGS,
+                                   dkv_persistent=True, persistent_order="heaviest")}
+# The same toolchain, calls with bias or mask tiles (two compute warpgroups in every kernel, none
+# persistent): the backward kernels without a producer, so each thread keeps 255 registers, not
+# the 168 that two compute warpgroups beside a producer keep; the forward too with a mask, but
+# with a bias alone at head dim 128 it keeps its producer (`_ENTRY_REGISTERS_BIAS_FWD`; at 64 the
+# two ran level, at 256 not measured, where 168 registers beside the 64 x 256 fp32 O spill), the
+# bias in K's slots (`fwd_bias_apart` not measured there). H200, JAX 0.12.0.1, one process each, ms (fwd+bwd unless
+# forward) with a producer in all three kernels / in none / in the forward only:
+#   B4 T4096 N16 H128 causal, ALiBi [1, N, T, T]   5.405 / 3.755 / 3.594 (cuDNN 5.05)
+#     its forward                                  0.643 / 0.791 / 0.628 (tokamax 0.61-0.62)
+#   B16 T1024 N12 H64 causal, ALiBi, forward       0.127 / 0.135 / 0.133 (tokamax 0.124-0.133)
+#   B4 T4096 N16 H128 full, mask all True          7.886 / 4.777 / 4.588 (cuDNN 6.35)
+#     a random mask (80% True, [B, 1, T, T])       10.33 / 5.581 / 6.144 (cuDNN 6.42)
+#     a block-sparse one (25% of blocks)           3.137 / 1.744 / 1.925 (cuDNN 6.34)
+# (0.11.2 against cuDNN: 1.31x with ALiBi, 1.46x, 1.19x and 3.70x with the masks;
+# benchmarks/results/features_nvidia_h200_j012_*.md.)
+_ENTRY_REGISTERS_BESIDE = dict(producer=False, fwd_bias_apart=False)
+_ENTRY_REGISTERS_BIAS_FWD = {128: dict(fwd_producer=True)}
 
 
 def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
@@ -446,7 +465,9 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   `_BIAS_FULL_FWD`'s where that is also full, `_BIAS_APART`'s at head dim 128; top_residual (the
   "fp8" preset's FP8 forward, which takes no bias or mask): `_TOP_RESIDUAL`'s; entry_registers
   (a toolchain that ignores setmaxnreg: `registers_fixed_at_entry`), last, `_ENTRY_REGISTERS`'
-  changes (and `_ENTRY_REGISTERS_FULL`'s where full) where there are no bias or mask tiles."""
+  changes (and `_ENTRY_REGISTERS_FULL`'s where full) where there are no bias or mask tiles,
+  `_ENTRY_REGISTERS_BESIDE`'s where there are (and `_ENTRY_REGISTERS_BIAS_FWD`'s for a bias
+  alone)."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
@@ -464,7 +485,10 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False,
-                          **(_PASSES_256 if config.dkv_split else {}))
+                          **(_PASSES_256 if config.dkv_split else {}),
+                          **(_ENTRY_REGISTERS_BESIDE if entry_registers else {}),
+                          **(_ENTRY_REGISTERS_BIAS_FWD.get(head_dim, {})
+                             if entry_registers and bias_only else {}))
   # Each kernel's shared memory is its own: each takes the first of its options that fits (the
   # dQ kernel keeps delta's O tile before it gives up 64-key blocks; without it, XLA's delta).
   alone = {**(_BIAS_FULL_FWD if full or dense else _BIAS_FWD), **_BIAS_APART}   # a bias alone
