@@ -1149,8 +1149,8 @@ def test_gpu_bias_and_mask_without_a_producer_match_the_producer(name, monkeypat
   """JAX 0.12's config for a call with bias or mask tiles (tuning._ENTRY_REGISTERS_BESIDE: no
   producer, the last compute warpgroup streams the tiles beside K or Q and follows a mask's
   block order; with a bias alone at head dim 128 a producer in the forward), and the same with
-  the other forward, give outputs, residuals and gradients (the bias's too) bitwise equal to the same
-  tiles with a producer in every kernel."""
+  the other forward, give outputs, residuals and gradients (the bias's too) bitwise equal to the
+  same tiles with a producer in every kernel."""
   (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 5)
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
   monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: True)

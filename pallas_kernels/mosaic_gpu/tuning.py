@@ -431,12 +431,12 @@ _ENTRY_REGISTERS_FULL = {64: dict(fwd_producer=False, fwd_persistent=False, dkv_
 # the 168 that two compute warpgroups beside a producer keep; the forward too with a mask, but
 # with a bias alone at head dim 128 it keeps its producer (`_ENTRY_REGISTERS_BIAS_FWD`; at 64 the
 # two ran level, at 256 not measured, where 168 registers beside the 64 x 256 fp32 O spill), the
-# bias in K's slots (`fwd_bias_apart` not measured there). H200, JAX 0.12.0.1, one process each, ms (fwd+bwd unless
-# forward) with a producer in all three kernels / in none / in the forward only:
+# bias in K's slots (`fwd_bias_apart` not measured there). H200, JAX 0.12.0.1, one process each,
+# ms (fwd+bwd unless forward) with a producer in all three kernels / in none / in the forward only:
 #   B4 T4096 N16 H128 causal, ALiBi [1, N, T, T]   5.405 / 3.755 / 3.594 (cuDNN 5.05)
 #     its forward                                  0.643 / 0.791 / 0.628 (tokamax 0.61-0.62)
 #   B16 T1024 N12 H64 causal, ALiBi, forward       0.127 / 0.135 / 0.133 (tokamax 0.124-0.133)
-#   B4 T4096 N16 H128 full, mask all True          7.886 / 4.777 / 4.588 (cuDNN 6.35)
+#   B4 T4096 N16 H128, mask all True               7.886 / 4.777 / 4.588 (cuDNN 6.35)
 #     a random mask (80% True, [B, 1, T, T])       10.33 / 5.581 / 6.144 (cuDNN 6.42)
 #     a block-sparse one (25% of blocks)           3.137 / 1.744 / 1.925 (cuDNN 6.34)
 # (0.11.2 against cuDNN: 1.31x with ALiBi, 1.46x, 1.19x and 3.70x with the masks;
