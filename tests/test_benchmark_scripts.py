@@ -8,11 +8,14 @@ import os
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import (attention, compile_time, features, fp8, mosaic_sweep, peers, profile_mosaic,
-                        safe_cost)
+from benchmarks import (attention, compile_time, config_ab, features, fp8, mosaic_sweep, peers,
+                        profile_mosaic, safe_cost)
+from pallas_kernels import mosaic_gpu
+from pallas_kernels.mosaic_gpu import tuning
 
 
 @pytest.mark.slow
@@ -149,6 +152,52 @@ def test_attention_refuses_an_unknown_arm(capsys):
   assert "unknown arm(s) pallas_mosaic_gpu" in capsys.readouterr().err
   arms = attention.implementations((1, 128, 2, 2, 64, True), only=list(attention.ARMS))
   assert set(arms) <= set(attention.ARMS) and "mosaic_safe" in arms
+
+
+def test_config_ab_parses_arms_and_refuses_what_is_not_a_config():
+  name, changes = config_ab.parse_arm("x:dkv=64x64x3,producer=False,fwd_producer=None,"
+                                      "persistent_order=grid,refill_lag=2")
+  assert name == "x" and changes == dict(dkv=tuning.Tiles(64, 64, 3), producer=False,
+                                         fwd_producer=None, persistent_order="grid",
+                                         refill_lag=2)
+  for bad, match in (("noname", "NAME:FIELD"), ("default:producer=False", "other than"),
+                     ("x:", "no FIELD=VALUE"), ("x:nofield=1", "TuningConfig field"),
+                     ("x:producer", "TuningConfig field")):
+    with pytest.raises(ValueError, match=match):
+      config_ab.parse_arm(bad)
+  _, spec, ops = config_ab.call_of((1, 256, 2, 2, 64, False))
+  with pytest.raises(ValueError, match="--arm x: fwd_wgs must be 2 or 3"):
+    config_ab.arm_configs(spec, ops, {"x": dict(fwd_wgs=5)})
+  configs = config_ab.arm_configs(spec, ops, {"x": dict(fwd_persistent=False,
+                                                        fwd_producer=False)})
+  # the arm is the call's own default with the change (here a full call's: _FULL's tiles)
+  assert configs["default"] == mosaic_gpu.default_config(spec, ops)
+  assert configs["x"] == configs["default"].replace(fwd_persistent=False, fwd_producer=False)
+  assert config_ab.changes_from(configs["default"], configs["x"]) == (
+      "fwd_persistent=False, fwd_producer=False")
+
+
+def test_config_ab_dry_run_and_its_errors(capsys):
+  config_ab.main(["--shapes", "h64full,gqa", "--arm", "x:producer=False,fwd_persistent=False,"
+                  "dkv_persistent=False", "--dry-run"])
+  out = capsys.readouterr().out
+  assert "h64full B8 T2048 N16 H64 full: default TuningConfig(" in out
+  assert "gqa B2 T8192 N32 K8 H128 causal" in out and "  x: " in out
+  for argv, match in ((["--shapes", "h65"], "unknown h65"),
+                      (["--arm", "x:fwd_wgs=5", "--dry-run"], "fwd_wgs must be 2 or 3")):
+    with pytest.raises(SystemExit):
+      config_ab.main(argv)
+    assert match in capsys.readouterr().err
+
+
+def test_config_ab_rounds_and_bitwise_column():
+  x = jnp.arange(8.0)
+  fns = {name: (jax.jit(f), jax.jit(lambda x, f=f: (f(x), 2 * f(x)))) for name, f in (
+      ("default", lambda x: x * 3), ("same", lambda x: x + x + x), ("other", lambda x: x * 3 + 1))}
+  ms = config_ab.run_arms(fns, (x,), rounds=2, calls=2, blocks=1)
+  assert set(ms) == set(fns) and all(a > 0 and b > 0 for a, b in ms.values())
+  outputs = {name: list(pair[1](x)) for name, pair in fns.items()}
+  assert config_ab.bitwise(outputs) == {"default": True, "same": True, "other": False}
 
 
 def test_compile_time_tiny(tmp_path, capsys):
