@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import re
 import warnings
 
@@ -1825,6 +1826,53 @@ def test_entry_register_tiles_with_bias_or_mask_lower_for_cuda(feature, monkeypa
     text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
     kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(kernels) == 3 + (config.dkv_passes == 2), (feature, len(kernels))
+
+
+_IDS = np.repeat(np.arange(4), 128)[None].repeat(2, 0)
+SMEM_CASES = {   # name: (head dim, _spec_ops' keywords, a change to the default config or None)
+    "h64": (64, {}, None), "h128_full": (128, dict(is_causal=False), None),
+    "h256": (256, {}, None),
+    "packed": (128, dict(q_segment_ids=_IDS, kv_segment_ids=_IDS), None),
+    "bias_h64": (64, dict(bias=np.zeros((1, 4, 512, 512), np.float32)), None),
+    "mask": (128, dict(mask=np.ones((1, 1, 512, 512), bool)), None),
+    "fa3_fp8_h64": (64, dict(numerics=FP8), None),
+    "fa3_fp8_p_smem": (128, dict(numerics=FP8), dict(fp8_p_registers=False)),
+    "preset_p_smem": (128, dict(numerics="fp8"), dict(fp8_p_registers=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(SMEM_CASES))
+def test_smem_needs_bounds_what_the_kernels_allocate(name, monkeypatch):
+  """tuning.TuningConfig.smem_needs, which decides what fits, against the shared memory each
+  kernel allocates (its SMEM scratch, summed while the call lowers for CUDA): never under it, and
+  over it by at most the segment ids' bytes a call without them is counted for (the FP8 forward
+  included: e4m3 Q, K and V, O's staging and P's tiles)."""
+  H, kwargs, change = SMEM_CASES[name]
+  kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+  causal = kwargs.pop("is_causal", True)
+  spec, ops = _spec_ops(shape=(2, 512, 4, H), kv_heads=2, is_causal=causal, **kwargs)
+  config = mosaic.default_config(spec, ops)
+  config = config.replace(**change) if change else config
+  allocated = {}
+  launch = common.launch
+
+  def counting(kernel, scratch, **kw):
+    arrays = jax.tree.leaves(scratch[0], is_leaf=lambda x: hasattr(x, "dtype"))
+    allocated[kw["name"]] = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays)
+    return launch(kernel, scratch, **kw)
+  monkeypatch.setattr(common, "launch", counting)
+  jax.clear_caches()   # the kernels are traced once per call (common.lowered_once)
+  cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
+  needs = config.smem_needs(H, 2, **mosaic._extras(ops), **mosaic._fp8_smem(spec, ops))
+  for kernel, key in (("stable_attn_forward", "fwd"), ("stable_attn_dq", "dq"),
+                      ("stable_attn_dkv", "dkv")):
+    ids = 0 if ops.q_seg is not None else 4 * (   # int32 ids per resident and streamed row
+        {"fwd": (1 + config.fwd_persistent) * config.fwd_wgs * config.fwd.block_q
+                + config.fwd.stages * config.fwd.block_kv,
+         "dq": config.dq_wgs * config.dq.block_q + config.dq.stages * config.dq.block_kv,
+         "dkv": config.dkv_key_wgs * config.dkv.block_kv * (1 + config.dkv_persistent)
+                + config.dkv.stages * config.dkv.block_q}[key])
+    assert 0 <= needs[key] - allocated[kernel] <= ids, (kernel, needs[key], allocated[kernel])
 
 
 @pytest.mark.parametrize("H", tuning.HEAD_DIMS)

@@ -124,6 +124,13 @@ def _ds_dtype(ops: Operands):
   return None if ops.bias is None else jnp.dtype(ops.bias.dtype)
 
 
+def _fp8_smem(spec: AttentionSpec, ops: Operands) -> dict:
+  """What the FP8 forward's tiles take (tuning.TuningConfig.smem_needs' fp8 arguments)."""
+  if not fp8_forward(spec, ops.q.dtype):
+    return {}
+  return dict(fp8=True, fp8_residual=tile.has_top_residual(spec.numerics.dtypes(ops.q.dtype)))
+
+
 def _extras(ops: Operands) -> dict:
   """The shared memory the bias and mask tiles take (tuning.TuningConfig.smem_problem)."""
   if ops.bias is None and ops.mask is None:
@@ -260,7 +267,7 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
     raise ValueError("config.fused_dq=True reduce-adds dQ in whatever order the CTAs finish, so "
                      "its gradients are not bitwise reproducible; deterministic=True takes the "
                      "two-kernel backward (fused_dq=False)")
-  config.check_smem(H, itemsize, **_extras(ops))
+  config.check_smem(H, itemsize, **_extras(ops), **_fp8_smem(spec, ops))
   if H == 256 and config.fwd_wgs != tuning.COMPUTE_WGS:
     # 160 registers a thread, of which the [64, 256] fp32 O takes 128: Mosaic GPU failed to
     # compile it (H200, JAX 0.11.2, "Pass pipeline failed"; 64-key blocks do not fit besides)

@@ -206,13 +206,18 @@ class TuningConfig:
     return math.lcm(self.fwd.block_kv, COMPUTE_WGS * self.dkv.block_kv, self.dq.block_kv)
 
   def smem_needs(self, head_dim: int, itemsize: int, *, beside: int = 0, bias: int = 0,
-                 ds_itemsize: int = 0) -> dict:
-    """Bytes of shared memory per CTA of each kernel ("fwd", "dkv", "dq").
+                 ds_itemsize: int = 0, fp8: bool = False, fp8_residual: bool = False) -> dict:
+    """Bytes of shared memory per CTA of each kernel ("fwd", "dkv", "dq"): what the kernels
+    allocate, and the segment ids' bytes where a call has none (2.5 KB at most; a test holds it).
 
     beside: bytes per score of the tiles that stream beside a block (bias and mask: their
     itemsizes); bias: the bias's share of it (0 without one; `fwd_bias_apart`); ds_itemsize: the
-    dQ kernel's dS staging tile (a bias's gradient), 0 without."""
+    dQ kernel's dS staging tile (a bias's gradient), 0 without; fp8: the FP8 forward (e4m3 Q, K
+    and V, O staged apart in the input's itemsize, and its e4m3 P tile per warpgroup unless P
+    stays in registers, `fp8_p_registers`, with a second for the top keys' residual where
+    fp8_residual: the "fp8" preset)."""
     row = head_dim * itemsize
+    qkv = head_dim if fp8 else row   # the forward's Q, K and V rows
     # Per query row: its tiles (Q; Q and dO), fp32 statistics and int32 segment id; per key row:
     # K and V and its segment id. Resident rows per warpgroup, streamed rows per stage; the bias
     # and mask tiles cover the CTA's resident rows and one streamed block per stage (the forward's
@@ -220,12 +225,15 @@ class TuningConfig:
     fwd, dkv, dq = self.fwd, self.dkv, self.dq
     apart = bias if self.fwd_bias_apart else 0
     return {
-        "fwd": (self.fwd_wgs * fwd.block_q * (row + 12)
-                + fwd.stages * fwd.block_kv * (2 * row + 4)
+        "fwd": (self.fwd_wgs * fwd.block_q * (qkv + 12)
+                + fwd.stages * fwd.block_kv * (2 * qkv + 4)
                 + (fwd.stages * (beside - apart) + apart) * self.fwd_wgs * fwd.block_q
                 * fwd.block_kv
-                # persistent: a second Q buffer (with offsets and segment ids) and O's staging
-                + self.fwd_persistent * self.fwd_wgs * fwd.block_q * (2 * row + 8)),
+                # persistent: a second Q buffer (with offsets and segment ids); persistent or
+                # FP8: O staged apart from Q; FP8: P's e4m3 tiles where they go through SMEM
+                + self.fwd_wgs * fwd.block_q
+                * (self.fwd_persistent * (qkv + 8) + (self.fwd_persistent or fp8) * row
+                   + fp8 * (not self.fp8_p_registers) * (1 + fp8_residual) * fwd.block_kv)),
         "dkv": ((1 + self.dkv_persistent) * self.dkv_key_wgs * dkv.block_kv * (2 * row + 4)
                 + dkv.stages * dkv.block_q * (2 * row + 12)
                 + self.dkv_split * dkv.block_kv * dkv.block_q * 4   # the fp32 P^T handed over
