@@ -18,9 +18,10 @@ kernels' block ranges and flags skip the rest) and all True. The peers run what 
 (its Mosaic GPU kernel) the soft cap, bias, masks and plain attention, jax.nn's cuDNN attention
 plain attention, bias, masks and packed rows as a dense mask; each of ours gets "peer ms / ours"
 per call.
-Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks). Writes
-benchmarks/results/features_<device>.md (features_<device>_<features>.md for a subset, --features)
-and a figure beside it (.png: what each feature costs, and our speed over each peer), and prints
+Protocol of benchmarks/attention.py (loops of back-to-back calls, median of blocks; the table
+opens with a dense bf16 matmul's TFLOP/s in the same run, the ceiling its times are read against).
+Writes benchmarks/results/features_<device>.md (features_<device>_<features>.md for a subset,
+--features) and a figure beside it (.png: what each feature costs, and our speed over each peer), and prints
 the table. `--plot-from TABLE.md` redraws the figure of a written table (no GPU needed).
 """
 from __future__ import annotations
@@ -281,9 +282,13 @@ def main(argv=None):
         rows.append((impl, f"speed-up over {peer_name}: {name}", peer / t,
                      f"{peer_name} ms / ours"))
 
+  # The tensor cores' ceiling in this run, what each time is read against (attention.py's).
+  ceiling, n = bench.matmul_ceiling(jnp.bfloat16, calls, blocks, n=256 if args.smoke else 8192)
   lines = [f"# Packed sequences, soft cap, sinks, bias and masks, fwd+bwd, {device}", "",
            f"JAX {jax.__version__}, bf16, median of {blocks} blocks of {calls} calls"
            f"{' (smoke run: interpret mode, tiny shapes)' if args.smoke else ''}.", "",
+           f"Matmul ceiling in this run: a dense bfloat16 {n} x {n} x {n} matmul (XLA) at "
+           f"{ceiling:.0f} TFLOP/s.", "",
            "| implementation | case | ms (fwd+bwd unless forward; or ratio) | note |",
            "|---|---|---|---|"]
   lines += [f"| {i} | {name} | {value:.3f} | {note} |" for i, name, value, note in rows]

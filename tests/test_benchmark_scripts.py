@@ -23,6 +23,8 @@ def test_features_smoke(capsys):
   features.main(["--smoke", "--implementations", "pallas_mosaic_gpu,pallas_gpu,tokamax",
                  "--no-compilation-cache"])
   text = capsys.readouterr().out
+  assert re.search(r"Matmul ceiling in this run: a dense bfloat16 256 x 256 x 256 matmul \(XLA\) "
+                   r"at [0-9]+ TFLOP/s", text)
   assert "| pallas_gpu | packed / unpacked, 4 x 32 |" in text
   assert "| pallas_gpu | soft cap / no cap, B1 T64 N2 H32 causal, forward |" in text
   assert "| pallas_gpu | B1 T64 N2 H256 causal, ALiBi bias [1, N, T, T] bfloat16 |" in text
