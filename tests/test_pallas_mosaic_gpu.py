@@ -967,10 +967,10 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
   dim 128 and 256 tables run without a producer warpgroup: the compute warpgroups alone, 255
   registers a thread with two and 168 with three, at least what setmaxnreg gives them on 0.11
   (232, 160), so their own tiles fit; at 128 with three Q/dO stages in the dK/dV kernel, and
-  nothing persistent. Head dim 64 keeps the table's but for full calls, whose forward (not
-  persistent) has no producer and whose dK/dV kernel is the causal table's; calls with bias or
-  mask tiles keep the table's tiles without a producer (but in the forward with a bias alone at
-  head dim 128), the bias in K's slots. Every config it gives fits shared memory and validates."""
+  nothing persistent; with bias or mask tiles the table's tiles without a producer (but in the
+  forward with a bias alone at head dim 128), the bias in K's slots. Head dim 64 keeps the
+  table's but for full calls without bias or mask, whose forward (not persistent) has no
+  producer and whose dK/dV kernel is the causal table's. Every config it gives fits shared memory and validates."""
   assert tuning.registers_fixed_at_entry(version) is fixed
   for h in tuning.HEAD_DIMS:
     for kw in (dict(), dict(full=True), dict(dense=True), dict(packed=True),
@@ -987,7 +987,7 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
         assert config == tuning.TABLE[h].replace(fwd_producer=False, fwd_persistent=False), kw
         assert not config.has_producer("fwd") and config.has_producer("dkv")
         continue
-      if fixed and "beside" in kw:
+      if fixed and "beside" in kw and h > 64:
         assert config == plain.replace(producer=False, fwd_bias_apart=False), (h, kw)
         alone = tuning.table_config(h, entry_registers=True, bias_only=True, **kw)
         assert not alone.producer and alone.has_producer("fwd") == (h == 128), (h, kw)
@@ -1147,24 +1147,26 @@ BESIDE_CASES = [name for name, case in GPU_CASES.items() if "bias" in case or "m
 @on_hopper
 @pytest.mark.parametrize("name", BESIDE_CASES)
 def test_gpu_bias_and_mask_without_a_producer_match_the_producer(name, monkeypatch):
-  """JAX 0.12's config for a call with bias or mask tiles (tuning._ENTRY_REGISTERS_BESIDE: no
-  producer, the last compute warpgroup streams the tiles beside K or Q and follows a mask's
-  block order; with a bias alone at head dim 128 a producer in the forward), and the same with
-  the other forward, give outputs, residuals and gradients (the bias's too) bitwise equal to the
-  same tiles with a producer in every kernel."""
+  """Calls with bias or mask tiles under JAX 0.12's tiles, without a producer in the backward
+  kernels (the last compute warpgroup streams the tiles beside Q or K and follows a mask's block
+  order; tuning._ENTRY_REGISTERS_BESIDE at head dims 128 and 256), with and without the
+  forward's: outputs, residuals and gradients (the bias's too) bitwise equal to the same tiles
+  with a producer in every kernel (the table's at head dim 64)."""
   (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 5)
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
   monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: True)
   monkeypatch.setattr(mosaic, "_warned", True)   # not this toolchain's warning
   config = mosaic.default_config(spec, ops)
-  alone = mask is None and q.shape[-1] == 128   # a bias alone at head dim 128
-  assert not config.producer and config.has_producer("fwd") == alone
+  H = q.shape[-1]
+  assert config.producer == (H == 64)
+  if H > 64:   # a bias alone at head dim 128: the forward's producer
+    assert config.has_producer("fwd") == (mask is None and H == 128)
   args = (q, k, v, bias, mask)
-  everywhere = _outputs_and_grads(args, kwargs, do, "safe",
-                                  config.replace(producer=True, fwd_producer=None))
-  _assert_bitwise_equal(everywhere, _outputs_and_grads(args, kwargs, do, "safe", config))
-  _assert_bitwise_equal(everywhere, _outputs_and_grads(
-      args, kwargs, do, "safe", config.replace(fwd_producer=not alone)))
+  everywhere = config.replace(producer=True, fwd_producer=None)
+  expected = _outputs_and_grads(args, kwargs, do, "safe", everywhere)
+  for fwd_producer in (False, True):
+    _assert_bitwise_equal(expected, _outputs_and_grads(
+        args, kwargs, do, "safe", everywhere.replace(producer=False, fwd_producer=fwd_producer)))
 
 
 @pytest.mark.gpu
@@ -1800,11 +1802,12 @@ def test_releases_after_thread_reads_wait_for_the_warpgroup(feature, ordered, mo
 
 @pytest.mark.parametrize("feature", ["alibi", "block_mask", "bias_mask_h64", "bias_h256"])
 def test_entry_register_tiles_with_bias_or_mask_lower_for_cuda(feature, monkeypatch):
-  """JAX 0.12's tiles for calls with bias or mask tiles (the table's, two compute warpgroups,
-  no producer: the last compute warpgroup streams the tiles with K or Q and follows a mask's
-  compacted block order; with a bias alone at 128 the forward keeps its producer:
-  tuning._ENTRY_REGISTERS_BESIDE) lower for CUDA, forward and backward, on a CPU host; so does
-  each with the other forward."""
+  """JAX 0.12's tiles for calls with bias or mask tiles at head dims 128 and 256 (the table's, two
+  compute warpgroups, no producer: the last compute warpgroup streams the tiles with K or Q and
+  follows a mask's compacted block order; with a bias alone at 128 the forward keeps its
+  producer: tuning._ENTRY_REGISTERS_BESIDE) lower for CUDA, forward and backward, on a CPU host;
+  so does each with the other forward; at head dim 64 (the table's, with a producer) so do the
+  kernels without one."""
   monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: True)
   monkeypatch.setattr(mosaic, "_warned", True)   # not this toolchain's warning
   monkeypatch.setattr(mosaic, "is_available", lambda: True)   # the checks, not the device
@@ -1817,10 +1820,13 @@ def test_entry_register_tiles_with_bias_or_mask_lower_for_cuda(feature, monkeypa
   spec, ops = _spec_ops(shape=(2, T, 4, H), kv_heads=2, is_causal=feature != "block_mask",
                         bias=bias, mask=mask)
   config = mosaic.default_config(spec, ops)
-  assert not (config.producer or config.fwd_bias_apart or config.fwd_persistent), config
+  assert not (config.fwd_bias_apart or config.fwd_persistent), config
+  assert (config.fwd_wgs, config.dq_wgs, config.dkv_wgs) == (2, 2, 2)
+  if H == 64:   # the table's: a producer in every kernel
+    assert config.producer and config.fwd_producer is None
+    config = config.replace(producer=False)
   alone = mask is None and H == 128   # a bias alone at head dim 128: the forward's producer
   assert config.has_producer("fwd") == alone and not config.has_producer("dkv")
-  assert (config.fwd_wgs, config.dq_wgs, config.dkv_wgs) == (2, 2, 2)
   for config in (config, config.replace(fwd_producer=not alone)):
     mosaic._checked_config(spec, ops, config)
     text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)

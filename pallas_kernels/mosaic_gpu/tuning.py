@@ -435,21 +435,25 @@ _ENTRY_REGISTERS = {128: dict(producer=False, dkv=_T(64, 64, 3), fwd_persistent=
 _ENTRY_REGISTERS_FULL = {64: dict(fwd_producer=False, fwd_persistent=False, dkv_wgs=COMPUTE_WGS,
                                    dkv_persistent=True, persistent_order="heaviest")}
 # The same toolchain, calls with bias or mask tiles (two compute warpgroups in every kernel, none
-# persistent): the backward kernels without a producer, so each thread keeps 255 registers, not
-# the 168 that two compute warpgroups beside a producer keep; the forward too with a mask, but
-# with a bias alone at head dim 128 it keeps its producer (`_ENTRY_REGISTERS_BIAS_FWD`; at 64 the
-# two ran level, at 256 not measured, where 168 registers beside the 64 x 256 fp32 O spill), the
-# bias in K's slots (`fwd_bias_apart` not measured there). H200, JAX 0.12.0.1, one process each,
-# ms (fwd+bwd unless forward) with a producer in all three kernels / in none / in the forward only:
+# persistent) at head dims 128 and 256: the backward kernels without a producer, so each thread
+# keeps 255 registers, not the 168 that two compute warpgroups beside a producer keep; the
+# forward too with a mask, but with a bias alone at head dim 128 it keeps its producer
+# (`_ENTRY_REGISTERS_BIAS_FWD`; at 256 not measured, where 168 registers beside the 64 x 256 fp32
+# O spill), the bias in K's slots (`fwd_bias_apart` not measured there). Head dim 64 keeps the
+# table's, as without bias or mask (its kernels fit 168 registers): with ALiBi at B16 T1024 N12
+# causal the producer in all three kernels ran fastest (below). H200, JAX 0.12.0.1, one process
+# each, ms (fwd+bwd unless forward) with a producer in all three kernels / in none / in the
+# forward only:
 #   B4 T4096 N16 H128 causal, ALiBi [1, N, T, T]   5.405 / 3.755 / 3.594 (cuDNN 5.05)
 #     its forward                                  0.643 / 0.791 / 0.628 (tokamax 0.61-0.62)
-#   B16 T1024 N12 H64 causal, ALiBi, forward       0.127 / 0.135 / 0.133 (tokamax 0.124-0.133)
+#   B16 T1024 N12 H64 causal, ALiBi                0.627 / 0.641 / 0.644 (cuDNN 0.99-1.01)
+#     its forward                                  0.127 / 0.135 / 0.133 (tokamax 0.124-0.133)
 #   B4 T4096 N16 H128, mask all True               7.886 / 4.777 / 4.588 (cuDNN 6.35)
 #     a random mask (80% True, [B, 1, T, T])       10.33 / 5.581 / 6.144 (cuDNN 6.42)
 #     a block-sparse one (25% of blocks)           3.137 / 1.744 / 1.925 (cuDNN 6.34)
 # (0.11.2 against cuDNN: 1.31x with ALiBi, 1.46x, 1.19x and 3.70x with the masks;
 # benchmarks/results/features_nvidia_h200_j012_*.md.)
-_ENTRY_REGISTERS_BESIDE = dict(producer=False, fwd_bias_apart=False)
+_ENTRY_REGISTERS_BESIDE = {h: dict(producer=False, fwd_bias_apart=False) for h in (128, 256)}
 _ENTRY_REGISTERS_BIAS_FWD = {128: dict(fwd_producer=True)}
 
 
@@ -494,7 +498,8 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False,
                           **(_PASSES_256 if config.dkv_split else {}),
-                          **(_ENTRY_REGISTERS_BESIDE if entry_registers else {}),
+                          **(_ENTRY_REGISTERS_BESIDE.get(head_dim, {}) if entry_registers
+                             else {}),
                           **(_ENTRY_REGISTERS_BIAS_FWD.get(head_dim, {})
                              if entry_registers and bias_only else {}))
   # Each kernel's shared memory is its own: each takes the first of its options that fits (the
