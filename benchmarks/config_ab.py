@@ -11,8 +11,9 @@ arms start from the default of each call, not from a table row, so an arm measur
 the table would make (an A/B that built its arms from the causal table's row once measured a
 config the table then did not give full calls: docs/ptxas_setmaxnreg.md).
 
-Forward and forward+backward (bf16, "safe", random normal inputs) of cuDNN, the default and each
-arm, `--rounds` alternating rounds (the arms' order reversed every other round) of
+Forward and forward+backward (bf16, "safe", random normal inputs; "packed": one row of 8
+documents, segment ids, which cuDNN takes as a dense mask) of cuDNN, the default and each arm,
+`--rounds` alternating rounds (the arms' order reversed every other round) of
 benchmarks/attention.py's protocol; the median of the rounds. Columns: ms, the ratio to cuDNN and
 to the default (> 1: faster), and whether O and the gradients are bitwise the default's (an arm
 that computes the same products over the same blocks must give "yes"). Prints the table and
@@ -46,7 +47,9 @@ SHAPES = {   # name: (B, T, N, K, H, causal), the Hopper kernel's targets and he
     "h64": (16, 1024, 12, 12, 64, True), "h128": (4, 4096, 16, 16, 128, True),
     "h64full": (8, 2048, 16, 16, 64, False), "gqa": (2, 8192, 32, 8, 128, True),
     "16k": (1, 16384, 16, 16, 128, True), "h256": (2, 4096, 8, 8, 256, True),
+    "packed": (1, 8192, 16, 16, 128, True),   # 8 documents of 1024 (benchmarks/features.py's)
 }
+DOCUMENTS = {"packed": 8}   # shapes whose row packs documents (segment ids)
 _TILES = re.compile(r"^(\d+)x(\d+)x(\d+)$")
 _FIELDS = {f.name for f in dataclasses.fields(tuning.TuningConfig)}
 
@@ -80,13 +83,18 @@ def _value(text: str):
     return text   # a bare word: a string field's value (persistent_order=grid)
 
 
-def call_of(shape):
-  """(q, k, v, dO) and the (spec, ops) that dot_product_attention makes of them."""
-  B, T, N, K, H, causal = shape
+def call_of(name: str):
+  """(q, k, v, dO), the call's keywords (segment ids for a packed row) and the (spec, ops) that
+  dot_product_attention makes of them."""
+  B, T, N, K, H, causal = SHAPES[name]
   q, k, v, do = bench.make_inputs(B, T, N, K, H, jnp.bfloat16)
-  spec, ops, _ = canonicalize(q, k, v, None, None, Options(implementation=IMPL,
-                                                           is_causal=causal))
-  return (q, k, v, do), spec, ops
+  kwargs = dict(is_causal=causal)
+  if name in DOCUMENTS:
+    ids = jnp.repeat(jnp.arange(DOCUMENTS[name], dtype=jnp.int32), T // DOCUMENTS[name])
+    kwargs.update(q_segment_ids=jnp.broadcast_to(ids, (B, T)),
+                  kv_segment_ids=jnp.broadcast_to(ids, (B, T)))
+  spec, ops, _ = canonicalize(q, k, v, None, None, Options(implementation=IMPL, **kwargs))
+  return (q, k, v, do), kwargs, spec, ops
 
 
 def arm_configs(spec, ops, arms: dict) -> dict:
@@ -126,14 +134,19 @@ def bitwise(outputs: dict, base: str = "default") -> dict:
           for name, out in outputs.items()}
 
 
-def _fns(shape, configs: dict) -> dict:
-  causal = shape[-1]
-
+def _fns(kwargs: dict, configs: dict) -> dict:
   def ours(config):
     return lambda q, k, v: stable_attn.dot_product_attention(
-        q, k, v, is_causal=causal, implementation=IMPL, max_adjust="safe", config=config)
-  attends = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=causal, implementation="cudnn")}
+        q, k, v, implementation=IMPL, max_adjust="safe", config=config, **kwargs)
+  if "q_segment_ids" in kwargs:   # cuDNN takes the documents as a dense mask
+    ids = kwargs["q_segment_ids"]
+    dense = (ids[:, :, None] == ids[:, None, :])[:, None]
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, mask=dense, is_causal=kwargs["is_causal"], implementation="cudnn")
+  else:
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=kwargs["is_causal"], implementation="cudnn")
+  attends = {"cudnn": cudnn}
   attends.update({name: ours(config) for name, config in configs.items()})
 
   def both(attend):
@@ -147,10 +160,10 @@ def _fns(shape, configs: dict) -> dict:
 def ab_shape(name: str, arms: dict, rounds: int, calls: int, blocks: int) -> list[str]:
   """The table rows of one shape: cuDNN, the default and each arm (an arm that fails to compile
   or run gets a row saying so)."""
-  args, spec, ops = call_of(SHAPES[name])
+  args, kwargs, spec, ops = call_of(name)
   configs = arm_configs(spec, ops, arms)
   fns, failed = {}, {}
-  for arm, pair in _fns(SHAPES[name], configs).items():
+  for arm, pair in _fns(kwargs, configs).items():
     try:
       jax.block_until_ready(pair[1](*args))
       fns[arm] = pair
@@ -200,7 +213,7 @@ def main(argv=None):
     arms = dict(parse_arm(a) for a in args.arm)
     if args.dry_run:
       for name in shapes:
-        _, spec, ops = call_of(SHAPES[name])
+        _, _, spec, ops = call_of(name)
         configs = arm_configs(spec, ops, arms)
         print(f"{name} {bench.shape_name(SHAPES[name])}: default {configs['default']}")
         for arm, config in list(configs.items())[1:]:
@@ -214,7 +227,9 @@ def main(argv=None):
            f"JAX {jax.__version__}; `python benchmarks/config_ab.py --shapes {args.shapes} "
            + " ".join(f"--arm {a}" for a in args.arm) + "`; bf16, \"safe\"; median of "
            f"{args.rounds} alternating rounds of {args.blocks} blocks of {args.calls} calls.", "",
-           *(f"- {n}: {bench.shape_name(SHAPES[n])}" for n in shapes), "", HEADER]
+           *(f"- {n}: {bench.shape_name(SHAPES[n])}"
+             + (f", {DOCUMENTS[n]} documents (segment ids; cuDNN: a dense mask)"
+                if n in DOCUMENTS else "") for n in shapes), "", HEADER]
   print("\n".join(lines), flush=True)
   for name in shapes:
     for row in ab_shape(name, arms, args.rounds, args.calls, args.blocks):

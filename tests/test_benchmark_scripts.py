@@ -167,7 +167,7 @@ def test_config_ab_parses_arms_and_refuses_what_is_not_a_config():
                      ("x:producer", "TuningConfig field")):
     with pytest.raises(ValueError, match=match):
       config_ab.parse_arm(bad)
-  _, spec, ops = config_ab.call_of((1, 256, 2, 2, 64, False))
+  _, _, spec, ops = config_ab.call_of("h64full")
   with pytest.raises(ValueError, match="--arm x: fwd_wgs must be 2 or 3"):
     config_ab.arm_configs(spec, ops, {"x": dict(fwd_wgs=5)})
   configs = config_ab.arm_configs(spec, ops, {"x": dict(fwd_persistent=False,
@@ -180,11 +180,16 @@ def test_config_ab_parses_arms_and_refuses_what_is_not_a_config():
 
 
 def test_config_ab_dry_run_and_its_errors(capsys):
-  config_ab.main(["--shapes", "h64full,gqa", "--arm", "x:producer=False,fwd_persistent=False,"
-                  "dkv_persistent=False", "--dry-run"])
+  config_ab.main(["--shapes", "h64full,gqa,packed", "--arm", "x:producer=False,"
+                  "fwd_persistent=False,dkv_persistent=False", "--dry-run"])
   out = capsys.readouterr().out
   assert "h64full B8 T2048 N16 H64 full: default TuningConfig(" in out
   assert "gqa B2 T8192 N32 K8 H128 causal" in out and "  x: " in out
+  _, kwargs, spec, ops = config_ab.call_of("packed")   # 8 documents of 1024
+  assert ops.q_seg is not None and int(kwargs["q_segment_ids"][0, -1]) == 7
+  assert mosaic_gpu.default_config(spec, ops) == tuning.table_config(
+      128, packed=True, kv_shape=(1, 16, 8192),
+      entry_registers=tuning.registers_fixed_at_entry(jax.__version__))
   for argv, match in ((["--shapes", "h65"], "unknown h65"),
                       (["--arm", "x:fwd_wgs=5", "--dry-run"], "fwd_wgs must be 2 or 3")):
     with pytest.raises(SystemExit):
