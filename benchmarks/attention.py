@@ -157,6 +157,12 @@ def make_inputs(B, T, N, K, H, dtype, seed=0):
   return normal(keys[0], N), normal(keys[1], K), normal(keys[2], K), normal(keys[3], N)
 
 
+def dense_mask(ids):
+  """Segment ids [B, T] as the equivalent boolean mask [B, 1, T, T]: what a peer without segment
+  ids needs for a packed row."""
+  return (ids[:, :, None] == ids[:, None, :])[:, None]
+
+
 def rel_err(x, ref):
   x = jnp.asarray(x, jnp.float32)
   ref = jnp.asarray(ref, jnp.float32)

@@ -89,10 +89,9 @@ def call_of(name: str):
   B, T, N, K, H, causal = SHAPES[name]
   q, k, v, do = bench.make_inputs(B, T, N, K, H, jnp.bfloat16)
   kwargs = dict(is_causal=causal)
-  if name in DOCUMENTS:
+  if name in DOCUMENTS:   # the keys' ids are the queries' (self-attention)
     ids = jnp.repeat(jnp.arange(DOCUMENTS[name], dtype=jnp.int32), T // DOCUMENTS[name])
-    kwargs.update(q_segment_ids=jnp.broadcast_to(ids, (B, T)),
-                  kv_segment_ids=jnp.broadcast_to(ids, (B, T)))
+    kwargs.update(q_segment_ids=jnp.broadcast_to(ids, (B, T)))
   spec, ops, _ = canonicalize(q, k, v, None, None, Options(implementation=IMPL, **kwargs))
   return (q, k, v, do), kwargs, spec, ops
 
@@ -138,15 +137,10 @@ def _fns(kwargs: dict, configs: dict) -> dict:
   def ours(config):
     return lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, implementation=IMPL, max_adjust="safe", config=config, **kwargs)
-  if "q_segment_ids" in kwargs:   # cuDNN takes the documents as a dense mask
-    ids = kwargs["q_segment_ids"]
-    dense = (ids[:, :, None] == ids[:, None, :])[:, None]
-    cudnn = lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, mask=dense, is_causal=kwargs["is_causal"], implementation="cudnn")
-  else:
-    cudnn = lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=kwargs["is_causal"], implementation="cudnn")
-  attends = {"cudnn": cudnn}
+  ids = kwargs.get("q_segment_ids")   # cuDNN takes a packed row's documents as a dense mask
+  mask = None if ids is None else bench.dense_mask(ids)
+  attends = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, mask=mask, is_causal=kwargs["is_causal"], implementation="cudnn")}
   attends.update({name: ours(config) for name, config in configs.items()})
 
   def both(attend):

@@ -46,12 +46,6 @@ from train import jax_cache  # noqa: E402
 FEATURES = ("packed", "soft_cap", "sinks", "bias", "mask", "wide_bias")
 
 
-def _dense_mask(ids):
-  """Segment ids [B, T] as the equivalent boolean mask [B, 1, T, T]: what a peer without segment
-  ids needs for a packed row."""
-  return (ids[:, :, None] == ids[:, None, :])[:, None]
-
-
 def _callable(implementation, interpret, **kwargs):
   """f(q, k, v) -> O for one of ours or a peer (None if that peer does not take the call)."""
   if implementation == "tokamax":
@@ -64,7 +58,7 @@ def _callable(implementation, interpret, **kwargs):
       return None
     mask = kwargs.get("mask")
     if "q_segment_ids" in kwargs:
-      mask = _dense_mask(kwargs["q_segment_ids"])
+      mask = bench.dense_mask(kwargs["q_segment_ids"])
     return lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, kwargs.get("bias"), mask, is_causal=kwargs.get("is_causal", False),
         implementation="cudnn")

@@ -1139,6 +1139,12 @@ def test_gpu_without_a_producer_matches_the_producer(name, entry, max_adjust):
                                            config.replace(producer=False)))
 
 
+def _as_on_jax_0_12(monkeypatch):
+  """Default configs as JAX 0.12 takes them (ptxas ignoring setmaxnreg), without its warning."""
+  monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: True)
+  monkeypatch.setattr(mosaic, "_warned", True)
+
+
 # Calls with bias or mask tiles, under the tiles taken where registers are fixed at entry.
 BESIDE_CASES = [name for name, case in GPU_CASES.items() if "bias" in case or "mask" in case]
 
@@ -1154,8 +1160,7 @@ def test_gpu_bias_and_mask_without_a_producer_match_the_producer(name, monkeypat
   with a producer in every kernel (the table's at head dim 64)."""
   (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 5)
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
-  monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: True)
-  monkeypatch.setattr(mosaic, "_warned", True)   # not this toolchain's warning
+  _as_on_jax_0_12(monkeypatch)
   config = mosaic.default_config(spec, ops)
   H = q.shape[-1]
   assert config.producer == (H == 64)
@@ -1808,8 +1813,7 @@ def test_entry_register_tiles_with_bias_or_mask_lower_for_cuda(feature, monkeypa
   producer: tuning._ENTRY_REGISTERS_BESIDE) lower for CUDA, forward and backward, on a CPU host;
   so does each with the other forward; at head dim 64 (the table's, with a producer) so do the
   kernels without one."""
-  monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: True)
-  monkeypatch.setattr(mosaic, "_warned", True)   # not this toolchain's warning
+  _as_on_jax_0_12(monkeypatch)
   monkeypatch.setattr(mosaic, "is_available", lambda: True)   # the checks, not the device
   T, H = (384, 256) if feature == "bias_h256" else (384, 64 if feature == "bias_mask_h64" else 128)
   bias = jnp.zeros((1, 4, T, T), bf16) if feature != "block_mask" else None
