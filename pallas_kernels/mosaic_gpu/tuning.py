@@ -139,6 +139,11 @@ class TuningConfig:
   # (common.relabelled_keys); 1.10-1.21x the kernel that stores P to a shared-memory tile and
   # fences it every step (False; H200, docs/fp8.md). No effect outside the FP8 forward.
   fp8_p_registers: bool = True
+  # The FP8 forward's backward in FP8 too (fp8_backward.py: e4m3 products in the dQ and dK/dV
+  # kernels, dS under online row scales; docs/fp8.md), on the dq and dkv tiles and warpgroups
+  # (one grid CTA per tile: the persistent, fused-dQ, split and two-pass fields are the bf16
+  # kernels'). False: the bf16 kernels on the dequantized inputs. Only with the FP8 forward.
+  fp8_backward: bool = False
 
   def __post_init__(self):
     self.fwd.check_owned("block_q", "fwd")
@@ -455,6 +460,15 @@ _ENTRY_REGISTERS_FULL = {64: dict(fwd_producer=False, fwd_persistent=False, dkv_
 # benchmarks/results/features_nvidia_h200_j012_*.md.)
 _ENTRY_REGISTERS_BESIDE = {h: dict(producer=False, fwd_bias_apart=False) for h in (128, 256)}
 _ENTRY_REGISTERS_BIAS_FWD = {128: dict(fwd_producer=True)}
+# The same toolchain, packed rows (segment ids) at head dim 128: the dK/dV kernel's issuer refills
+# the slot of two steps back (`refill_lag=2`: one step ahead, no wait for the other warpgroup's
+# previous step), where its key tiles' blocks are few and uneven. B1 T8192 N16 H128 causal, 8
+# documents of 1024, fwd+bwd against the default (lag 1), gradients bitwise equal: 1.034x, 1.042x
+# and 1.043x in three arms of two runs; where rows are not packed it was noise (0.983-1.027x at
+# B4 T4096 N16, B2 T8192 N32 K8 and B1 T16384 N16, two arms each, around a 0.97-1.02x spread of
+# identical arms). H200, JAX 0.12.0.1, one process (benchmarks/config_ab.py;
+# benchmarks/results/config_ab_nvidia_h200_j012_{packed_h64full,lag2}.md).
+_ENTRY_REGISTERS_PACKED = {128: dict(refill_lag=2)}
 
 
 def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
@@ -477,9 +491,9 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   `_BIAS_FULL_FWD`'s where that is also full, `_BIAS_APART`'s at head dim 128; top_residual (the
   "fp8" preset's FP8 forward, which takes no bias or mask): `_TOP_RESIDUAL`'s; entry_registers
   (a toolchain that ignores setmaxnreg: `registers_fixed_at_entry`), last, `_ENTRY_REGISTERS`'
-  changes (and `_ENTRY_REGISTERS_FULL`'s where full) where there are no bias or mask tiles,
-  `_ENTRY_REGISTERS_BESIDE`'s where there are (and `_ENTRY_REGISTERS_BIAS_FWD`'s for a bias
-  alone)."""
+  changes (and `_ENTRY_REGISTERS_FULL`'s where full, `_ENTRY_REGISTERS_PACKED`'s where packed)
+  where there are no bias or mask tiles, `_ENTRY_REGISTERS_BESIDE`'s where there are (and
+  `_ENTRY_REGISTERS_BIAS_FWD`'s for a bias alone)."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
@@ -493,7 +507,9 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
                **(_TOP_RESIDUAL.get(head_dim, {}) if top_residual else {}),
                **(_ENTRY_REGISTERS.get(head_dim, {}) if entry_registers else {}),
                **(_ENTRY_REGISTERS_FULL.get(head_dim, {})
-                  if entry_registers and (full or dense) else {})}
+                  if entry_registers and (full or dense) else {}),
+               **(_ENTRY_REGISTERS_PACKED.get(head_dim, {}) if entry_registers and packed
+                  else {})}
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
                           dkv_wgs=COMPUTE_WGS, fwd_persistent=False, dkv_persistent=False,
