@@ -1,9 +1,10 @@
-"""The FP8 forward (issue 49) against the bf16 Hopper kernel and cuDNN, in one process.
+"""FP8 attention (issue 49) against the bf16 Hopper kernel and cuDNN, in one process.
 
     PYTHONPATH=. python benchmarks/fp8.py            # on an H100 / H200
     PYTHONPATH=. python benchmarks/fp8.py --smoke    # tiny shapes, arms that run on the CPU
     PYTHONPATH=. python benchmarks/fp8.py --sweep [--sweep-arm preset]   # the FP8 forward's tilings
     PYTHONPATH=. python benchmarks/fp8.py --plot benchmarks/results/fp8_nvidia_h200.md   # its .png
+  PYTHONPATH=. python benchmarks/fp8.py --backward   # the FP8 backward's kernels alone
 
 Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu" unless named):
   cudnn     jax.nn.dot_product_attention(implementation="cudnn")
@@ -17,6 +18,8 @@ Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu"
   preset    numerics "fp8": the FP8 forward with each key block's top key in bf16 (its residual
             a second e4m3 P V product: stable_attn.tile.rescale's split_top) and the row sum of the
             rounded P_bar, what "safe" needs under an FP8 P (docs/fp8.md)
+  fp8_bwd, preset_bwd  the fp8 and preset arms with the FP8 backward (TuningConfig.fp8_backward:
+            e4m3 products in the dQ and dK/dV kernels; pallas_kernels/mosaic_gpu/fp8_backward.py)
   quantize  what the fp8 arm does before its kernel: q, k, v quantized, scaled to e4m3 payloads,
             V transposed (forward only)
   *_kernel  the bf16 / FP8 forward kernel alone, on operands prepared outside the timed calls
@@ -47,9 +50,11 @@ from stable_attn.spec import OPERANDS  # noqa: E402
 
 FP8_NUMERICS = "fast+qkv=e4m3+p=e4m3+p_scale=256"
 NUMERICS = {"bf16": "fast", "bf16_q": "fast+qkv=e4m3", "fp8": FP8_NUMERICS,
-            "fp8_given": FP8_NUMERICS, "preset": "fp8"}
-ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "fp8_given", "preset", "quantize", "bf16_kernel",
-        "fp8_kernel", "preset_kernel")
+            "fp8_given": FP8_NUMERICS, "preset": "fp8", "fp8_bwd": FP8_NUMERICS,
+            "preset_bwd": "fp8"}
+FP8_BACKWARD = ("fp8_bwd", "preset_bwd")   # TuningConfig.fp8_backward: the FP8 backward kernels
+ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "fp8_given", "preset", "fp8_bwd", "preset_bwd",
+        "quantize", "bf16_kernel", "fp8_kernel", "preset_kernel")
 # (B, T, N, K, H), causal: issue 49's two targets, and head dim 64
 SHAPES = [(4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128), (4, 4096, 16, 16, 64)]
 ERROR_SHAPE = (1, 2048, 4, 4, 128)
@@ -63,6 +68,10 @@ def attention_fn(arm: str, implementation: str, inputs=None):
   given = {}
   if arm == "fp8_given":
     given = dict(fp8_scales=tuple(jax.device_get(fp8.head_scales(x)) for x in inputs))
+  if arm in FP8_BACKWARD and implementation == "pallas_mosaic_gpu":
+    spec, ops, _ = canonicalize(*inputs, None, None, Options(
+        is_causal=True, implementation=implementation, numerics=NUMERICS[arm]))
+    given = dict(config=mosaic.default_config(spec, ops).replace(fp8_backward=True))
   return lambda q, k, v: stable_attn.dot_product_attention(
       q, k, v, is_causal=True, implementation=implementation, numerics=NUMERICS[arm], **given)
 
@@ -115,6 +124,64 @@ def sweep(shapes, calls, blocks, arm="fp8", variants=tuple(SWEEP)) -> str:
       except Exception as e:  # noqa: BLE001 -- a variant that does not compile is a result
         lines.append(f"| {shape} | {name} | {type(e).__name__}: {str(e).splitlines()[0][:80]} "
                      f"| - |")
+  return "\n".join(lines) + "\n"
+
+
+def backward_kernels(shape):
+  """{name: (f, args)}: each backward kernel alone on its prepared inputs, delta given to all:
+  the bf16 dQ and dK/dV kernels (numerics "fast+qkv=e4m3": the FP8 arms' bf16 backward), the FP8
+  ones (pallas_kernels/mosaic_gpu/fp8_backward.py), and "fp8_prep", the FP8 kernels' input
+  preparation (dO quantized per batch row and kv head and transposed, V cast, K^T and Q^T
+  relabelled, delta of the cast dO)."""
+  from pallas_kernels.mosaic_gpu import backward, common, fp8_backward
+  from stable_attn import tile
+  from stable_attn.spec import BackwardInputs
+  q, k, v, do = bench.make_inputs(*shape, jnp.bfloat16)
+  arms = {}
+  for kind, numerics in (("bf16", NUMERICS["bf16_q"]), ("fp8", FP8_NUMERICS)):
+    spec, ops, _ = canonicalize(q, k, v, None, None, Options(
+        is_causal=True, implementation="pallas_mosaic_gpu", numerics=numerics, max_adjust="off"))
+    config = mosaic.default_config(spec, ops)
+    o, lse = jax.jit(lambda ops: mosaic.attention(spec, ops, config))(ops)
+    if kind == "bf16":   # no padding at these shapes
+      call = mosaic._call(spec, config, ops)
+      x = mosaic._padded(ops, call)._replace(offset=None)
+      grads = BackwardInputs(do, lse, jnp.swapaxes(tile.delta(do, o), 1, 2))
+      dq_ranges = common.block_ranges(x, config.dq.block_q, config.dq.block_kv, "query")
+      dkv_ranges = common.block_ranges(x, config.dkv.block_q, config.dkv.block_kv, "key",
+                                       call.geo.G)
+      arms["bf16_dq"] = (jax.jit(lambda x, g: backward._dq_call(call, x, g, None, dq_ranges,
+                                                                None)), (x, grads))
+      arms["bf16_dkv"] = (jax.jit(lambda x, g: backward._dkv_call(call, x, g, dkv_ranges)),
+                          (x, grads))
+      continue
+    prep = jax.jit(lambda ops, o, lse, do: fp8_backward.backward_inputs(
+        spec, config, ops, o, lse, do)[1:3])
+    call, _, _, dq_ranges, dkv_ranges = fp8_backward.backward_inputs(spec, config, ops, o, lse, do)
+    arms["fp8_prep"] = (prep, (ops, o, lse, do))
+    x, grads = prep(ops, o, lse, do)
+    arms["fp8_dq"] = (jax.jit(lambda x, g: fp8_backward.dq_call(call, x, g, dq_ranges,
+                                                                jnp.bfloat16)), (x, grads))
+    arms["fp8_dkv"] = (jax.jit(lambda x, g: fp8_backward.dkv_call(call, x, g, dkv_ranges,
+                                                                  jnp.bfloat16)), (x, grads))
+  return arms
+
+
+def backward_table(shapes, calls, blocks) -> str:
+  """Markdown: the FP8 backward kernels' times against the bf16 ones' (`backward_kernels`), the
+  median of 3 alternating rounds."""
+  lines = ["| shape | dQ bf16 ms | dQ FP8 ms | x bf16 | dK/dV bf16 ms | dK/dV FP8 ms | x bf16 | "
+           "FP8 prep ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for shape in shapes:
+    arms = backward_kernels(shape)
+    times = {name: [] for name in arms}
+    for r in range(3):
+      for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+        times[name].append(bench.time_calls(*arms[name], calls, blocks))
+    t = {name: float(np.median(ts)) * 1e3 for name, ts in times.items()}
+    lines.append(f"| {shape} | {t['bf16_dq']:.3f} | {t['fp8_dq']:.3f} | "
+                 f"{t['bf16_dq'] / t['fp8_dq']:.3f} | {t['bf16_dkv']:.3f} | {t['fp8_dkv']:.3f} | "
+                 f"{t['bf16_dkv'] / t['fp8_dkv']:.3f} | {t['fp8_prep']:.3f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -175,7 +242,7 @@ def errors(arm, implementation, shape) -> dict:
 
 
 def markdown(device, results, errs, calls, blocks) -> str:
-  lines = [f"# FP8 forward on {device}, JAX {jax.__version__}",
+  lines = [f"# FP8 attention on {device}, JAX {jax.__version__}",
            "", f"`PYTHONPATH=. python benchmarks/fp8.py` ({blocks} blocks of {calls} calls, "
            f"median). bf16 inputs, causal, max_adjust \"safe\"; fp8 = numerics "
            f"`{FP8_NUMERICS}`.", "",
@@ -207,7 +274,7 @@ def markdown(device, results, errs, calls, blocks) -> str:
 
 # --plot: the latest run's ratios to our bf16 attention (the first table of a results file).
 PLOTTED = {"fwd": ("fp8_kernel", "preset_kernel", "fp8", "fp8_given", "preset", "cudnn"),
-           "fb": ("fp8", "fp8_given", "preset", "cudnn")}
+           "fb": ("fp8", "fp8_given", "preset", "fp8_bwd", "preset_bwd", "cudnn")}
 TARGETS = {"fwd": 1.4, "fb": 1.15}   # issue 49's: FP8 forward and fwd+bwd over our bf16
 
 
@@ -264,9 +331,17 @@ def main(argv=None) -> int:
   parser.add_argument("--preamble", action="store_true",
                       help="the cost of the FP8 operands' preparation only")
   parser.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {ARMS}")
+  parser.add_argument("--shapes", default=None,
+                      help="comma list of indices into SHAPES (default: all)")
+  parser.add_argument("--backward", action="store_true",
+                      help="the FP8 backward's kernels alone against the bf16 ones, only")
   args = parser.parse_args(argv)
   if args.plot:
     plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
+    return 0
+  shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+  if args.backward:
+    print(backward_table(shapes, args.calls, args.blocks))
     return 0
   if args.preamble:
     print(preamble(SHAPES[0], args.calls, args.blocks))
@@ -275,9 +350,9 @@ def main(argv=None) -> int:
     variants = tuple(v for v in args.sweep_variants.split(",") if v)
     if set(variants) - set(SWEEP):
       parser.error(f"--sweep-variants: unknown {sorted(set(variants) - set(SWEEP))}")
-    print(sweep(SHAPES, args.calls, args.blocks, args.sweep_arm, variants))
+    print(sweep(shapes, args.calls, args.blocks, args.sweep_arm, variants))
     return 0
-  implementation, shapes, error_shape = "pallas_mosaic_gpu", SHAPES, ERROR_SHAPE
+  implementation, error_shape = "pallas_mosaic_gpu", ERROR_SHAPE
   arms = tuple(a for a in args.arms.split(",") if a)
   if set(arms) - set(ARMS):
     parser.error(f"--arms: unknown {sorted(set(arms) - set(ARMS))}; choose from {ARMS}")

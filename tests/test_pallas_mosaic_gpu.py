@@ -930,6 +930,65 @@ def test_gpu_fp8_forward_is_as_accurate_as_the_reference(head_dim, case, max_adj
   assert cases.relative_error(o, o_bf16_p.astype(np.float64)) > 5e-3
 
 
+def _fp8_grads(case, inputs, fp8_backward: bool, numerics=FP8):
+  """(dQ, dK, dV of the Hopper kernel's FP8 call, compiled, with or without
+  TuningConfig.fp8_backward), (float64 dQ, dK, dV of the quantized inputs), the call's quantized
+  q, k, v) for FP8_CASES[case] (None: causal only)."""
+  kwargs = _fp8_kwargs(case) if case else dict(is_causal=True)
+  q, k, v, d_out = inputs
+  spec, ops, _ = canonicalize(q, k, v, None, None, Options(
+      implementation=IMPL, numerics=numerics, max_adjust="off", **kwargs))
+  config = mosaic.default_config(spec, ops).replace(fp8_backward=fp8_backward)
+  (_, lse), pullback = jax.vjp(jax.jit(lambda ops: mosaic.attention(spec, ops, config)), ops)
+  got = pullback((d_out, jnp.zeros_like(lse)))[0]
+  exact = exact_attention_vjp(ops.q, ops.k, ops.v, d_out, **kwargs)
+  return (got.q, got.k, got.v), (exact.dq, exact.dk, exact.dv), (ops.q, ops.k, ops.v)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
+def test_gpu_fp8_backward_computes_its_emulation(head_dim):
+  """The FP8 backward compiled (TuningConfig.fp8_backward: e4m3 products in the dQ and dK/dV
+  kernels, dS under online row scales) against stable_attn.diagnostics.fp8_backward's float64
+  emulation of the same arithmetic: dQ, dK and dV each within a fraction of the emulation's own
+  error from it, and as far from float64 as it is (the causal mask as a -inf bias there; B2 T384
+  N4, random normal inputs)."""
+  from stable_attn.diagnostics import fp8_backward as emulation
+  rng = np.random.default_rng()
+  inputs = [jnp.asarray(rng.standard_normal((2, 384, 4, head_dim)), bf16) for _ in range(4)]
+  got, exact, (q, k, v) = _fp8_grads(None, inputs, True)
+  causal = np.where(np.tril(np.ones((384, 384), bool)), 0.0, -np.inf)[None, None]
+  as64 = lambda a: np.asarray(jnp.asarray(a, f32), np.float64)
+  variant = emulation.Variant("the kernels", p="e4m3", do="e4m3", ds="e4m3", delta_of_cast=True,
+                              ds_scale="online")
+  emulated = emulation.gradients(*map(as64, (q, k, v)), causal, as64(inputs[3]), variant)
+  for name, g, want in zip(emulation.TENSORS, got, exact):
+    floor = cases.relative_error(emulated[name], want)
+    assert 5e-3 < floor < 0.08, (name, floor)   # e4m3's P, dO and dS: ~3% (docs/fp8.md)
+    assert cases.relative_error(g, emulated[name]) < 0.5 * floor, (name, floor)
+    assert cases.relative_error(g, want) < 1.1 * floor + 1e-3, (name, floor)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("case", list(FP8_CASES))
+@pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
+def test_gpu_fp8_backward_serves_the_fp8_forwards_features(head_dim, case):
+  """The FP8 backward compiled with GQA and lengths, packed documents with sinks and a window, a
+  soft cap: dQ, dK and dV within 8% of float64 (e4m3's P, dO and dS cost ~3%), finite, and
+  visibly the FP8 arithmetic (over 3x the error of the bf16 backward on the same call)."""
+  rng = np.random.default_rng()
+  shapes = [(2, 384, n, head_dim) for n in (4, 2, 2, 4)]
+  inputs = [jnp.asarray(rng.standard_normal(s), bf16) for s in shapes]
+  got, exact, _ = _fp8_grads(case, inputs, True)
+  bf16_grads, _, _ = _fp8_grads(case, inputs, False)
+  for name, g, b, want in zip("qkv", got, bf16_grads, exact):
+    assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+    err, bf16_err = cases.relative_error(g, want), cases.relative_error(b, want)
+    assert 3 * bf16_err < err < 0.08, (name, err, bf16_err)
+
+
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
@@ -967,8 +1026,9 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
   dim 128 and 256 tables run without a producer warpgroup: the compute warpgroups alone, 255
   registers a thread with two and 168 with three, at least what setmaxnreg gives them on 0.11
   (232, 160), so their own tiles fit; at 128 with three Q/dO stages in the dK/dV kernel, and
-  nothing persistent; with bias or mask tiles the table's tiles without a producer (but in the
-  forward with a bias alone at head dim 128), the bias in K's slots. Head dim 64 keeps the
+  nothing persistent (packed rows: the dK/dV issuer two steps back); with bias or mask tiles
+  the table's tiles without a producer (but in the forward with a bias alone at head dim 128),
+  the bias in K's slots. Head dim 64 keeps the
   table's but for full calls without bias or mask, whose forward (not persistent) has no
   producer and whose dK/dV kernel is the causal table's. Every config it gives fits shared memory and validates."""
   assert tuning.registers_fixed_at_entry(version) is fixed
@@ -1002,7 +1062,8 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
         assert min(255, 65536 // (128 * wgs)) >= common.REGISTERS[wgs][0]
       dkv = tuning.Tiles(64, 64, 3) if h == 128 else plain.dkv
       flat = dict(fwd_persistent=False, dkv_persistent=False)
-      assert config == plain.replace(producer=False, dkv=dkv, **flat), (h, kw)
+      lag = 2 if h == 128 and kw.get("packed") else 1   # packed rows refill two steps back
+      assert config == plain.replace(producer=False, dkv=dkv, refill_lag=lag, **flat), (h, kw)
 
 
 @pytest.mark.parametrize("version,warns", [("0.12.0.1", True), ("0.12.0", True),
@@ -1747,6 +1808,33 @@ def test_fp8_forward_lowers_for_cuda(feature, p_registers):
 
 
 
+
+@pytest.mark.parametrize("feature", ["plain", "head_dim_64", "segments_window", "no_producer",
+                                     "mha_soft_cap"])
+def test_fp8_backward_lowers_for_cuda(feature):
+  """The FP8 backward's kernels (pallas_kernels/mosaic_gpu/fp8_backward.py: dQ and dK/dV, e4m3
+  products only, dS and P relabelled in registers) lower for CUDA, two kernels with e4m3
+  operands, with GQA, segment ids and a window, a soft cap, and without a producer warpgroup
+  (JAX 0.12's tables), on a CPU host."""
+  from pallas_kernels.mosaic_gpu import fp8_backward
+  B, T, N, H = 1, 384, 4, 64 if feature == "head_dim_64" else 128
+  K = N if feature.startswith("mha") else 2
+  ids = jnp.asarray(np.repeat(np.arange(3), T // 3)[None], jnp.int32)
+  kwargs = dict(segments_window=dict(q_segment_ids=ids, local_window_size=(200, 0)),
+                mha_soft_cap=dict(logits_soft_cap=20.0)).get(feature, {})
+  spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=K, is_causal=True, numerics=FP8,
+                        max_adjust="off", **kwargs)
+  config = mosaic.default_config(spec, ops)
+  if feature == "no_producer":
+    config = config.replace(producer=False, fwd_persistent=False, dkv_persistent=False)
+  o, lse = jnp.zeros((B, T, N, H), bf16), jnp.zeros((B, N, T), f32)
+  grads = lambda ops, o, lse, do: fp8_backward.fp8_backward(spec, config, ops, o, lse, do)
+  with cases.abstract_gpu():
+    text = jax.jit(grads).trace(ops, o, lse, o).lower(lowering_platforms=("cuda",)).as_text()
+  kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  assert len(kernels) == 2 and all("f8E4M3FN" in line for line in kernels), kernels
+
+
 @pytest.mark.parametrize("feature", ["plain", "gqa_window", "segments", "qkvpacked", "h128"])
 def test_dkv_split_lowers_for_cuda(feature):
   """TuningConfig.dkv_split (dK and dV in one pass, one warpgroup each, P^T handed over through
@@ -1956,6 +2044,23 @@ def test_fp8_forward_takes_128_key_blocks():
   config = mosaic.default_config(spec, ops)
   with pytest.raises(ValueError, match="block_kv=64"):
     mosaic._checked_config(spec, ops, config.replace(fwd=tuning.Tiles(64, 64, 2)))
+
+
+@pytest.mark.parametrize("numerics", ["fast", "fast+qkv=e4m3"])
+def test_fp8_backward_needs_the_fp8_forward(numerics):
+  """TuningConfig.fp8_backward on a call whose forward is not FP8 (bf16 P, or bf16 inputs) is a
+  ValueError naming the field, not a silent bf16 backward; on an FP8 call it is accepted."""
+  spec, ops = _spec_ops(shape=(1, 256, 2, 128), kv_heads=2, is_causal=True, numerics=numerics)
+  config = mosaic.default_config(spec, ops).replace(fp8_backward=True)
+  with pytest.raises(ValueError, match="config.fp8_backward=True"):
+    mosaic._checked_config(spec, ops, config)
+  spec, ops = _spec_ops(shape=(1, 256, 2, 128), kv_heads=2, is_causal=True, numerics=FP8,
+                        max_adjust="off")
+  config = mosaic.default_config(spec, ops).replace(fp8_backward=True)
+  try:   # on a CPU host the check passes and is_available() fails last
+    mosaic._checked_config(spec, ops, config)
+  except ValueError as e:
+    assert "needs a Hopper" in str(e), e
 
 
 

@@ -16,7 +16,8 @@ neither streamed nor computed: block ranges and a compacted block order per CTA)
 numerics qkv="e4m3" and p="e4m3" (FlashAttention-3's arithmetic, `fp8_forward`; the "fp8"
 preset's top key in bf16 too) the forward runs e4m3 wgmma at head dims 64 and 128 (no bias or
 mask) and the backward the bf16/fp16 kernels on the
-dequantized inputs (docs/fp8.md). Everything else -- other numerics presets, fp32, other head
+dequantized inputs, or with TuningConfig.fp8_backward e4m3 products there too (fp8_backward.py;
+docs/fp8.md). Everything else -- other numerics presets, fp32, other head
 dims, a bias or mask whose tiles do not fit shared memory even beside 32-key blocks (head dim
 256: an fp32 bias, a bias with a mask) -- is
 implementation="pallas_gpu" (implementation=None picks it; naming this backend for such a call
@@ -35,7 +36,8 @@ from stable_attn import numerics as numerics_lib
 from stable_attn import tile
 from stable_attn.flash import make_flash_attention, reduce_to_shape
 from stable_attn.layout import Geometry, pad_operands, pad_to, unpad
-from stable_attn.spec import LSE_AXES, ROW_AXES, AttentionSpec, Operands, pack, unpack
+from stable_attn.spec import (LSE_AXES, ROW_AXES, AttentionSpec, Operands, is_packed, pack,
+                               unpack)
 
 from pallas_kernels.mosaic_gpu import tuning
 from pallas_kernels.mosaic_gpu.common import (Call, block_ranges, fp8_forward, input_dtype,
@@ -213,6 +215,10 @@ def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o
               dlse=None):
   from pallas_kernels.mosaic_gpu.backward import backward_call
   call = _call(spec, config, ops)
+  if call.fp8 and config.fp8_backward:   # e4m3 products (fp8_backward.py)
+    from pallas_kernels.mosaic_gpu.fp8_backward import fp8_backward
+    grads = fp8_backward(spec, config, unpack(ops), o_res, lse, do, dlse)
+    return ((jnp.stack(grads, axis=2),) if is_packed(ops) else grads) + (None,)
   x = _padded(ops, call)._replace(offset=None)   # the backward reads the LSE instead
   rows = lambda a: pad_to(a.astype(input_dtype(ops)), ROW_AXES, call.pad)
   lse = pad_to(lse, LSE_AXES, call.pad, tile.EMPTY_ROW_LSE)
@@ -273,6 +279,10 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
     # compile it (H200, JAX 0.11.2, "Pass pipeline failed"; 64-key blocks do not fit besides)
     raise ValueError(f"config.fwd_wgs={config.fwd_wgs}: at head dim 256 the forward runs "
                      f"{tuning.COMPUTE_WGS} compute warpgroups")
+  if config.fp8_backward and not fp8_forward(spec, ops.q.dtype):
+    raise ValueError("config.fp8_backward=True is the FP8 forward's backward: it needs numerics "
+                     "with qkv='e4m3' and p='e4m3' (e.g. numerics='fp8') and bf16 or fp16 "
+                     "inputs at head dim 64 or 128; use fp8_backward=False")
   if fp8_forward(spec, ops.q.dtype) and config.fwd.block_kv != FP8_K:
     raise ValueError(f"config.fwd.block_kv={config.fwd.block_kv}: the FP8 forward's P V product "
                      f"reduces over {FP8_K} keys at a time (e4m3 wgmma); use {FP8_K}")

@@ -119,27 +119,15 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
 
   def key_tile(i):
     """Tile i's (b, kv head, first key row, lengths, the query blocks of a warpgroup's keys as a
-    function of its first key, the CTA's streaming order)."""
+    function of its first key, their union, the tile's `common.KeyCta`)."""
     b, kvh, index = key_tiles.tile(i)
-    cta_k = index * (owners * bk)
-    lens = call.lengths(refs, b)
-    # The query blocks of one warpgroup's keys (its packed-sequence and mask ranges intersected
-    # in; the mask's merged over the kv head's query heads).
-    q_ranges = lambda k_start: common.q_ranges_of(call, ranges, b, kvh, k_start, bk, bq, lens,
-                                                  wgs=owners)
-    lo, hi = common.union_range(*(q_ranges(cta_k + w * bk) for w in range(owners)))
-    order = common.schedule(ranges, b, kvh, lo, hi, cta_k, owners * bk)
-    return b, kvh, cta_k, lens, q_ranges, (lo, hi), order
+    cta = common.key_cta(call, refs, ranges, b, kvh, index, wgs=owners, bk=bk, bq=bq)
+    return b, kvh, cta.start, cta.lens, cta.q_ranges, cta.union, cta
 
-  def query_stream(b, kvh, cta_k, order):
+  def query_stream(b, kvh, cta_k, cta):
     """What streams through a key tile's CTA: (positions, block(t), loads) for common.stream,
     the query heads of the group one after another."""
-    per_head = order.stop - order.first
-
-    def block(t):
-      """Position t -> (query head, query block)."""
-      g = lax.div(t, per_head)
-      return kvh * G + g, order.block(order.first + t - g * per_head)
+    per_head, block = cta.group_stream(kvh, G)
 
     def load(at, slot):
       n, i = at
@@ -200,11 +188,12 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
         def _prefetch():
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           load_kv(i + 1, 1 - buf)
-      b, kvh, cta_k, lens, q_ranges, (lo, hi), order = key_tile(i)
+      b, kvh, cta_k, lens, q_ranges, (lo, hi), cta = key_tile(i)
+      order = cta.order
       per_head = order.stop - order.first
 
       def streams():   # without a producer (common.issuer)
-        stop, block, loads = query_stream(b, kvh, cta_k, order)
+        stop, block, loads = query_stream(b, kvh, cta_k, cta)
         return common.inline_stream(jnp.zeros((), jnp.int32), stop, stages, loads, block,
                                     call.config.refill_lag)
       refill = common.issuer(call, "dkv", wg, wgs, streams)
@@ -382,8 +371,8 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
     common.take_registers(call, "dkv", wgs, "producer")
 
     def stream_tile(i, base):
-      b, kvh, cta_k, _, _, _, order = key_tile(i)
-      stop, block, loads = query_stream(b, kvh, cta_k, order)
+      b, kvh, cta_k, _, _, _, cta = key_tile(i)
+      stop, block, loads = query_stream(b, kvh, cta_k, cta)
       common.stream(jnp.zeros((), jnp.int32), stop, stages, loads, block,
                     prefetch=ranges.order is not None, base=base)
       return base + stop
@@ -466,6 +455,18 @@ def _dkv_call(call: Call, x: Operands, grads: BackwardInputs, ranges: common.Ran
 # dQ
 # ---------------------------------------------------------------------------------------------
 
+def load_rows(refs, grads, rows, tiles, copies, qseg_smem, barrier, wg):
+  """A dQ warpgroup's resident rows (rows: (b, its row slice, n)) on `barrier`, then waits: Q
+  and dO into `tiles`, each (GMEM view, SMEM ref) of `copies`, and the rows' segment ids into
+  qseg_smem[wg] (None: no segment ids)."""
+  b, queries, n = rows
+  for src, dst in ((refs.q.at[rows], tiles[0]), (grads.do.at[rows], tiles[1]), *copies):
+    plgpu.copy_gmem_to_smem(src, dst, barrier)
+  if qseg_smem is not None:
+    plgpu.copy_gmem_to_smem(refs.q_seg.at[b, queries], qseg_smem.at[wg], barrier)
+  plgpu.barrier_wait(barrier)
+
+
 def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_ref, dq_ref, *rest,
                call: Call, wgs: int, has_ds: bool):
   """rest: dS [B, N, Tp, Sp] when has_ds (a bias's gradient: every block's dS, zeros where
@@ -497,29 +498,16 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
 
   @pl.when(wg < wgs)
   def _compute():
-    common.take_registers(call, "dq", wgs, "compute")
-    before = common.issuer(call, "dq", wg, wgs, lambda: common.inline_stream(
-        order.first, order.stop, stages, loads(), order.block, call.config.refill_lag))
-    q_start = cta_q + wg * bq
-    if_rows = cta.if_rows(q_start)
+    before, q_start, if_rows = common.query_compute_start(call, "dq", cta, wg, wgs, bq, stages,
+                                                          loads)
     rows = (b, pl.ds(q_start, bq), n)
     q, do = q_smem.at[wg], do_smem.at[wg]
 
-    @if_rows
-    def _load():
-      plgpu.copy_gmem_to_smem(refs.q.at[rows], q, q_loaded.at[wg])
-      plgpu.copy_gmem_to_smem(grads.do.at[rows], do, q_loaded.at[wg])
-      plgpu.copy_gmem_to_smem(grads.lse.at[b, n, pl.ds(q_start, bq)], lse_smem.at[wg],
-                              q_loaded.at[wg])
-      if o_ref is None:
-        plgpu.copy_gmem_to_smem(grads.delta.at[b, n, pl.ds(q_start, bq)], delta_smem.at[wg],
-                                q_loaded.at[wg])
-      else:
-        plgpu.copy_gmem_to_smem(o_ref.at[rows], o_smem.at[wg], q_loaded.at[wg])
-      if call.packed:
-        plgpu.copy_gmem_to_smem(refs.q_seg.at[b, pl.ds(q_start, bq)], qseg_smem.at[wg],
-                                q_loaded.at[wg])
-      plgpu.barrier_wait(q_loaded.at[wg])
+    vector = lambda a: a.at[b, n, pl.ds(q_start, bq)]
+    if_rows(lambda: load_rows(refs, grads, rows, (q, do), [
+        (vector(grads.lse), lse_smem.at[wg]),
+        (vector(grads.delta), delta_smem.at[wg]) if o_ref is None else
+        (o_ref.at[rows], o_smem.at[wg])], qseg_smem, q_loaded.at[wg], wg))
     lse = common.load_tile(lse_smem.at[wg], ROWS)
     if o_ref is None:
       delta = common.load_tile(delta_smem.at[wg], ROWS)
@@ -532,10 +520,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
 
     def step(p, j, dq, kind):
       slot = common.slot_of(p - order.first, stages)
-      with jax.named_scope("wait"):
-        plgpu.barrier_wait(loaded.at[slot])
-      if kind in ("skip", "empty"):
-        plgpu.barrier_arrive(free.at[slot])
+      if not common.block_ready(loaded, free, slot, kind):
         return dq
       k = k_smem.at[slot]
       bias, allowed = common.read_beside(bias_smem, mask_smem, slot, pl.ds(wg * bq, bq),
@@ -593,11 +578,7 @@ def _dq_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, o_r
         pl.loop(mine[0], mine[3])(lambda j: pl.when(flags(j) == 0)(lambda: zero(j)))
     common.drain_stores()
 
-  @pl.when(wg == wgs)
-  def _produce():
-    common.take_registers(call, "dq", wgs, "producer")
-    common.stream(order.first, order.stop, stages, loads(), order.block,
-                  prefetch=ranges.order is not None)
+  pl.when(wg == wgs)(lambda: common.query_produce(call, "dq", cta, wgs, stages, loads, ranges))
 
 
 @common.lowered_once("call", "ds_dtype")

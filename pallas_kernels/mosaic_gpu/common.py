@@ -132,7 +132,8 @@ def fp8_forward(spec: AttentionSpec, dtype) -> bool:
   and P cast to e4m3 (p="e4m3", any p_scale) -- FlashAttention-3's FP8 arithmetic -- with or
   without the "fp8" preset's top key on a finer grid (p_top) and row sum of the rounded P_bar
   (sum_of_rounded_p, sum_keeps_max). The backward then runs the bf16/fp16 kernels on the
-  dequantized q, k and v (exact in the input dtype)."""
+  dequantized q, k and v (exact in the input dtype), or with TuningConfig.fp8_backward the FP8
+  kernels of fp8_backward.py."""
   dt = spec.numerics.dtypes(dtype)
   fast = numerics_lib.FAST.dtypes(dtype)
   free = dict(p=dt.p, p_scale=dt.p_scale, p_top=dt.p_top, sum_of_rounded_p=dt.sum_of_rounded_p,
@@ -158,7 +159,8 @@ class Call:
   @property
   def fp8(self) -> bool:
     """The forward runs in FP8 (`fp8_forward`): e4m3 Q, K and V^T, P cast to e4m3 for the PV
-    product; the backward kernels take the dequantized q, k and v."""
+    product; the bf16 backward kernels take the dequantized q, k and v (the FP8 ones,
+    TuningConfig.fp8_backward, their e4m3 payloads)."""
     return fp8_forward(self.spec, self.dt.input)
 
   def lengths(self, refs, b) -> Lengths:
@@ -362,6 +364,42 @@ def query_cta(call: Call, ranges: Ranges, b, n, lens: Lengths, *, wgs: int, bq: 
       start, schedule(ranges, b, n, lo, hi, start, wgs * bq),
       lambda q_start: clamp_ranges(kv_ranges(q_start), lo, hi),
       lambda q_start: if_rows(call, wgs, bq, q_start))
+
+
+class KeyCta(NamedTuple):
+  """A dK/dV CTA's key tile (`key_cta`): its first key row, the batch row's lengths, the
+  query-block ranges of a warpgroup's keys as a function of their first key row, their union
+  (lo, hi) and the CTA's streaming order."""
+  start: object
+  lens: Lengths
+  q_ranges: Callable
+  union: tuple
+  order: "Schedule"
+
+  def group_stream(self, kvh, groups: int):
+    """(positions per query head, block(t)): the CTA streams the `groups` query heads of kv
+    head kvh one after another, position t -> (query head, query block)."""
+    order = self.order
+    per_head = order.stop - order.first
+
+    def block(t):
+      g = lax.div(t, per_head)
+      return kvh * groups + g, order.block(order.first + t - g * per_head)
+    return per_head, block
+
+
+def key_cta(call: Call, refs, ranges: "Ranges", b, kvh, index, *, wgs: int, bk: int,
+            bq: int) -> KeyCta:
+  """The key tile `index` of (batch row b, kv head kvh) whose wgs warpgroups own bk keys each
+  (refs: the kernel's operands, whose lengths it reads)."""
+  start = index * (wgs * bk)
+  lens = call.lengths(refs, b)
+  # The query blocks of one warpgroup's keys (its packed-sequence and mask ranges intersected
+  # in; the mask's merged over the kv head's query heads).
+  q_ranges = lambda k_start: q_ranges_of(call, ranges, b, kvh, k_start, bk, bq, lens, wgs=wgs)
+  lo, hi = union_range(*(q_ranges(start + w * bk) for w in range(wgs)))
+  return KeyCta(start, lens, q_ranges, (lo, hi),
+                schedule(ranges, b, kvh, lo, hi, start, wgs * bk))
 
 
 def if_rows(call: Call, wgs: int, bq: int, q_start):
@@ -815,6 +853,40 @@ def release(free, after_reads: bool = True):
 
 def slot_of(step, stages: int):
   return lax.rem(step, jnp.asarray(stages, step.dtype))
+
+
+def block_ready(loaded, free, slot, kind: str) -> bool:
+  """A streamed step's start: waits for the block in `slot`; on a "skip" or "empty" step
+  (`sections`) frees the slot at once -> whether the step computes on the block."""
+  with jax.named_scope("wait"):   # (named regions: what `profiling` records)
+    plgpu.barrier_wait(loaded.at[slot])
+  if kind in ("skip", "empty"):
+    plgpu.barrier_arrive(free.at[slot])
+    return False
+  return True
+
+
+def query_compute_start(call: Call, kernel: str, cta: "QueryCta", wg, wgs: int, bq: int,
+                        stages: int, loads):
+  """A query kernel's compute warpgroup's start (the dQ kernels'): its registers, the issuer's
+  first loads where there is no producer -> (before for `sections`, its first row, its
+  `if_rows`)."""
+  take_registers(call, kernel, wgs, "compute")
+  order = cta.order
+  before = issuer(call, kernel, wg, wgs, lambda: inline_stream(
+      order.first, order.stop, stages, loads(), order.block, call.config.refill_lag))
+  q_start = cta.start + wg * bq
+  return before, q_start, cta.if_rows(q_start)
+
+
+def query_produce(call: Call, kernel: str, cta: "QueryCta", wgs: int, stages: int, loads,
+                  ranges: Ranges) -> None:
+  """A query kernel's producer warpgroup (the dQ kernels'): gives back its registers and streams
+  the CTA's blocks (`stream`)."""
+  take_registers(call, kernel, wgs, "producer")
+  order = cta.order
+  stream(order.first, order.stop, stages, loads(), order.block,
+         prefetch=ranges.order is not None)
 
 
 def pairwise_smem(x, stages: int, rows: int, cols: int):
