@@ -1936,6 +1936,9 @@ SMEM_CASES = {   # name: (head dim, _spec_ops' keywords, a change to the default
     "fa3_fp8_h64": (64, dict(numerics=FP8), None),
     "fa3_fp8_p_smem": (128, dict(numerics=FP8), dict(fp8_p_registers=False)),
     "preset_p_smem": (128, dict(numerics="fp8"), dict(fp8_p_registers=False)),
+    "fp8_backward": (128, dict(numerics="fp8"), dict(fp8_backward=True)),
+    "fp8_backward_packed_h64": (64, dict(numerics=FP8, q_segment_ids=_IDS, kv_segment_ids=_IDS),
+                                dict(fp8_backward=True, dkv=tuning.Tiles(64, 64, 3))),
 }
 
 
@@ -1944,7 +1947,7 @@ def test_smem_needs_bounds_what_the_kernels_allocate(name, monkeypatch):
   """tuning.TuningConfig.smem_needs, which decides what fits, against the shared memory each
   kernel allocates (its SMEM scratch, summed while the call lowers for CUDA): never under it, and
   over it by at most the segment ids' bytes a call without them is counted for (the FP8 forward
-  included: e4m3 Q, K and V, O's staging and P's tiles)."""
+  included: e4m3 Q, K and V, O's staging and P's tiles; and the FP8 backward's kernels)."""
   H, kwargs, change = SMEM_CASES[name]
   kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
   causal = kwargs.pop("is_causal", True)
@@ -1962,13 +1965,16 @@ def test_smem_needs_bounds_what_the_kernels_allocate(name, monkeypatch):
   jax.clear_caches()   # the kernels are traced once per call (common.lowered_once)
   cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
   needs = config.smem_needs(H, 2, **mosaic._extras(ops), **mosaic._fp8_smem(spec, ops))
-  for kernel, key in (("stable_attn_forward", "fwd"), ("stable_attn_dq", "dq"),
-                      ("stable_attn_dkv", "dkv")):
+  fp8_backward = config.fp8_backward   # its kernels: one grid CTA per tile
+  prefix = "stable_attn_fp8_" if fp8_backward else "stable_attn_"
+  for kernel, key in (("stable_attn_forward", "fwd"), (prefix + "dq", "dq"),
+                      (prefix + "dkv", "dkv")):
     ids = 0 if ops.q_seg is not None else 4 * (   # int32 ids per resident and streamed row
         {"fwd": (1 + config.fwd_persistent) * config.fwd_wgs * config.fwd.block_q
                 + config.fwd.stages * config.fwd.block_kv,
          "dq": config.dq_wgs * config.dq.block_q + config.dq.stages * config.dq.block_kv,
-         "dkv": config.dkv_key_wgs * config.dkv.block_kv * (1 + config.dkv_persistent)
+         "dkv": config.dkv_key_wgs * config.dkv.block_kv
+                * (1 + (config.dkv_persistent and not fp8_backward))
                 + config.dkv.stages * config.dkv.block_q}[key])
     assert 0 <= needs[key] - allocated[kernel] <= ids, (kernel, needs[key], allocated[kernel])
 

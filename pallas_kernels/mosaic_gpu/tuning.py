@@ -220,7 +220,8 @@ class TuningConfig:
     dQ kernel's dS staging tile (a bias's gradient), 0 without; fp8: the FP8 forward (e4m3 Q, K
     and V, O staged apart in the input's itemsize, and its e4m3 P tile per warpgroup unless P
     stays in registers, `fp8_p_registers`, with a second for the top keys' residual where
-    fp8_residual: the "fp8" preset)."""
+    fp8_residual: the "fp8" preset; with `fp8_backward`, the FP8 backward's kernels: e4m3 Q, K,
+    V, dO and the transposes each product reads, their outputs staged apart)."""
     row = head_dim * itemsize
     qkv = head_dim if fp8 else row   # the forward's Q, K and V rows
     # Per query row: its tiles (Q; Q and dO), fp32 statistics and int32 segment id; per key row:
@@ -250,6 +251,16 @@ class TuningConfig:
                + dq.stages * dq.block_kv * (2 * row + 4)
                + dq.stages * self.dq_wgs * dq.block_q * dq.block_kv * beside
                + self.dq_wgs * dq.block_q * dq.block_kv * ds_itemsize),
+        # The FP8 backward (fp8_backward.py; no bias or mask): per resident key row K and V in
+        # e4m3, its dK/dV staging and segment id; per streamed query row Q, dO, Q^T and dO^T in
+        # e4m3, LSE, delta and its segment id. The dQ kernel: per resident query row Q and dO in
+        # e4m3, its dQ staging, LSE, delta and segment id; per streamed key row K, V, K^T and its
+        # segment id.
+        **(dict(dkv=self.dkv_wgs * dkv.block_kv * (2 * head_dim + row + 4)
+                + dkv.stages * dkv.block_q * (4 * head_dim + 12),
+                dq=self.dq_wgs * dq.block_q * (2 * head_dim + row + 12)
+                + dq.stages * dq.block_kv * (3 * head_dim + 4))
+           if fp8 and self.fp8_backward else {}),
     }
 
   def smem_problem(self, head_dim: int, itemsize: int, **extras):
