@@ -95,6 +95,17 @@ def time_calls(fn, args, calls: int, blocks: int, warmup: int = 3) -> float:
   return statistics.median(per_call)
 
 
+def alternating_rounds(arms: dict, rounds: int, calls: int, blocks: int) -> dict:
+  """arms: name -> (fn, args) -> name -> the median over `rounds` of its `time_calls` (seconds),
+  every arm timed once a round, their order reversed every other round, so that a drift of the
+  machine's speed over the run falls on all arms alike."""
+  times = {name: [] for name in arms}
+  for r in range(rounds):
+    for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+      times[name].append(time_calls(*arms[name], calls, blocks))
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
 def matmul_ceiling(dtype, calls: int, blocks: int, n: int = 8192) -> tuple[float, int]:
   """(TFLOP/s, n) of a dense [n, n] @ [n, n] matmul in `dtype` (XLA, fp32 accumulation): what the
   tensor cores reach in this run, the ceiling each attention figure is read against."""

@@ -14,7 +14,6 @@ difference from it shows the candidates compute the same attention. The last cas
 the table's persistent forward in both orders.
 """
 import os
-import statistics
 import sys
 
 import jax
@@ -107,11 +106,8 @@ def main():
   for label, shape, options, shared in CASES:
     fns, args, table = forwards(shape, options, shared)
     outs = {name: np.asarray(fn(*args), np.float32) for name, fn in fns.items()}
-    times = {name: [] for name in fns}
-    for rep in range(5):   # interleaved, the order alternating
-      for name in (list(fns) if rep % 2 == 0 else list(fns)[::-1]):
-        times[name].append(1e3 * bench.time_calls(fns[name], args, 20, 3))
-    ms = {name: statistics.median(t) for name, t in times.items()}
+    seconds = bench.alternating_rounds({name: (fn, args) for name, fn in fns.items()}, 5, 20, 3)
+    ms = {name: 1e3 * t for name, t in seconds.items()}
     for name in fns:
       diff = float(np.abs(outs[name] - outs["table"]).max())
       versus = f"{ms['tokamax'] / ms[name]:.3f}" if "tokamax" in ms else "-"

@@ -27,7 +27,6 @@ import ast
 import dataclasses
 import os
 import re
-import statistics
 import sys
 
 import jax
@@ -118,12 +117,10 @@ def changes_from(default, config) -> str:
 def run_arms(fns: dict, args, rounds: int, calls: int, blocks: int) -> dict:
   """fns: name -> (forward fn, fwd+bwd fn), each taking `args` -> name -> (fwd ms, fwd+bwd ms),
   the median of `rounds` alternating rounds (benchmarks/attention.py's time_calls each)."""
-  times = {name: ([], []) for name in fns}
-  for r in range(rounds):
-    for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-      for which, fn in enumerate(fns[name]):
-        times[name][which].append(1e3 * bench.time_calls(fn, args, calls, blocks))
-  return {name: tuple(statistics.median(t) for t in pair) for name, pair in times.items()}
+  flat = {(name, which): (fn, args) for name, pair in fns.items() for which, fn in enumerate(pair)}
+  seconds = bench.alternating_rounds(flat, rounds, calls, blocks)
+  return {name: tuple(1e3 * seconds[name, which] for which in range(len(pair)))
+          for name, pair in fns.items()}
 
 
 def bitwise(outputs: dict, base: str = "default") -> dict:

@@ -173,12 +173,8 @@ def backward_table(shapes, calls, blocks) -> str:
   lines = ["| shape | dQ bf16 ms | dQ FP8 ms | x bf16 | dK/dV bf16 ms | dK/dV FP8 ms | x bf16 | "
            "FP8 prep ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
   for shape in shapes:
-    arms = backward_kernels(shape)
-    times = {name: [] for name in arms}
-    for r in range(3):
-      for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-        times[name].append(bench.time_calls(*arms[name], calls, blocks))
-    t = {name: float(np.median(ts)) * 1e3 for name, ts in times.items()}
+    t = {name: 1e3 * s for name, s in
+         bench.alternating_rounds(backward_kernels(shape), 3, calls, blocks).items()}
     lines.append(f"| {shape} | {t['bf16_dq']:.3f} | {t['fp8_dq']:.3f} | "
                  f"{t['bf16_dq'] / t['fp8_dq']:.3f} | {t['bf16_dkv']:.3f} | {t['fp8_dkv']:.3f} | "
                  f"{t['bf16_dkv'] / t['fp8_dkv']:.3f} | {t['fp8_prep']:.3f} |")
@@ -339,7 +335,10 @@ def main(argv=None) -> int:
   if args.plot:
     plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
     return 0
-  shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+  picked = args.shapes.split(",") if args.shapes else [str(i) for i in range(len(SHAPES))]
+  if not all(i.isdigit() and int(i) < len(SHAPES) for i in picked):
+    parser.error(f"--shapes {args.shapes!r}: a comma list of indices into {SHAPES}")
+  shapes = [SHAPES[int(i)] for i in picked]
   if args.backward:
     print(backward_table(shapes, args.calls, args.blocks))
     return 0

@@ -197,6 +197,15 @@ def test_config_ab_dry_run_and_its_errors(capsys):
     assert match in capsys.readouterr().err
 
 
+def test_fp8_shapes_must_be_indices(capsys):
+  """benchmarks/fp8.py --shapes takes indices into its SHAPES: anything else is a usage error
+  naming the flag, not an IndexError."""
+  for bad in ("7", "a", "0,,1"):
+    with pytest.raises(SystemExit):
+      fp8.main(["--shapes", bad, "--backward"])
+    assert "--shapes" in capsys.readouterr().err
+
+
 def test_config_ab_rounds_and_bitwise_column():
   x = jnp.arange(8.0)
   fns = {name: (jax.jit(f), jax.jit(lambda x, f=f: (f(x), 2 * f(x)))) for name, f in (

@@ -164,11 +164,12 @@ def _padded(ops: Operands, call: Call) -> Operands:
   return x._replace(**pairwise, **dict.fromkeys(fp8.SCALE_ROWS))
 
 
-def _fp8_operands(x: Operands, scales: Operands, groups: int,
-                  relabelled: bool = False) -> Operands:
+def _fp8_operands(x: Operands, scales: Operands, groups: int, relabelled: bool = False,
+                  v_transposed: bool = True) -> Operands:
   """Padded Operands (q, k, v already quantized: stable_attn.fp8) -> q and k as e4m3 [B, Tp, N|K,
   H], v as e4m3 V^T [B, K, H, Sp] (FP8 wgmma takes both operands K-major: P V reduces over keys;
-  relabelled: its keys in common.relabelled_keys order, for a P kept in registers), each times
+  relabelled: its keys in common.relabelled_keys order, for a P kept in registers; not
+  v_transposed: V as stored, [B, Sp, K, H], for the FP8 backward's dO V^T), each times
   the per-head power of two it was quantized under (`scales`: the operands with the api's
   q_scale, k_scale and v_scale; exact, and one pass over each), and their descale factors per
   query head: qk_descale (q's times its kv head's k's) and v_descale."""
@@ -188,7 +189,8 @@ def _fp8_operands(x: Operands, scales: Operands, groups: int,
   # T4096 N16 H128 causal, the forward alone 0.655 -> 0.683 ms (H200, JAX 0.11.2, one process).
   keys = (lambda a: relabelled_keys(jax.lax.optimization_barrier(a))) if relabelled else None
   return x._replace(q=e4m3(x.q, q_scale), k=e4m3(x.k, k_scale),
-                    v=e4m3(x.v, v_scale, (0, 2, 3, 1), keys),
+                    v=e4m3(x.v, v_scale, (0, 2, 3, 1), keys) if v_transposed else
+                    e4m3(x.v, v_scale),
                     qk_descale=1.0 / (q_scale * per_query_head(k_scale)),
                     v_descale=1.0 / per_query_head(v_scale))
 

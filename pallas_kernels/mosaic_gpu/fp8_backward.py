@@ -374,8 +374,7 @@ def backward_inputs(spec: AttentionSpec, config, ops: Operands, o, lse, do, dlse
   G = call.geo.G
   # Q and K e4m3 as the forward reads them; V as stored too (dP = dO V^T reduces over the head
   # dim); K^T, Q^T and dO^T for the products that reduce over keys or queries, relabelled.
-  x = mosaic._fp8_operands(padded, ops, G)
-  v8 = (padded.v.astype(f32) * ops.v_scale[None, None, :, None]).astype(E4M3)
+  x = mosaic._fp8_operands(padded, ops, G, v_transposed=False)
   # The relabelling as a pass of its own after XLA's tiled transpose (fused into it, XLA writes
   # both in one loop fusion: the FP8 forward's V^T measured that, mosaic_gpu._fp8_operands).
   transposed = lambda a: common.relabelled_keys(lax.optimization_barrier(
@@ -390,7 +389,7 @@ def backward_inputs(spec: AttentionSpec, config, ops: Operands, o, lse, do, dlse
                    pad_to(lse, LSE_AXES, call.pad, tile.EMPTY_ROW_LSE), delta * d[..., None],
                    1.0 / d, 1.0 / ops.q_scale, 1.0 / jnp.repeat(ops.k_scale, G),
                    1.0 / (P_SCALE * do_scale))
-  x = x._replace(v=v8, offset=None)
+  x = x._replace(offset=None)
   ranges = (common.block_ranges(x, config.dq.block_q, config.dq.block_kv, "query"),
             common.block_ranges(x, config.dkv.block_q, config.dkv.block_kv, "key", G))
   return call, x, grads, *ranges
