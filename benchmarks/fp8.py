@@ -5,6 +5,7 @@
     PYTHONPATH=. python benchmarks/fp8.py --sweep [--sweep-arm preset]   # the FP8 forward's tilings
     PYTHONPATH=. python benchmarks/fp8.py --plot benchmarks/results/fp8_nvidia_h200.md   # its .png
   PYTHONPATH=. python benchmarks/fp8.py --backward   # the FP8 backward's kernels alone
+  PYTHONPATH=. python benchmarks/fp8.py --profile --shapes 0 --arms bf16,fp8_bwd   # by kernel
 
 Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu" unless named):
   cudnn     jax.nn.dot_product_attention(implementation="cudnn")
@@ -213,15 +214,41 @@ def timings(arm, implementation, shape, calls, blocks) -> dict:
     return dict(fwd=bench.time_calls(jax.jit(quantize_only), (q, k, v), calls, blocks))
   if arm.endswith("_kernel"):
     return dict(fwd=bench.time_calls(*forward_kernel(arm[:-len("_kernel")], shape), calls, blocks))
-  f = attention_fn(arm, implementation, (q, k, v))
-  fwd = jax.jit(f)
+  fwd, fwd_bwd = jitted_calls(arm, implementation, (q, k, v))
+  return dict(fwd=bench.time_calls(fwd, (q, k, v), calls, blocks),
+              fb=bench.time_calls(fwd_bwd, (q, k, v, do), calls, blocks))
+
+
+def jitted_calls(arm, implementation, inputs):
+  """(forward f(q, k, v) -> O, fwd+bwd g(q, k, v, dO) -> (O, (dq, dk, dv))), both jitted."""
+  f = attention_fn(arm, implementation, inputs)
 
   @jax.jit
   def fwd_bwd(q, k, v, do):
     o, pullback = jax.vjp(f, q, k, v)
     return o, pullback(do)
-  return dict(fwd=bench.time_calls(fwd, (q, k, v), calls, blocks),
-              fb=bench.time_calls(fwd_bwd, (q, k, v, do), calls, blocks))
+  return jax.jit(f), fwd_bwd
+
+
+def profile(shapes, arms, implementation="pallas_mosaic_gpu", calls=10) -> str:
+  """Markdown: each arm's GPU time per call by kernel and XLA fusion, forward and fwd+bwd (the
+  profiler's device events summed per name over `calls` calls after 3:
+  benchmarks.train_profile.kernel_times), largest first."""
+  from benchmarks.train_profile import kernel_times
+  lines = []
+  for shape in shapes:
+    q, k, v, do = bench.make_inputs(*shape, jnp.bfloat16)
+    for arm in arms:
+      fwd, fwd_bwd = jitted_calls(arm, implementation, (q, k, v))
+      for what, fn, args in (("fwd", fwd, (q, k, v)), ("fwd+bwd", fwd_bwd, (q, k, v, do))):
+        for _ in range(3):
+          jax.block_until_ready(fn(*args))
+        t = kernel_times(lambda: fn(*args), calls)
+        lines += [f"{shape} {arm}, {what}: {sum(t.values()):.1f} us per call", "",
+                  "| kernel | us |", "|---|---:|"]
+        lines += [f"| {name} | {us:.1f} |" for name, us in sorted(t.items(), key=lambda x: -x[1])]
+        lines.append("")
+  return "\n".join(lines)
 
 
 def errors(arm, implementation, shape) -> dict:
@@ -331,6 +358,8 @@ def main(argv=None) -> int:
                       help="comma list of indices into SHAPES (default: all)")
   parser.add_argument("--backward", action="store_true",
                       help="the FP8 backward's kernels alone against the bf16 ones, only")
+  parser.add_argument("--profile", action="store_true",
+                      help="each of --arms' GPU time by kernel and XLA pass (profiler), only")
   args = parser.parse_args(argv)
   if args.plot:
     plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
@@ -355,6 +384,12 @@ def main(argv=None) -> int:
   arms = tuple(a for a in args.arms.split(",") if a)
   if set(arms) - set(ARMS):
     parser.error(f"--arms: unknown {sorted(set(arms) - set(ARMS))}; choose from {ARMS}")
+  if args.profile:
+    calls = tuple(a for a in arms if a in NUMERICS or a == "cudnn")
+    if calls != arms:
+      parser.error(f"--profile takes attention arms ({', '.join(('cudnn',) + tuple(NUMERICS))})")
+    print(profile(shapes, arms))
+    return 0
   if args.smoke:
     implementation, shapes = "reference", [(1, 256, 2, 2, 128)]
     arms = tuple(a for a in arms if a in NUMERICS)

@@ -124,7 +124,9 @@ def dot_product_attention(
       (stable_attn.fp8).
     interpret: run Pallas implementations in interpret mode (CPU).
     config: the named implementation's tuning object (e.g. pallas_kernels.gpu.tuning.Config,
-      pallas_kernels.tpu.BlockSizes); None uses its defaults.
+      pallas_kernels.tpu.BlockSizes); None uses its defaults. pallas_mosaic_gpu also takes a
+      mapping of TuningConfig fields to change in the call's default, e.g.
+      {"fp8_backward": True} (an FP8 call's backward in e4m3 products: docs/fp8.md).
     q_segment_ids, kv_segment_ids: int [B, T] and [B, S] (or [T], [S]) document ids of packed
       sequences: query t sees key s only if their ids are equal (combined with everything else;
       causal stays relative to positions in the row). kv_segment_ids may be omitted when T == S.

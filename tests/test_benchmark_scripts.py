@@ -206,6 +206,18 @@ def test_fp8_shapes_must_be_indices(capsys):
     assert "--shapes" in capsys.readouterr().err
 
 
+def test_fp8_profile_takes_attention_arms_and_runs_both_passes(capsys):
+  """benchmarks/fp8.py --profile: arms that are no attention call (quantize, *_kernel) are a
+  usage error; each arm is profiled forward and fwd+bwd (on a CPU the profiler sees no GPU
+  kernels, so only the sections are checked here)."""
+  with pytest.raises(SystemExit):
+    fp8.main(["--profile", "--arms", "bf16,quantize"])
+  assert "--profile takes attention arms" in capsys.readouterr().err
+  text = fp8.profile([(1, 64, 2, 2, 64)], ["bf16"], implementation="reference", calls=1)
+  assert [line.split(": ")[0] for line in text.splitlines() if "us per call" in line] == [
+      "(1, 64, 2, 2, 64) bf16, fwd", "(1, 64, 2, 2, 64) bf16, fwd+bwd"], text
+
+
 def test_config_ab_rounds_and_bitwise_column():
   x = jnp.arange(8.0)
   fns = {name: (jax.jit(f), jax.jit(lambda x, f=f: (f(x), 2 * f(x)))) for name, f in (

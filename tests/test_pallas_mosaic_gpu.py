@@ -930,11 +930,11 @@ def test_gpu_fp8_forward_is_as_accurate_as_the_reference(head_dim, case, max_adj
   assert cases.relative_error(o, o_bf16_p.astype(np.float64)) > 5e-3
 
 
-def _fp8_grads(case, inputs, fp8_backward: bool, numerics=FP8):
+def _fp8_grads(case, inputs, fp8_backward: bool, numerics=FP8, is_causal=True):
   """(dQ, dK, dV of the Hopper kernel's FP8 call, compiled, with or without
   TuningConfig.fp8_backward), (float64 dQ, dK, dV of the quantized inputs), the call's quantized
-  q, k, v) for FP8_CASES[case] (None: causal only)."""
-  kwargs = _fp8_kwargs(case) if case else dict(is_causal=True)
+  q, k, v) for FP8_CASES[case] (None: is_causal only)."""
+  kwargs = _fp8_kwargs(case) if case else dict(is_causal=is_causal)
   q, k, v, d_out = inputs
   spec, ops, _ = canonicalize(q, k, v, None, None, Options(
       implementation=IMPL, numerics=numerics, max_adjust="off", **kwargs))
@@ -947,26 +947,32 @@ def _fp8_grads(case, inputs, fp8_backward: bool, numerics=FP8):
 
 @pytest.mark.gpu
 @on_hopper
+@pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
-def test_gpu_fp8_backward_computes_its_emulation(head_dim):
+def test_gpu_fp8_backward_computes_its_emulation(head_dim, is_causal):
   """The FP8 backward compiled (TuningConfig.fp8_backward: e4m3 products in the dQ and dK/dV
   kernels, dS under online row scales) against stable_attn.diagnostics.fp8_backward's float64
-  emulation of the same arithmetic: dQ, dK and dV each within a fraction of the emulation's own
+  emulation of the same arithmetic: dQ, dK and dV each within 0.7 of the emulation's own
   error from it, and as far from float64 as it is (the causal mask as a -inf bias there; B2 T384
-  N4, random normal inputs)."""
+  N4, random normal inputs). Full calls have one query head per kv head: the table's dense
+  tiling (three dK/dV warpgroups at head dim 64)."""
   from stable_attn.diagnostics import fp8_backward as emulation
   rng = np.random.default_rng()
   inputs = [jnp.asarray(rng.standard_normal((2, 384, 4, head_dim)), bf16) for _ in range(4)]
-  got, exact, (q, k, v) = _fp8_grads(None, inputs, True)
-  causal = np.where(np.tril(np.ones((384, 384), bool)), 0.0, -np.inf)[None, None]
+  got, exact, (q, k, v) = _fp8_grads(None, inputs, True, is_causal=is_causal)
+  visible = np.tril(np.ones((384, 384), bool)) if is_causal else np.ones((384, 384), bool)
+  mask_bias = np.where(visible, 0.0, -np.inf)[None, None]
   as64 = lambda a: np.asarray(jnp.asarray(a, f32), np.float64)
   variant = emulation.Variant("the kernels", p="e4m3", do="e4m3", ds="e4m3", delta_of_cast=True,
                               ds_scale="online")
-  emulated = emulation.gradients(*map(as64, (q, k, v)), causal, as64(inputs[3]), variant)
+  emulated = emulation.gradients(*map(as64, (q, k, v)), mask_bias, as64(inputs[3]), variant)
   for name, g, want in zip(emulation.TENSORS, got, exact):
     floor = cases.relative_error(emulated[name], want)
     assert 5e-3 < floor < 0.08, (name, floor)   # e4m3's P, dO and dS: ~3% (docs/fp8.md)
-    assert cases.relative_error(g, emulated[name]) < 0.5 * floor, (name, floor)
+    # The same arithmetic up to fp32 summation order and where a row's dS scale moves: dQ and dK
+    # 0.27-0.33 (full) and 0.42-0.55 (causal) of the floor from it, dV 0.07-0.13 (H200, 16
+    # draws); an independent rounding would be ~1.4x the floor away, the bf16 backward ~1x.
+    assert cases.relative_error(g, emulated[name]) < 0.7 * floor, (name, floor)
     assert cases.relative_error(g, want) < 1.1 * floor + 1e-3, (name, floor)
 
 
@@ -987,6 +993,31 @@ def test_gpu_fp8_backward_serves_the_fp8_forwards_features(head_dim, case):
     assert np.all(np.isfinite(np.asarray(g, np.float32))), name
     err, bf16_err = cases.relative_error(g, want), cases.relative_error(b, want)
     assert 3 * bf16_err < err < 0.08, (name, err, bf16_err)
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_gpu_trainer_takes_the_fp8_backward():
+  """train's --fp8-backward (ModelConfig.fp8_backward) reaches the kernels: a 2-layer GPT's
+  parameter gradient (numerics "fp8", "safe", head dim 64) through the FP8 backward is finite,
+  differs from the bf16 backward's, and stays within e4m3's few percent of it."""
+  from flax import nnx
+  from train.config import get_config
+  from train.model import abstract_model
+  from train.step import init_params, loss_fn
+  rng = np.random.default_rng()
+  x, y = (jnp.asarray(rng.integers(0, 50257, (4, 256)), jnp.int32) for _ in range(2))
+  grads = []
+  for fp8_backward in (False, True):
+    cfg = get_config("tiny").replace(model=dict(
+        n_layer=2, n_head=2, n_embd=128, block_size=256, attention=IMPL, numerics="fp8",
+        max_adjust="safe", fp8_backward=fp8_backward), seed=0)
+    graphdef = nnx.split(abstract_model(cfg.model), nnx.Param)[0]
+    g = jax.jit(jax.grad(loss_fn), static_argnums=1)(init_params(cfg), graphdef, x, y)
+    grads.append(np.concatenate([np.ravel(a) for a in jax.tree.leaves(g)]).astype(np.float64))
+  assert np.all(np.isfinite(grads[1]))
+  difference = np.linalg.norm(grads[1] - grads[0]) / np.linalg.norm(grads[0])
+  assert 1e-4 < difference < 0.1, difference
 
 
 @pytest.mark.gpu
@@ -1833,6 +1864,27 @@ def test_fp8_backward_lowers_for_cuda(feature):
     text = jax.jit(grads).trace(ops, o, lse, o).lower(lowering_platforms=("cuda",)).as_text()
   kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
   assert len(kernels) == 2 and all("f8E4M3FN" in line for line in kernels), kernels
+
+
+def test_config_as_changes_to_the_calls_default(monkeypatch):
+  """config={field: value} is the call's default config with those changes (what a caller who
+  cannot know the call's tiles passes: train's --fp8-backward), lowered as such: the FP8 forward
+  and the FP8 backward's two kernels, all three with e4m3 operands; a field TuningConfig does
+  not have is a ValueError naming it."""
+  monkeypatch.setattr(mosaic, "is_available", lambda: True)   # the checks, not the device
+  spec, ops = _spec_ops(shape=(1, 384, 4, 64), kv_heads=2, is_causal=True, numerics=FP8,
+                        max_adjust="off")
+  default = mosaic.default_config(spec, ops)
+  got = mosaic._checked_config(spec, ops, {"fp8_backward": True})
+  assert got == default.replace(fp8_backward=True) and got != default
+  assert mosaic._checked_config(spec, ops, {}) == default
+  with pytest.raises(ValueError, match="fields TuningConfig does not have: 'fp8_bwd'"):
+    mosaic._checked_config(spec, ops, {"fp8_bwd": True})
+  with cases.abstract_gpu():
+    text = cases.lower_vjp_for_cuda(
+        lambda o: mosaic.attention(spec, o, {"fp8_backward": True})[0], ops)
+  kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  assert len(kernels) == 3 and all("f8E4M3FN" in line for line in kernels), kernels
 
 
 @pytest.mark.parametrize("feature", ["plain", "gqa_window", "segments", "qkvpacked", "h128"])

@@ -405,10 +405,27 @@ def test_cli_choices_follow_stable_attn():
     (["--max-steps", "0"], r"max_steps \(--max-steps\) must be positive"),
     (["--corpus", "owt"], "--corpus 'owt' is unknown"),
     (["--keep-checkpoints", "0"], r"keep_checkpoints \(--keep-checkpoints\) must be at least 1"),
+    (["--fp8-backward"], r"fp8_backward \(--fp8-backward\) is the FP8 forward's backward: it "
+                         r"needs numerics with e4m3 q, k, v and P .* got 'fast'"),
+    (["--fp8-backward", "--numerics", "fp8", "--attention", "xla"],
+     r"fp8_backward \(--fp8-backward\) runs on the Hopper kernel: .* got 'xla'"),
 ])
 def test_cli_bad_flags_raise_value_error(argv, match):
   with pytest.raises(ValueError, match=match):
     build_config(build_parser().parse_args(argv))
+
+
+def test_fp8_backward_needs_the_hopper_kernel():
+  """--fp8-backward (the Hopper kernel's FP8 backward) is refused before anything runs where the
+  attention is another backend: "auto" on a CPU."""
+  from train.attention import check_attention
+  assert build_config(build_parser().parse_args(
+      ["--fp8-backward", "--numerics", "fp8"])).model.fp8_backward
+  cfg = micro(model=dict(attention="auto", numerics="fp8", max_adjust="safe", fp8_backward=True))
+  with pytest.raises(ValueError, match=r"--fp8-backward: the FP8 backward is the Hopper kernel's "
+                                       r"\(pallas_mosaic_gpu, on an sm_90 GPU\); the attention "
+                                       r"here is auto -> '"):
+    check_attention(cfg)
 
 
 def test_cli_main_reports_bad_flags(capsys):

@@ -20,14 +20,18 @@ from jax.sharding import Mesh, PartitionSpec as P
 import stable_attn
 
 OURS = ("auto",) + stable_attn.IMPLEMENTATIONS
+FP8_BACKWARD_IMPL = "pallas_mosaic_gpu"   # the one backend with an FP8 backward (--fp8-backward)
 JAX_NN = {"cudnn": "cudnn", "jax_xla": "xla"}
 
 def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str = "safe",
-                     numerics: str = "fast", beta: float = 2.0, segment_ids=None):
+                     numerics: str = "fast", beta: float = 2.0, fp8_backward: bool = False,
+                     segment_ids=None):
   """Causal self-attention.
 
   q, k, v: [B, T, N, H] in the compute dtype (bf16 in training). segment_ids: None or int32 [B, T]
-  document ids (a position attends only within its document). Returns [B, T, N, H], same dtype.
+  document ids (a position attends only within its document). fp8_backward: the Hopper kernel's
+  FP8 backward (an FP8 numerics' call, pallas_mosaic_gpu; `check_attention` refuses it
+  elsewhere). Returns [B, T, N, H], same dtype.
   """
   if implementation in JAX_NN:
     # jax.nn takes no segment ids: the peers get the equivalent mask.
@@ -35,7 +39,7 @@ def causal_attention(q, k, v, *, implementation: str = "auto", max_adjust: str =
             else segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                         implementation=JAX_NN[implementation])
-  options = _ours(implementation, max_adjust, numerics, beta)
+  options = _ours(implementation, max_adjust, numerics, beta, fp8_backward)
   return _per_device(lambda q, k, v, ids: stable_attn.dot_product_attention(
       q, k, v, q_segment_ids=ids, **options), q, k, v, segment_ids)
 
@@ -60,7 +64,7 @@ def reads_packed(implementation: str, packed: bool = True) -> bool:
 
 
 def _ours(implementation: str, max_adjust: str = "safe", numerics: str = "fast",
-          beta: float = 2.0) -> dict:
+          beta: float = 2.0, fp8_backward: bool = False) -> dict:
   """stable_attn's keyword arguments for a causal call of `implementation` (ours or "auto");
   ValueError for a name that is neither ours nor jax.nn's."""
   if implementation not in OURS:
@@ -72,10 +76,13 @@ def _ours(implementation: str, max_adjust: str = "safe", numerics: str = "fast",
   # Under a context-parallel on_mesh the sequence arrives in the zigzag order.
   placement = _MESH.get()
   split = placement is not None and placement.context > 1
+  if fp8_backward:   # a config belongs to one backend, named: "auto" picks it on a Hopper GPU
+    implementation, config = FP8_BACKWARD_IMPL, {"fp8_backward": True}
   return dict(is_causal=True, implementation=None if implementation == "auto" else implementation,
               max_adjust=max_adjust, beta=beta, numerics=numerics, interpret=interpret,
               context_layout="zigzag" if split else "contiguous",
-              context_strategy=placement.strategy if split else "auto")
+              context_strategy=placement.strategy if split else "auto",
+              **(dict(config=config) if fp8_backward else {}))
 
 
 def resolved_implementation(mcfg) -> str:
@@ -88,6 +95,17 @@ def resolved_implementation(mcfg) -> str:
   return stable_attn.choose_implementation(x, x, x, is_causal=True, max_adjust=mcfg.max_adjust,
                                            beta=mcfg.beta, numerics=mcfg.numerics,
                                            q_segment_ids=segments).name
+
+
+def check_attention(cfg) -> None:
+  """ValueError unless the run's attention can do what cfg (a train.config.TrainConfig) asks of it
+  here: run context parallel (`check_context_parallel`), or its FP8 backward."""
+  check_context_parallel(cfg)
+  if cfg.model.fp8_backward and resolved_implementation(cfg.model) != FP8_BACKWARD_IMPL:
+    where = "auto -> " if cfg.model.attention == "auto" else ""
+    raise ValueError(f"--fp8-backward: the FP8 backward is the Hopper kernel's "
+                     f"({FP8_BACKWARD_IMPL}, on an sm_90 GPU); the attention here is "
+                     f"{where}{resolved_implementation(cfg.model)!r}")
 
 
 def check_context_parallel(cfg) -> None:
@@ -112,8 +130,9 @@ def describe(mcfg) -> str:
             f"(no max adjustment)")
   impl = resolved_implementation(mcfg)
   impl = f"auto -> {impl}" if mcfg.attention == "auto" else impl
+  fp8 = ", config={'fp8_backward': True}" if mcfg.fp8_backward else ""
   return (f"stable_attn.dot_product_attention(implementation={impl!r}, "
-          f"max_adjust={mcfg.max_adjust!r}, numerics={mcfg.numerics!r})")
+          f"max_adjust={mcfg.max_adjust!r}, numerics={mcfg.numerics!r}{fp8})")
 
 
 def short_name(mcfg) -> str:
@@ -121,7 +140,7 @@ def short_name(mcfg) -> str:
   if mcfg.attention in JAX_NN:
     return f"jax.nn {JAX_NN[mcfg.attention]}"
   return (f"stable_attn {resolved_implementation(mcfg)}, max_adjust {mcfg.max_adjust}, "
-          f"{mcfg.numerics}")
+          f"{mcfg.numerics}{', FP8 backward' if mcfg.fp8_backward else ''}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ _TRAIN_FLAGS = {
 _MODEL_FLAGS = {"attention": "attention", "max_adjust": "max_adjust", "numerics": "numerics",
                 "beta": "beta", "dtype": "dtype", "block_size": "block_size", "remat": "remat",
                 "pack_documents": "pack_documents", "qkv_packed": "qkv_packed",
-                "qkv_bias_in_matmul": "qkv_bias_in_matmul"}
+                "qkv_bias_in_matmul": "qkv_bias_in_matmul", "fp8_backward": "fp8_backward"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
   a("--numerics", help=f"rounding preset (ours only): {', '.join(NUMERICS_CHOICES)}, or one with "
     "rounding points moved, e.g. paper+score=float32 (stable_attn.numerics.resolve)")
   a("--beta", type=float, help="the paper's beta for --max-adjust paper")
+  a("--fp8-backward", action="store_true", default=None,
+    help="with an FP8 --numerics (e4m3 q, k, v and P, e.g. fp8): the Hopper kernel's FP8 "
+         "backward, e4m3 products in the dQ and dK/dV kernels (default: its bf16 backward)")
   a("--dtype", help="compute dtype: bfloat16, float32, float16 (parameters stay float32)")
   a("--block-size", type=int, help="context length")
   a("--remat", action="store_true", default=None,

@@ -59,6 +59,9 @@ class ModelConfig:
   # linear_bias_in_matmul): split, the slices' copy adds it for free, packed, nothing would fuse
   # it and it took a pass of its own. False adds it after the product, as nnx.Linear does.
   qkv_bias_in_matmul: bool = True
+  # The Hopper kernel's FP8 backward (--fp8-backward: e4m3 products in the dQ and dK/dV kernels,
+  # TuningConfig.fp8_backward) for numerics with FP8 q, k, v and P; False: its bf16 backward.
+  fp8_backward: bool = False
 
   def __post_init__(self):
     if self.n_embd % self.n_head:
@@ -71,9 +74,15 @@ class ModelConfig:
       if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
     try:  # a preset, or a preset with rounding points moved ("paper+score=float32")
-      stable_attn.numerics.resolve(self.numerics)
+      resolved = stable_attn.numerics.resolve(self.numerics)
     except ValueError as e:
       raise ValueError(f"numerics={self.numerics!r}: {e}") from None
+    if self.fp8_backward and (resolved.qkv, resolved.p) != ("e4m3", "e4m3"):
+      raise ValueError(f"{_named('fp8_backward')} is the FP8 forward's backward: it needs numerics "
+                       f"with e4m3 q, k, v and P (e.g. --numerics fp8), got {self.numerics!r}")
+    if self.fp8_backward and self.attention not in ("auto", "pallas_mosaic_gpu"):
+      raise ValueError(f"{_named('fp8_backward')} runs on the Hopper kernel: --attention auto or "
+                       f"pallas_mosaic_gpu, got {self.attention!r}")
     for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{_named(name)} must be positive, got {getattr(self, name)}")

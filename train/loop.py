@@ -281,7 +281,7 @@ def _set_up(cfg: TrainConfig, opts: RunOptions):
   main = jax.process_index() == 0
   log = _Log(main)
   mcfg, n_dev = cfg.model, jax.device_count()
-  attn_lib.check_context_parallel(cfg)
+  attn_lib.check_attention(cfg)
   mesh = make_mesh(cfg.context_parallel)
   groups = mesh.shape["data"]   # data-parallel groups
   if cfg.batch_size % groups:

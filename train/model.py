@@ -79,7 +79,7 @@ class CausalSelfAttention(nnx.Module):
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     y = causal_attention_qkv(qkv, packed=packed, implementation=cfg.attention,
                              max_adjust=cfg.max_adjust, numerics=cfg.numerics, beta=cfg.beta,
-                             segment_ids=segment_ids)
+                             fp8_backward=cfg.fp8_backward, segment_ids=segment_ids)
     if tap is not None:
       y = y + tap
     captured = {"x": x, "q": q, "k": k, "v": v, "segment_ids": segment_ids}

@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from .attention import check_context_parallel, jit_on_mesh
+from .attention import check_attention, jit_on_mesh
 from .config import TrainConfig
 from .model import GPT, abstract_model
 from .optim import make_optimizer
@@ -89,7 +89,7 @@ def make_training(cfg: TrainConfig, mesh: Mesh) -> Training:
   """Initialises parameters and optimizer state on their shardings over `mesh` (data parallel, or
   FSDP with cfg.fsdp) and jits the train step with those shardings (its attention calls split
   over the batch by train.attention.on_mesh)."""
-  check_context_parallel(cfg)
+  check_attention(cfg)
   graphdef, abstract_params = nnx.split(abstract_model(cfg.model), nnx.Param)
   p_sh = param_shardings(abstract_params, mesh, cfg.fsdp)
   params = init_params(cfg, p_sh)

@@ -25,7 +25,9 @@ raises ValueError with the reason).
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections.abc import Mapping
 from typing import Optional
 
 import jax
@@ -259,6 +261,20 @@ def attention_qkvpacked(spec: AttentionSpec, ops: Operands, qkv: jax.Array,
   return _flash(spec, _checked_config(spec, ops, config), pack(qkv, ops))
 
 
+def _table_config_with(spec: AttentionSpec, ops: Operands,
+                       changes: Mapping) -> tuning.TuningConfig:
+  """The call's default config with `changes` (TuningConfig field -> value), for a caller who
+  cannot know the call's tiles (a trainer asking for fp8_backward=True); ValueError naming a
+  field TuningConfig does not have."""
+  fields = {f.name for f in dataclasses.fields(tuning.TuningConfig)}
+  unknown = sorted(set(changes) - fields)
+  if unknown:
+    raise ValueError(f"config for implementation='pallas_mosaic_gpu' changes fields TuningConfig "
+                     f"does not have: {', '.join(map(repr, unknown))} (its fields: "
+                     f"{', '.join(sorted(fields))})")
+  return default_config(spec, ops).replace(**changes)
+
+
 def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.TuningConfig:
   """The config to run (the table's when None), checked against the call: ValueError naming what
   does not fit."""
@@ -266,11 +282,12 @@ def _checked_config(spec: AttentionSpec, ops: Operands, config) -> tuning.Tuning
   if reason is not None:
     raise ValueError(f"implementation='pallas_mosaic_gpu' does not cover this call: {reason}")
   H, itemsize = ops.q.shape[-1], jnp.dtype(ops.q.dtype).itemsize
-  if config is None:
-    config = default_config(spec, ops)
+  if config is None or isinstance(config, Mapping):
+    config = _table_config_with(spec, ops, config or {})
   elif not isinstance(config, tuning.TuningConfig):
     raise ValueError(f"config for implementation='pallas_mosaic_gpu' must be a "
-                     f"pallas_kernels.mosaic_gpu.tuning.TuningConfig, got {config!r}")
+                     f"pallas_kernels.mosaic_gpu.tuning.TuningConfig or a mapping of its fields "
+                     f"to change in the call's default, got {config!r}")
   if spec.deterministic and config.fused_dq:
     raise ValueError("config.fused_dq=True reduce-adds dQ in whatever order the CTAs finish, so "
                      "its gradients are not bitwise reproducible; deterministic=True takes the "
