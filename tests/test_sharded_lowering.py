@@ -13,7 +13,7 @@ that only when it compiles, which here it cannot (tests/partition_callbacks.py d
 - The trainer's GPT-2 step, data parallel and FSDP, packed and split: under train.attention.on_mesh
   (what the trainer jits) no custom_partitioning op and one set of kernels for all layers; the same
   step jitted plainly (the library partitioning itself: what crashed) lowers every per-device
-  program.
+  program. With --fp8-backward (data parallel): the FP8 forward and backward kernels.
 """
 from __future__ import annotations
 
@@ -129,6 +129,17 @@ for fsdp in (False, True):
     out[f"train_{{'fsdp' if fsdp else 'dp'}}_{{'packed' if packed else 'split'}}"] = dict(
         ops=len(ops), kernels=text.count(KERNEL), plain_ops=len(plain_ops),
         plain_kernels=plain_text.count(KERNEL), per_device=[t.count(KERNEL) for t in per_device])
+# --fp8-backward ("auto": the Hopper kernel, taken as available): the FP8 forward and the FP8
+# backward's two kernels, all with e4m3 operands
+cfg = get_config("tiny").replace(batch_size=8, model=dict(
+    n_layer=2, n_head=2, n_embd=128, block_size=256, numerics="fp8", fp8_backward=True))
+training = make_training(cfg, mesh)
+x = jax.ShapeDtypeStruct((1, 8, 256), jnp.int32, sharding=training.batch_sharding)
+with recorded() as ops:
+  text = cuda(training.train_step, training.params, training.opt_state, x, x)
+lines = [line for line in text.splitlines() if KERNEL in line]
+out["fp8_backward_train_dp"] = dict(ops=len(ops), kernels=len(lines),
+                                    e4m3=sum("f8E4M3FN" in line for line in lines))
 print("RESULT" + json.dumps(out))
 """
 
@@ -171,3 +182,5 @@ def test_sharded_hopper_programs_lower_for_cuda():
     # Plainly jitted: each layer's forward and backward is an op whose program lowers.
     assert r["plain_ops"] == 2 * 2 and r["plain_kernels"] == 0, (name, r)
     assert sorted(r["per_device"]) == [1, 1, 2, 2], (name, r)
+  # train --fp8-backward, data parallel under on_mesh: the config mapping reaches every kernel.
+  assert result["fp8_backward_train_dp"] == dict(ops=0, kernels=3, e4m3=3), result
