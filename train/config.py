@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import stable_attn
-from .attention import JAX_NN, OURS
+from .attention import FP8_BACKWARD_IMPL, JAX_NN, OURS
 
 # Ours ("auto" and stable_attn.IMPLEMENTATIONS), then jax.nn's peers "cudnn" and "jax_xla".
 ATTENTION_CHOICES = OURS + tuple(JAX_NN)
@@ -80,9 +80,9 @@ class ModelConfig:
     if self.fp8_backward and (resolved.qkv, resolved.p) != ("e4m3", "e4m3"):
       raise ValueError(f"{_named('fp8_backward')} is the FP8 forward's backward: it needs numerics "
                        f"with e4m3 q, k, v and P (e.g. --numerics fp8), got {self.numerics!r}")
-    if self.fp8_backward and self.attention not in ("auto", "pallas_mosaic_gpu"):
+    if self.fp8_backward and self.attention not in ("auto", FP8_BACKWARD_IMPL):
       raise ValueError(f"{_named('fp8_backward')} runs on the Hopper kernel: --attention auto or "
-                       f"pallas_mosaic_gpu, got {self.attention!r}")
+                       f"{FP8_BACKWARD_IMPL}, got {self.attention!r}")
     for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{_named(name)} must be positive, got {getattr(self, name)}")
