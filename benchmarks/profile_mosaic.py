@@ -1,18 +1,19 @@
 """Where the Hopper kernel's time goes: Mosaic GPU's on-device profiler over one call.
 
-  python -m benchmarks.profile_mosaic [--shapes targets|short|gpt2|h128|16k|h256]
+  python -m benchmarks.profile_mosaic [--shapes targets|short|gpt2|h128|h64full|gqa|16k|h256,...]
                                       [--max-adjust safe] [--bias alibi] [--backward] [--fused]
                                       [--numerics fp8]
 
 Runs each shape once unprofiled (compile, warm-up), then once inside `common.profiling`, which
 makes every compute warpgroup record its named regions (`jax.named_scope` in the kernel bodies:
 load_q, first_k, each step's kind with its qk / softmax / wait_v / pv parts, epilogue; in the
-fused backward share_ds and dq) in clock
-cycles. Per kernel and shape it prints, for each region, how often a warpgroup enters it and the
-mean cycles per entry and per warpgroup (with the share of the warpgroup's span), and per SM the
-time from one CTA's first event to the next CTA's (ns, globaltimer) against the CTA's span
-(cycles): the gap between them is launch, prologue and exit cost no region sees. The profiler
-adds a shared-memory store per event and a barrier at the end, so compare regions, not totals.
+fused backward share_ds and dq; without a producer warpgroup, the issuer's refill and
+refill_early: its waits for a freed slot and its copies) in clock cycles. Per kernel and shape
+it prints, for each region, how often a warpgroup enters it and the mean cycles per entry and
+per warpgroup (with the share of the warpgroup's span), and per SM the time from one CTA's
+first event to the next CTA's (ns, globaltimer) against the CTA's span (cycles): the gap
+between them is launch, prologue and exit cost no region sees. The profiler adds a
+shared-memory store per event and a barrier at the end, so compare regions, not totals.
 Markdown on stdout; --out also writes it to a file.
 """
 from __future__ import annotations
@@ -65,12 +66,13 @@ def regions(trace):
   return found
 
 
-def summarize(path, wgs: int = 2) -> list[str]:
-  """wgs: the kernel's compute warpgroups per CTA (the producer is warpgroup wgs)."""
+def summarize(path, wgs: int = 2, producer: bool = True) -> list[str]:
+  """wgs: the kernel's compute warpgroups per CTA; producer: whether the CTA has a producer
+  warpgroup too (warpgroup wgs; TuningConfig.has_producer), whose trace is left out."""
   by_trace, starts = traces(path)
-  # The dump's trace id is 1 + warpgroup + (wgs + 1) * CTA; the producer names no region.
-  per_cta = wgs + 1
-  by_trace = {k: v for k, v in by_trace.items() if (k[1] - 1) % per_cta != wgs}
+  # The dump's trace id is 1 + warpgroup + warpgroups * CTA; the producer names no region.
+  per_cta = wgs + producer
+  by_trace = {k: v for k, v in by_trace.items() if (k[1] - 1) % per_cta < wgs}
   spans = {k: v[-1][2] for k, v in by_trace.items() if v}
   per_region = collections.defaultdict(lambda: [0, 0.0])   # entries, cycles (over traces)
   for trace in by_trace.values():
@@ -102,13 +104,20 @@ def summarize(path, wgs: int = 2) -> list[str]:
   return lines
 
 
+SHAPES = {"targets": ("issue 23's five shapes", TARGETS),
+          "short": ("the first three (T <= 4096)", TARGETS[:3]), "gpt2": ("GPT-2's", TARGETS[:1]),
+          "h128": ("B4 T4096 N16 H128 causal", TARGETS[1:2]),
+          "h64full": ("B8 T2048 N16 H64 full", TARGETS[2:3]),
+          "gqa": ("B2 T8192 N32 K8 H128 causal", TARGETS[3:4]),
+          "16k": ("B1 T16384 N16 H128 causal", TARGETS[4:]),
+          "h256": ("B2 T4096 N8 H256 causal", H256[:1])}
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--shapes", default="targets",
-                  choices=["targets", "short", "gpt2", "h128", "16k", "h256"],
-                  help="issue 23's five shapes, the first three (T <= 4096), GPT-2's, "
-                       "B4 T4096 N16 H128 causal, B1 T16384 N16 H128 causal, or "
-                       "B2 T4096 N8 H256 causal")
+                  help="comma-separated, of: " + "; ".join(f"{name} ({what})" for name, (what, _)
+                                                            in SHAPES.items()))
   ap.add_argument("--max-adjust", default="safe", choices=["off", "safe", "paper"])
   ap.add_argument("--numerics", default="fast",
                   help="the call's numerics: e.g. fp8 (the preset) or "
@@ -122,12 +131,14 @@ def main(argv=None):
   ap.add_argument("--ranges", type=int, default=384, help="regions recorded per warpgroup")
   ap.add_argument("--out", help="also write the markdown here")
   args = ap.parse_args(argv)
+  unknown = [name for name in args.shapes.split(",") if name not in SHAPES]
+  if unknown:
+    ap.error(f"--shapes: unknown {unknown}; choose from {', '.join(SHAPES)}")
   if args.fused and not args.backward:
     ap.error("--fused changes only the backward: pass --backward with it")
   if args.fused and args.bias != "none":
     ap.error("--fused profiles the table's fused backward, which has no bias tiles in its tiling")
-  shapes = {"targets": TARGETS, "short": TARGETS[:3], "gpt2": TARGETS[:1],
-            "h128": TARGETS[1:2], "16k": TARGETS[4:], "h256": H256[:1]}[args.shapes]
+  shapes = [shape for name in args.shapes.split(",") for shape in SHAPES[name][1]]
   report = [f"# Hopper kernel profile ({jax.devices()[0].device_kind}, bf16, "
             f"{'' if args.numerics == 'fast' else f'numerics={args.numerics}, '}"
             f"max_adjust={args.max_adjust}{', ALiBi bias' if args.bias == 'alibi' else ''}"
@@ -142,6 +153,7 @@ def main(argv=None):
         numerics=args.numerics))
     used = config or mosaic.default_config(spec, ops)
     wgs = dict(forward=used.fwd_wgs, dq=used.dq_wgs)   # else a dK/dV kernel's
+    producer = dict(forward=used.has_producer("fwd"), dq=used.has_producer("dq"))
     attend = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, bias, is_causal=causal, implementation="pallas_mosaic_gpu",
         max_adjust=args.max_adjust, numerics=args.numerics, config=config)
@@ -162,7 +174,8 @@ def main(argv=None):
         kernel = os.path.basename(path).split("-")[0]
         part = kernel.removeprefix("stable_attn_").split("_mosaic")[0]
         report += [f"## {shape_name(shape)}: {kernel}", ""]
-        report += summarize(path, wgs.get(part, used.dkv_wgs)) + [""]
+        report += summarize(path, wgs.get(part, used.dkv_wgs),
+                            producer.get(part, used.has_producer("dkv"))) + [""]
   text = "\n".join(report)
   print(text)
   if args.out:

@@ -275,28 +275,28 @@ def test_compile_time_leaves_out_backward_kernels():
   assert {name: getattr(backward, name) for name in kernels.values()} == originals
 
 
-@pytest.mark.parametrize("wgs", [2, 3])
-def test_profile_summary_of_a_known_trace(tmp_path, wgs):
+@pytest.mark.parametrize("wgs,producer", [(2, True), (3, True), (2, False), (3, False)])
+def test_profile_summary_of_a_known_trace(tmp_path, wgs, producer):
   """profile_mosaic reads Mosaic GPU's Chrome trace (ts = (globaltimer ns + cycles) / 1e3, trace
-  id 1 + warpgroup + (wgs + 1) * CTA, the producer being warpgroup wgs): nested regions,
-  per-entry and per-warpgroup cycles, the producer left out, and per SM the time from one CTA's
-  start to the next's."""
+  id 1 + warpgroup + warpgroups * CTA, a producer being warpgroup wgs): nested regions,
+  per-entry and per-warpgroup cycles, the producer left out, every compute warpgroup kept where
+  there is none (JAX 0.12's tables), and per SM the time from one CTA's start to the next's."""
   rng = np.random.default_rng()
   qk, rest, tail = (int(x) for x in rng.integers(50, 500, size=3))
   full = qk + rest   # qk nests inside full
   events = []
   for cta, start_ns in ((0, 1000.0), (1, 9000.0)):   # one SM, one CTA after the other
-    for wg in range(wgs + 1):
+    for wg in range(wgs + producer):
       names = [("Init", 0, 10)] if wg == wgs else [
           ("full", 10, 10 + full), ("qk", 10, 10 + qk), ("epilogue", 10 + full, 10 + full + tail)]
       for name, enter, leave in names:
         for ph, t in (("B", enter), ("E", leave)):
           events.append(dict(name=name, ph=ph, ts=(start_ns + t) / 1e3, pid=7,
-                             tid=1 + wg + (wgs + 1) * cta))
+                             tid=1 + wg + (wgs + producer) * cta))
   events.sort(key=lambda e: (e["tid"], e["ts"], e["ph"] == "B"))   # E before B at equal times
   path = tmp_path / "trace.json"
   path.write_text(json.dumps({"traceEvents": events}))
-  text = "\n".join(profile_mosaic.summarize(str(path), wgs))
+  text = "\n".join(profile_mosaic.summarize(str(path), wgs, producer))
   span = full + tail
   assert f"{2 * wgs} compute-warpgroup traces; mean span {span:,.0f} cycles" in text
   row = next(line for line in text.splitlines() if line.startswith("| full/qk |"))
@@ -306,6 +306,16 @@ def test_profile_summary_of_a_known_trace(tmp_path, wgs):
   assert f"| epilogue | 1.00 | {tail:,} | {tail:,} |" in text
   assert "Init" not in text   # the producer's
   assert "median 8,000 ns over 1 pairs" in text
+
+
+def test_profile_refuses_an_unknown_shape(capsys):
+  """--shapes takes a comma-separated list of its names; an unknown one is a usage error that
+  names it and lists the choices, before any device work."""
+  with pytest.raises(SystemExit) as exit_info:
+    profile_mosaic.main(["--shapes", "gqa,h512"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert "unknown ['h512']" in err and "h64full" in err
 
 
 def test_profile_fused_needs_backward(capsys):

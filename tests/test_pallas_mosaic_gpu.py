@@ -9,6 +9,7 @@ lowering, short of ptxas) and their block bookkeeping is checked in plain Python
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -1057,7 +1058,8 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
   dim 128 and 256 tables run without a producer warpgroup: the compute warpgroups alone, 255
   registers a thread with two and 168 with three, at least what setmaxnreg gives them on 0.11
   (232, 160), so their own tiles fit; at 128 with three Q/dO stages in the dK/dV kernel, and
-  nothing persistent (packed rows: the dK/dV issuer two steps back); with bias or mask tiles
+  nothing persistent (packed rows: the dK/dV issuer two steps back), at 256 the forward's K
+  refilled early (`refill_k_early`); with bias or mask tiles
   the table's tiles without a producer (but in the forward with a bias alone at head dim 128),
   the bias in K's slots. Head dim 64 keeps the
   table's but for full calls without bias or mask, whose forward (not persistent) has no
@@ -1094,7 +1096,8 @@ def test_entry_registers_tiles_where_setmaxnreg_is_ignored(version, fixed):
       dkv = tuning.Tiles(64, 64, 3) if h == 128 else plain.dkv
       flat = dict(fwd_persistent=False, dkv_persistent=False)
       lag = 2 if h == 128 and kw.get("packed") else 1   # packed rows refill two steps back
-      assert config == plain.replace(producer=False, dkv=dkv, refill_lag=lag, **flat), (h, kw)
+      assert config == plain.replace(producer=False, dkv=dkv, refill_lag=lag,
+                                     refill_k_early=h == 256, **flat), (h, kw)
 
 
 @pytest.mark.parametrize("version,warns", [("0.12.0.1", True), ("0.12.0", True),
@@ -1220,15 +1223,17 @@ PRODUCER_CASES = [(name, entry) for name, case in GPU_CASES.items()
 @pytest.mark.parametrize("name, entry", PRODUCER_CASES)
 def test_gpu_without_a_producer_matches_the_producer(name, entry, max_adjust):
   """Without a producer warpgroup (the last compute warpgroup issues the TMA copies between its
-  steps, no setmaxnreg) the kernels compute the same products over the same blocks: outputs,
-  residuals and gradients bitwise equal to the producer's under the same tiles."""
+  steps, no setmaxnreg; with `refill_k_early`, the forward's K in the step that freed its slot)
+  the kernels compute the same products over the same blocks: outputs, residuals and gradients
+  bitwise equal to the producer's under the same tiles."""
   (q, k, v, _, _), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 5)
   config = tuning.table_config(q.shape[-1], entry_registers=entry).replace(
       fwd_persistent=False, dkv_persistent=False)
   args = (q, k, v, None, None)
-  _assert_bitwise_equal(_outputs_and_grads(args, kwargs, do, max_adjust, config),
-                        _outputs_and_grads(args, kwargs, do, max_adjust,
-                                           config.replace(producer=False)))
+  expected = _outputs_and_grads(args, kwargs, do, max_adjust, config)
+  for early in (False, True):
+    _assert_bitwise_equal(expected, _outputs_and_grads(
+        args, kwargs, do, max_adjust, config.replace(producer=False, refill_k_early=early)))
 
 
 def _as_on_jax_0_12(monkeypatch):
@@ -1248,8 +1253,9 @@ def test_gpu_bias_and_mask_without_a_producer_match_the_producer(name, monkeypat
   """Calls with bias or mask tiles under JAX 0.12's tiles, without a producer in the backward
   kernels (the last compute warpgroup streams the tiles beside Q or K and follows a mask's block
   order; tuning._ENTRY_REGISTERS_BESIDE at head dims 128 and 256), with and without the
-  forward's: outputs, residuals and gradients (the bias's too) bitwise equal to the same tiles
-  with a producer in every kernel (the table's at head dim 64)."""
+  forward's (and without it, K refilled early: `refill_k_early`): outputs, residuals and
+  gradients (the bias's too) bitwise equal to the same tiles with a producer in every kernel (the
+  table's at head dim 64)."""
   (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 5)
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
   _as_on_jax_0_12(monkeypatch)
@@ -1261,9 +1267,9 @@ def test_gpu_bias_and_mask_without_a_producer_match_the_producer(name, monkeypat
   args = (q, k, v, bias, mask)
   everywhere = config.replace(producer=True, fwd_producer=None)
   expected = _outputs_and_grads(args, kwargs, do, "safe", everywhere)
-  for fwd_producer in (False, True):
-    _assert_bitwise_equal(expected, _outputs_and_grads(
-        args, kwargs, do, "safe", everywhere.replace(producer=False, fwd_producer=fwd_producer)))
+  for fwd_producer, early in ((False, False), (False, True), (True, False)):
+    _assert_bitwise_equal(expected, _outputs_and_grads(args, kwargs, do, "safe", everywhere.replace(
+        producer=False, fwd_producer=fwd_producer, refill_k_early=early)))
 
 
 @pytest.mark.gpu
@@ -2068,6 +2074,46 @@ def test_without_a_producer_no_warpgroup_moves_registers(H, monkeypatch):
                           dkv=tuning.Tiles(config.dkv.block_q, config.dkv.block_kv, 3))
   if lagged.smem_problem(H, 2) is None:
     cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, lagged, o), ops)
+
+
+@pytest.mark.parametrize("H", tuning.HEAD_DIMS)
+def test_refill_k_early_moves_the_forwards_k_copies(H, monkeypatch):
+  """TuningConfig.refill_k_early: without a producer the forward's issuer copies K, and what
+  travels with it (the keys' segment ids), in the step that freed its slot (named region
+  refill_early), V still at the step's start (refill); with a producer the flag changes
+  nothing. Copies counted by named region and destination dtype while the vjp lowers for CUDA,
+  packed rows (segment ids beside K)."""
+  from jax._src import source_info_util
+  copies = collections.Counter()
+  original = plgpu.copy_gmem_to_smem
+
+  def counted(src, dst, *args, **kwargs):
+    scopes = str(source_info_util.current_name_stack()).split("/")
+    region = next((s for s in ("refill_early", "refill") if s in scopes), "other")
+    copies[region, jnp.dtype(dst.dtype).name] += 1
+    return original(src, dst, *args, **kwargs)
+  monkeypatch.setattr(plgpu, "copy_gmem_to_smem", counted)
+  ids = jnp.asarray(np.repeat([0, 1], 128)[None].repeat(2, 0), jnp.int32)
+  spec, ops = _spec_ops(shape=(2, 256, 4, H), kv_heads=2, is_causal=True,
+                        q_segment_ids=ids, kv_segment_ids=ids)
+  config = mosaic.default_config(spec, ops).replace(fwd_persistent=False, dkv_persistent=False,
+                                                     producer=False)
+  lowered, counts = {}, {}
+  for early, fwd_producer in itertools.product((False, True), (None, True)):
+    jax.clear_caches(), copies.clear()
+    changed = config.replace(refill_k_early=early, fwd_producer=fwd_producer)
+    lowered[early, fwd_producer] = cases.lower_vjp_for_cuda(
+        lambda o: mosaic._flash(spec, changed, o), ops)
+    counts[early, fwd_producer] = dict(copies)
+  plain, early = counts[False, None], counts[True, None]
+  moved = {dtype: n for (region, dtype), n in early.items() if region == "refill_early"}
+  assert moved == {"bfloat16": moved.get("int32"), "int32": moved.get("bfloat16")} and moved, early
+  for dtype in ("bfloat16", "int32"):   # moved out of the refills, nothing else changed
+    assert early["refill", dtype] + moved[dtype] == plain["refill", dtype], (plain, early)
+  assert {k: n for k, n in early.items() if k[0] == "other"} == {
+      k: n for k, n in plain.items() if k[0] == "other"}
+  assert lowered[True, True] == lowered[False, True]   # a producer: the flag does nothing
+  assert lowered[True, None] != lowered[False, None]
 
 
 def test_without_a_producer_refuses_what_only_a_producer_streams(monkeypatch):

@@ -196,7 +196,7 @@ def _dkv_kernel(refs: Operands, grads: BackwardInputs, ranges: common.Ranges, dq
         stop, block, loads = query_stream(b, kvh, cta_k, cta)
         return common.inline_stream(jnp.zeros((), jnp.int32), stop, stages, loads, block,
                                     call.config.refill_lag)
-      refill = common.issuer(call, "dkv", wg, wgs, streams)
+      refill = common.issuer(call, "dkv", wg, wgs, streams).before
       k_start = cta_k + kw * bk
       rows = (b, pl.ds(k_start, bk), kvh)
       # With 3 warpgroups the last CTA's last ones may own no keys: they load and store nothing

@@ -664,18 +664,24 @@ def stream(first, stop, stages: int, loads, block=lambda p: p, prefetch: bool = 
     pl.loop(first + stages, stop)(lambda p: refill(p, None))
 
 
-def inline_stream(first, stop, stages: int, loads, block=lambda p: p, lag: int = 1):
+def inline_stream(first, stop, stages: int, loads, block=lambda p: p, lag: int = 1,
+                  early: int = 0):
   """`stream` without a producer warpgroup (TuningConfig.producer False): one compute warpgroup,
-  the issuer, issues the copies between its own steps -> (start(), refill(p)). start() loads
-  positions first .. first + stages - 1 at once; refill(p), called by the issuer at the start of
-  its step at position p, waits until every compute warpgroup freed position p - lag's slot and
-  loads position p - lag + stages into it (TuningConfig.refill_lag, at most stages - 1). The
-  issuer is the last warpgroup (the ping-pong's second, which runs behind the first).
+  the issuer, issues the copies between its own steps -> (start(), refill(p), released(p) or
+  None). start() loads positions first .. first + stages - 1 at once; refill(p), called by the
+  issuer at the start of its step at position p, waits until every compute warpgroup freed
+  position p - lag's slot and loads position p - lag + stages into it (TuningConfig.refill_lag,
+  at most stages - 1). early: the first `early` of `loads` (the forward's K) refill at
+  released(p) instead, called once the issuer freed position p's slot of them in its own step:
+  position p + stages loads there as soon as every warpgroup freed it, as a producer would, not
+  a step later with the rest (TuningConfig.refill_k_early).
+  The issuer is the last warpgroup (the ping-pong's second, which runs behind the first).
   One tile per CTA (not persistent) and no rings (the API checks). A block order that reads
   memory (a mask's) is read at the refill, before its wait for the slot."""
   assert all(len(entry) == 2 for entry in loads), "rings need a producer"
   lag = min(lag, stages - 1)
   fill = _filler(loads, stages)
+  fill_early, fill_late = _filler(loads[:early], stages), _filler(loads[early:], stages)
   start = lambda: _first_loads(fill, first, stop, stages, block)
 
   def refill(p):
@@ -683,8 +689,24 @@ def inline_stream(first, stop, stages: int, loads, block=lambda p: p, lag: int =
 
     @pl.when((p >= first + lag) & (at < stop))
     def _refill():
-      fill(at - first, block(at), lambda ring: False)
-  return start, refill
+      with jax.named_scope("refill"):   # the wait for the slot and the copies (`profiling`)
+        fill_late(at - first, block(at), lambda ring: False)
+
+  def released(p):
+    at = p + stages
+
+    @pl.when(at < stop)
+    def _refill():
+      with jax.named_scope("refill_early"):
+        fill_early(at - first, block(at), lambda ring: False)
+  return start, refill, released if early else None
+
+
+class Issuer(NamedTuple):
+  """The issuer's hooks (`issuer`): before(p) for `sections`, released(p) for a kernel whose
+  stream refills some loads early (`inline_stream`); None where they do nothing."""
+  before: Optional[Callable]
+  released: Optional[Callable]
 
 
 def take_registers(call: Call, kernel: str, wgs: int, role: str) -> None:
@@ -698,16 +720,18 @@ def take_registers(call: Call, kernel: str, wgs: int, role: str) -> None:
                             action="decrease" if producer else "increase")
 
 
-def issuer(call: Call, kernel: str, wg, wgs: int, streams: Callable):
+def issuer(call: Call, kernel: str, wg, wgs: int, streams: Callable) -> Issuer:
   """Without a producer in `kernel` ("fwd", "dq" or "dkv"): the last compute warpgroup runs
-  start() of streams() -> (start, refill) (`inline_stream`) now -> before(p) for `sections` (its
-  refill at each position). With a producer -> None (streams is not called)."""
+  start() of streams() -> (start, refill, released) (`inline_stream`) now -> its refill at each
+  position, before(p) for `sections`, and its released(p). With a producer -> Issuer(None, None)
+  (streams is not called)."""
   if call.config.has_producer(kernel):
-    return None
-  start, refill = streams()
+    return Issuer(None, None)
+  start, refill, released = streams()
   issues = wg == wgs - 1
   pl.when(issues)(start)
-  return lambda p: pl.when(issues)(lambda: refill(p))
+  by_issuer = lambda hook: hook and (lambda p: pl.when(issues)(lambda: hook(p)))
+  return Issuer(by_issuer(refill), by_issuer(released))
 
 
 def query_grid(call: Call, x, wgs: int, bq: int, persistent: bool):
@@ -874,7 +898,7 @@ def query_compute_start(call: Call, kernel: str, cta: "QueryCta", wg, wgs: int, 
   take_registers(call, kernel, wgs, "compute")
   order = cta.order
   before = issuer(call, kernel, wg, wgs, lambda: inline_stream(
-      order.first, order.stop, stages, loads(), order.block, call.config.refill_lag))
+      order.first, order.stop, stages, loads(), order.block, call.config.refill_lag)).before
   q_start = cta.start + wg * bq
   return before, q_start, cta.if_rows(q_start)
 

@@ -149,9 +149,10 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
       b, n, cta, lens = query_tile(i)
       order = cta.order
       # Without a producer the last warpgroup streams K and V (first, before any rendezvous).
-      before = common.issuer(call, "fwd", wg, wgs, lambda: common.inline_stream(
+      before, k_released = common.issuer(call, "fwd", wg, wgs, lambda: common.inline_stream(
           order.first, order.stop, stages, loads(b, n, cta), order.block,
-          call.config.refill_lag))
+          call.config.refill_lag, early=int(call.config.refill_k_early)))
+      k_released = k_released or (lambda p: None)
       q_start = cta.start + wg * bq
       if_rows = cta.if_rows(q_start)
       q = q_smem.at[buf, wg]
@@ -177,6 +178,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         slot = slot_of(p)
         if kind in ("skip", "empty"):
           plgpu.barrier_arrive(k_free.at[slot])
+          k_released(p)
           if apart:   # its warpgroup's tile loads at every position: keep the ring's phases
             plgpu.barrier_wait(bias_loaded.at[wg])
             plgpu.barrier_arrive(bias_free.at[wg])
@@ -201,6 +203,7 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
         with jax.named_scope("wait_v"):
           if wgs == 2:
             plgpu.barrier_arrive(schedule)
+          k_released(p)   # the issuer's K copy, while it waits for its turn anyway
           plgpu.barrier_wait(v_loaded.at[slot])
           if wgs == 2:
             plgpu.barrier_wait(schedule)

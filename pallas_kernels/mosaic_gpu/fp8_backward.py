@@ -227,7 +227,8 @@ def _dkv_kernel(refs: Operands, grads: Fp8Grads, ranges: common.Ranges, dk_ref, 
   def _compute():
     common.take_registers(call, "dkv", wgs, "compute")
     refill = common.issuer(call, "dkv", wg, wgs, lambda: common.inline_stream(
-        jnp.zeros((), jnp.int32), G * per_head, stages, loads, block, call.config.refill_lag))
+        jnp.zeros((), jnp.int32), G * per_head, stages, loads, block,
+        call.config.refill_lag)).before
     k_start = cta_k + wg * bk
     rows = (b, pl.ds(k_start, bk), kvh)
     if_keys = common.if_keys(call, wgs, bk, k_start)

@@ -130,6 +130,11 @@ class TuningConfig:
   # stages - 1 steps ahead but waits for the other warpgroups' previous step; stages - 1 loads one
   # step ahead and waits only for older steps. At most each kernel's stages - 1 (capped there).
   refill_lag: int = 1
+  # Without a producer in the forward, the issuer refills each K slot in the step that frees it
+  # (once its own Q K^T has landed and every warpgroup released the slot), as a producer would:
+  # K then loads a step earlier than V, which refills at the next step's start (refill_lag).
+  # No effect with a producer; outputs bitwise the same.
+  refill_k_early: bool = False
   # The forward's producer where it differs from the backward kernels' (None: `producer`): JAX
   # 0.12's table at head dim 64 on full calls has none in the forward only
   # (`_ENTRY_REGISTERS_FULL`).
@@ -435,10 +440,14 @@ _TOP_RESIDUAL = {128: dict(fwd_wgs=2)}
 # `_ENTRY_REGISTERS_FULL`): its persistent forward needs the producer (forward 1.28x cuDNN with it,
 # 1.01x without at B16 T1024 N12 causal; fwd+bwd 1.24x and 1.10x in a second A/B, where the first
 # had read 0.93x for the table's, against 1.28x in benchmarks/attention.py the same day). Calls
-# with bias or mask tiles: `_ENTRY_REGISTERS_BESIDE`.
+# with bias or mask tiles: `_ENTRY_REGISTERS_BESIDE`. At head dim 256 the forward's issuer refills
+# K in the step that frees it (`refill_k_early`, a producer's timing): forward 1.03-1.045x, fwd+bwd
+# 1.005-1.031x the default at B2 T4096 N8 causal in two A/Bs, bitwise equal; at head dims 64 and
+# 128 (three free-running forward warpgroups, not a ping-pong pair) the forward ran 0.93-0.96x
+# (H200, JAX 0.12.0.1, benchmarks/results/config_ab_nvidia_h200_j012_refill_k_early*.md).
 _ENTRY_REGISTERS = {128: dict(producer=False, dkv=_T(64, 64, 3), fwd_persistent=False,
                               dkv_persistent=False),
-                    256: dict(producer=False)}
+                    256: dict(producer=False, refill_k_early=True)}
 # The same toolchain, head dim 64, full calls: a forward without a producer (not persistent), the
 # backward kernels with one (`fwd_producer`) and the causal table's dK/dV kernel (two warpgroups,
 # persistent), not `_FULL`'s and `_DENSE`'s (three warpgroups beside a producer keep 128 registers
