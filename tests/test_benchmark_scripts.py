@@ -3,6 +3,7 @@
 Their timings mean nothing here; what is checked is that they still run against the current API,
 so the next GPU session does not spend device time on a broken script.
 """
+import contextlib
 import json
 import os
 import re
@@ -306,6 +307,40 @@ def test_profile_summary_of_a_known_trace(tmp_path, wgs, producer):
   assert f"| epilogue | 1.00 | {tail:,} | {tail:,} |" in text
   assert "Init" not in text   # the producer's
   assert "median 8,000 ns over 1 pairs" in text
+
+
+@pytest.mark.parametrize("fits_at,bounded", [(384, True), (96, True), (20, True), (96, False)])
+def test_profile_halves_ranges_until_the_kernels_fit(tmp_path, monkeypatch, fits_at, bounded):
+  """profile_mosaic.profiled: where the trace buffers leave a kernel too little shared memory
+  (Mosaic GPU's error), it retries with half the ranges, down to 32, and returns the count that
+  ran, with only that attempt's traces left; below 32, without bounded traces (a shorter buffer
+  would then be overrun), or on any other error, the error propagates."""
+  tried = []
+
+  @contextlib.contextmanager
+  def profiling(directory, ranges):
+    tried.append(ranges)
+    (tmp_path / f"trace{ranges}.json").write_text("{}")
+    yield
+    if ranges > fits_at:
+      raise ValueError("Mosaic GPU kernel exceeds available shared memory: smem_bytes=1 > 0")
+  monkeypatch.setattr(profile_mosaic.common, "profiling", profiling)
+  monkeypatch.setattr(profile_mosaic.common, "PROFILE_BOUNDS_CHECKED", bounded)
+  ran = []
+  run = lambda: ran.append(1)
+  if fits_at < 32 or not bounded:
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+      profile_mosaic.profiled(run, str(tmp_path), 384)
+    assert tried == ([384, 192, 96, 48] if bounded else [384])
+  else:
+    assert profile_mosaic.profiled(run, str(tmp_path), 384) == fits_at
+    assert tried == [384, 192, 96][:tried.index(fits_at) + 1] and len(ran) == len(tried)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"trace{fits_at}.json"]
+  with pytest.raises(RuntimeError, match="other"):   # not a shared-memory error: no retry
+    tried.clear()
+    profile_mosaic.profiled(lambda: (_ for _ in ()).throw(RuntimeError("other")),
+                            str(tmp_path), 384)
+  assert tried == [384]
 
 
 def test_profile_refuses_an_unknown_shape(capsys):

@@ -507,6 +507,10 @@ def lowered_once(*static_argnames):
 
 
 _PROFILE: dict = {}   # Mosaic GPU profiler parameters while `profiling` is active
+# Whether this JAX's profiler bounds its traces: a loop longer than `ranges` then truncates its
+# trace, never writes past it into shared memory.
+PROFILE_BOUNDS_CHECKED = "profile_bounds_check" in inspect.signature(
+    plgpu.CompilerParams).parameters
 
 
 @contextlib.contextmanager
@@ -518,8 +522,8 @@ def profiling(directory: str, ranges: int = 256):
   regions one warpgroup records. JAX's caches are cleared on entry and exit (kernels are cached
   per call)."""
   params = dict(profile_space=ranges, profile_dir=directory)
-  if "profile_bounds_check" in inspect.signature(plgpu.CompilerParams).parameters:
-    params["profile_bounds_check"] = True   # a longer loop truncates its trace, never smem
+  if PROFILE_BOUNDS_CHECKED:
+    params["profile_bounds_check"] = True
   jax.clear_caches()
   _PROFILE.update(params)
   try:
