@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import os
 import re
 import sys
@@ -50,7 +49,6 @@ SHAPES = {   # name: (B, T, N, K, H, causal), the Hopper kernel's targets and he
 }
 DOCUMENTS = {"packed": 8}   # shapes whose row packs documents (segment ids)
 _TILES = re.compile(r"^(\d+)x(\d+)x(\d+)$")
-_FIELDS = {f.name for f in dataclasses.fields(tuning.TuningConfig)}
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
@@ -63,9 +61,9 @@ def parse_arm(text: str) -> tuple[str, dict]:
   changes = {}
   for item in filter(None, body.split(",")):
     field, sep, value = item.partition("=")
-    if not sep or field not in _FIELDS:
+    if not sep or field not in tuning.FIELDS:
       raise ValueError(f"--arm {name}: {item!r} is not FIELD=VALUE with a TuningConfig field "
-                       f"({', '.join(sorted(_FIELDS))})")
+                       f"({', '.join(sorted(tuning.FIELDS))})")
     changes[field] = _value(value)
   if not changes:
     raise ValueError(f"--arm {name}: no FIELD=VALUE given")
@@ -110,7 +108,7 @@ def arm_configs(spec, ops, arms: dict) -> dict:
 
 def changes_from(default, config) -> str:
   """The fields of `config` that differ from `default`, as FIELD=VALUE."""
-  return ", ".join(f"{f}={getattr(config, f)}" for f in sorted(_FIELDS)
+  return ", ".join(f"{f}={getattr(config, f)}" for f in sorted(tuning.FIELDS)
                    if getattr(config, f) != getattr(default, f)) or "(none)"
 
 

@@ -77,12 +77,12 @@ def _ours(implementation: str, max_adjust: str = "safe", numerics: str = "fast",
   placement = _MESH.get()
   split = placement is not None and placement.context > 1
   if fp8_backward:   # a config belongs to one backend, named: "auto" picks it on a Hopper GPU
-    implementation, config = FP8_BACKWARD_IMPL, {"fp8_backward": True}
+    implementation = FP8_BACKWARD_IMPL
   return dict(is_causal=True, implementation=None if implementation == "auto" else implementation,
               max_adjust=max_adjust, beta=beta, numerics=numerics, interpret=interpret,
               context_layout="zigzag" if split else "contiguous",
               context_strategy=placement.strategy if split else "auto",
-              **(dict(config=config) if fp8_backward else {}))
+              config={"fp8_backward": True} if fp8_backward else None)
 
 
 def resolved_implementation(mcfg) -> str:
@@ -101,11 +101,14 @@ def check_attention(cfg) -> None:
   """ValueError unless the run's attention can do what cfg (a train.config.TrainConfig) asks of it
   here: run context parallel (`check_context_parallel`), or its FP8 backward."""
   check_context_parallel(cfg)
-  if cfg.model.fp8_backward and resolved_implementation(cfg.model) != FP8_BACKWARD_IMPL:
+  if not cfg.model.fp8_backward:
+    return
+  impl = resolved_implementation(cfg.model)
+  if impl != FP8_BACKWARD_IMPL:
     where = "auto -> " if cfg.model.attention == "auto" else ""
     raise ValueError(f"--fp8-backward: the FP8 backward is the Hopper kernel's "
                      f"({FP8_BACKWARD_IMPL}, on an sm_90 GPU); the attention here is "
-                     f"{where}{resolved_implementation(cfg.model)!r}")
+                     f"{where}{impl!r}")
 
 
 def check_context_parallel(cfg) -> None:

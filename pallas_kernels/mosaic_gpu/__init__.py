@@ -25,7 +25,6 @@ raises ValueError with the reason).
 """
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Mapping
 from typing import Optional
@@ -266,12 +265,11 @@ def _table_config_with(spec: AttentionSpec, ops: Operands,
   """The call's default config with `changes` (TuningConfig field -> value), for a caller who
   cannot know the call's tiles (a trainer asking for fp8_backward=True); ValueError naming a
   field TuningConfig does not have."""
-  fields = {f.name for f in dataclasses.fields(tuning.TuningConfig)}
-  unknown = sorted(set(changes) - fields)
+  unknown = sorted(set(changes) - tuning.FIELDS)
   if unknown:
     raise ValueError(f"config for implementation='pallas_mosaic_gpu' changes fields TuningConfig "
                      f"does not have: {', '.join(map(repr, unknown))} (its fields: "
-                     f"{', '.join(sorted(fields))})")
+                     f"{', '.join(sorted(tuning.FIELDS))})")
   return default_config(spec, ops).replace(**changes)
 
 

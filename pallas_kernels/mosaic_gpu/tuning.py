@@ -284,6 +284,9 @@ class TuningConfig:
       raise ValueError(problem)
 
 
+# TuningConfig's field names (a mapping `config` changes some of them: mosaic_gpu._checked_config).
+FIELDS = frozenset(f.name for f in dataclasses.fields(TuningConfig))
+
 _T = Tiles
 TABLE = {
     # Chosen by benchmarks/mosaic_sweep.py on an H100 (docs/hopper_kernel.md); three forward
