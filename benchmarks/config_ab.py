@@ -59,7 +59,7 @@ def parse_arm(text: str) -> tuple[str, dict]:
     raise ValueError(f"--arm {text!r}: expected NAME:FIELD=VALUE[,FIELD=VALUE...] with a NAME "
                      "other than cudnn and default")
   changes = {}
-  for item in filter(None, body.split(",")):
+  for item in filter(None, re.split(r",(?=\s*\w+=)", body)):   # a tuple value keeps its commas
     field, sep, value = item.partition("=")
     if not sep or field not in tuning.FIELDS:
       raise ValueError(f"--arm {name}: {item!r} is not FIELD=VALUE with a TuningConfig field "

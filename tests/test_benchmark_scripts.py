@@ -163,6 +163,9 @@ def test_config_ab_parses_arms_and_refuses_what_is_not_a_config():
   assert name == "x" and changes == dict(dkv=tuning.Tiles(64, 64, 3), producer=False,
                                          fwd_producer=None, persistent_order="grid",
                                          refill_lag=2)
+  # a tuple value keeps its commas
+  assert config_ab.parse_arm("y:heaviest_first=('fwd', 'dkv'),refill_lag=2") == (
+      "y", dict(heaviest_first=("fwd", "dkv"), refill_lag=2))
   for bad, match in (("noname", "NAME:FIELD"), ("default:producer=False", "other than"),
                      ("x:", "no FIELD=VALUE"), ("x:nofield=1", "TuningConfig field"),
                      ("x:producer", "TuningConfig field")):

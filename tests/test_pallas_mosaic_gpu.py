@@ -583,13 +583,54 @@ def test_grids_run_the_batch_fastest_where_it_shares_a_tile(bias, mask, B, inner
   config = mosaic.default_config(spec, ops)
   for c, batch_fastest in ((config, inner), (config.replace(batch_inner=False), False)):
     call = mosaic._call(spec, c, ops)
-    for grid, names, _ in (common.query_grid(call, ops, 2, 64, False),
+    for grid, names, _ in (common.query_grid(call, ops, "fwd", 2, 64, False),
                            common.key_grid(call, ops, 2, 64, False)):
       assert names[-1 if batch_fastest else 0] == "batch", names
       assert grid[names.index("batch")] == B and grid[names.index("heads")] in (N, 2)
   if inner:
     text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2 + config.dkv_passes
+
+
+@pytest.mark.parametrize("inner", [False, True])
+def test_heaviest_first_grids_start_every_heads_heaviest_ctas_first(inner):
+  """TuningConfig.heaviest_first: the named kernels' grids launch the row (key) CTA index
+  slowest, so the first B * heads CTAs CUDA starts (last grid dimension fastest) are every
+  head's CTA 0, the heaviest causal rows (keys); the batch rows stay fastest where a shared bias
+  asks for it; the other kernels' grids and the persistent ones do not change; the kernels lower
+  for CUDA with it."""
+  B, T, N, K, H = 2, 512, 4, 2, 128
+  bias = jnp.zeros((1, N, T, T), bf16) if inner else None
+  spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=K, is_causal=True, bias=bias)
+  config = mosaic.default_config(spec, ops).replace(fwd_persistent=False, dkv_persistent=False,
+                                                     heaviest_first=())
+  grids = lambda c: {kernel: grid(mosaic._call(spec, c, ops), *args)[:2] for kernel, (grid, *args)
+                     in {"fwd": (common.query_grid, ops, "fwd", 2, 64, False),
+                         "dq": (common.query_grid, ops, "dq", 2, 64, False),
+                         "dkv": (common.key_grid, ops, 2, 64, False)}.items()}
+  plain = grids(config)
+  for chosen in (("dkv",), ("fwd", "dq", "dkv")):
+    changed = grids(config.replace(heaviest_first=chosen))
+    for kernel, (dims, names) in changed.items():
+      if kernel not in chosen:
+        assert (dims, names) == plain[kernel]
+        continue
+      axis = "kv_seq" if kernel == "dkv" else "q_seq"
+      assert names[0] == axis and sorted(dims) == sorted(plain[kernel][0]), (kernel, names)
+      assert names[-1] == ("batch" if inner else "heads"), names
+      launched = [dict(zip(names, i)) for i in itertools.product(*map(range, dims))]
+      heads = dims[names.index("heads")]
+      assert [c[axis] for c in launched[:B * heads]] == [0] * (B * heads)
+      assert sorted((c["batch"], c["heads"], c[axis]) for c in launched) == list(
+          itertools.product(range(B), range(heads), range(dims[0])))
+  persistent = config.replace(dkv_persistent=True, heaviest_first=("dkv",))
+  assert common.key_grid(mosaic._call(spec, persistent, ops), ops, 2, 64, True)[1] == ("cta",)
+  changed = config.replace(heaviest_first=("fwd", "dq", "dkv"))
+  text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, changed, o), ops)
+  assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
+  for bad in (("bwd",), ["dkv"], "dkv"):
+    with pytest.raises(ValueError, match="heaviest_first must be a tuple"):
+      config.replace(heaviest_first=bad)
 
 
 QKV_LOWER_CASES = [
@@ -741,8 +782,31 @@ def test_packed_calls_take_two_query_warpgroups(monkeypatch):
     assert (plain.fwd_wgs, plain.dq_wgs) == (3, 3)
     assert (config.fwd_wgs, config.dq_wgs) == packed_wgs, H
     assert plain.dkv_persistent and config.dkv_persistent == (H == 64)
-    assert config.replace(fwd_wgs=plain.fwd_wgs, dq_wgs=plain.dq_wgs, dkv_persistent=True) == plain
+    assert config.replace(fwd_wgs=plain.fwd_wgs, dq_wgs=plain.dq_wgs, dkv_persistent=True,
+                          heaviest_first=plain.heaviest_first) == plain   # _CAUSAL's, unpacked
     config.check_smem(H, 2)
+
+
+@pytest.mark.parametrize("entry_registers", [False, True])
+def test_causal_calls_launch_their_grids_heaviest_first(entry_registers, monkeypatch):
+  """tuning._CAUSAL: under a causal mask with nothing else bounding a CTA's work, the forward's
+  grid at head dim 128 and every grid at 256 launch heaviest first; with a window, segment ids,
+  without a mask, with bias or mask tiles, or at head dim 64, none; where ptxas ignores setmaxnreg
+  and the dK/dV key tiles are few (no persistent dK/dV kernel there), its grid too."""
+  monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: entry_registers)
+  ids = jnp.zeros((2, 512), jnp.int32)
+  order = lambda H, K=4, **kw: mosaic.default_config(
+      *_spec_ops(shape=(2, 512, 8, H), kv_heads=K, **kw)).heaviest_first
+  few = ("fwd", "dkv") if entry_registers else ("fwd",)   # 2 x K x 512 / 128 key tiles: few
+  assert order(128, is_causal=True) == few and order(128, K=1, is_causal=True) == few
+  assert order(256, is_causal=True) == ("fwd", "dq", "dkv")
+  assert tuning.table_config(128, causal=True, kv_shape=(64, 8, 4096),
+                             entry_registers=entry_registers).heaviest_first == ("fwd",)
+  assert order(64, is_causal=True) == ()
+  for kw in (dict(), dict(is_causal=True, local_window_size=(64, 0)),
+             dict(is_causal=True, q_segment_ids=ids, kv_segment_ids=ids),
+             dict(is_causal=True, bias=jnp.zeros((1, 8, 512, 512), bf16))):
+    assert order(128, **kw) == () and order(256, **kw) == (), kw
 
 
 @pytest.mark.parametrize("H", [64, 128])
@@ -1432,6 +1496,22 @@ def test_gpu_batch_inner_grid_matches_batch_outer(name, max_adjust):
   run = lambda inner: _outputs_and_grads((q, k, v, bias, mask), kwargs, do, max_adjust,
                                          config.replace(batch_inner=inner))
   _assert_bitwise_equal(run(False), run(True))
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("name", ["gqa_h128_lens", "packed_causal_gqa", "bias_mask_causal_gqa",
+                                  "cross_window"])
+def test_gpu_heaviest_first_grids_match(name):
+  """Grids that launch every head's heaviest CTAs first (TuningConfig.heaviest_first, every
+  kernel, none persistent) compute every CTA's tile as the (batch, heads, rows) grids do: O, the
+  LSE and the gradients bitwise equal."""
+  (q, k, v, bias, mask), kwargs, do = cases.make_inputs(dict(GPU_CASES[name]), bf16, 7)
+  spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(implementation=IMPL, **kwargs))
+  config = mosaic.default_config(spec, ops).replace(fwd_persistent=False, dkv_persistent=False)
+  run = lambda c: _outputs_and_grads((q, k, v, bias, mask), kwargs, do, "safe", c)
+  _assert_bitwise_equal(run(config.replace(heaviest_first=())),
+                        run(config.replace(heaviest_first=("fwd", "dq", "dkv"))))
 
 
 # More query tiles than an H100 or H200 has SMs (132): each persistent CTA takes two or three.

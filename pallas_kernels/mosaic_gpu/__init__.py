@@ -102,7 +102,8 @@ def default_config(spec: AttentionSpec, ops: Operands) -> tuning.TuningConfig:
   tiles' room, whether every query sees every key (no causal or window mask, no segment ids:
   equal dK/dV tiles, no persistent dK/dV kernel), and with it no GQA (whose dK/dV CTAs each walk
   a group of query heads: three warpgroups measured 0.96x there), whether it has segment ids, how
-  many key tiles the dK/dV kernel has (few: persistent at head dim 128 too), and whether it has a
+  many key tiles the dK/dV kernel has (few: persistent at head dim 128 too), whether it is causal
+  with nothing else bounding a CTA's work (grids heaviest first), and whether it has a
   bias without a mask (the forward's three warpgroups take its tiles), and whether its forward
   is the "fp8" preset's (a top-key residual tile: two warpgroups at head dim 128). ValueError
   when the tiles do not fit."""
@@ -110,6 +111,7 @@ def default_config(spec: AttentionSpec, ops: Operands) -> tuning.TuningConfig:
   B, S, K, H = ops.k.shape
   return tuning.table_config(H, jnp.dtype(ops.q.dtype).itemsize, full=full,
                              dense=full and K == ops.q.shape[2], packed=ops.q_seg is not None,
+                             causal=spec.is_causal and spec.window is None and ops.q_seg is None,
                              kv_shape=(B, K, S),
                              entry_registers=tuning.registers_fixed_at_entry(jax.__version__),
                              bias_only=ops.bias is not None and ops.mask is None,

@@ -614,7 +614,7 @@ def _dq_call(call: Call, x: Operands, grads: BackwardInputs, o, ranges: common.R
     out_type.append(jax.ShapeDtypeStruct((B, N, call.pad.T, call.pad.S), ds_dtype))
   if o is not None:
     out_type.append(jax.ShapeDtypeStruct((B, N, call.pad.T), f32))
-  grid, grid_names, _ = common.query_grid(call, x, wgs, bq, False)
+  grid, grid_names, _ = common.query_grid(call, x, "dq", wgs, bq, False)
   outs = common.launch(
       functools.partial(_dq_kernel, call=call, wgs=wgs, has_ds=ds_dtype is not None),
       (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),

@@ -738,19 +738,20 @@ def issuer(call: Call, kernel: str, wg, wgs: int, streams: Callable) -> Issuer:
   return Issuer(by_issuer(refill), by_issuer(released))
 
 
-def query_grid(call: Call, x, wgs: int, bq: int, persistent: bool):
-  """(grid, grid names, persistent CTAs or 0) of a query kernel whose CTAs own wgs * bq rows: the
-  grid (B, N, row CTAs) (batch fastest where `batch_inner`), or min(tiles, SMs) persistent CTAs
-  (the H64 forward; a persistent dQ kernel measured slower, docs/hopper_kernel.md)."""
+def query_grid(call: Call, x, kernel: str, wgs: int, bq: int, persistent: bool):
+  """(grid, grid names, persistent CTAs or 0) of a query kernel ("fwd" or "dq") whose CTAs own
+  wgs * bq rows: the grid (B, N, row CTAs) (batch fastest where `batch_inner`; the row CTAs
+  slowest where TuningConfig.heaviest_first names the kernel), or min(tiles, SMs) persistent
+  CTAs (the H64 forward; a persistent dQ kernel measured slower, docs/hopper_kernel.md)."""
   return _grid(call.geo.B, call.geo.N, cta_rows(call, wgs, bq, 0)[0], "q_seq", persistent,
-               batch_inner(call, x))
+               batch_inner(call, x), kernel in call.config.heaviest_first)
 
 
 def key_grid(call: Call, x, wgs: int, bk: int, persistent: bool):
   """The same for the dK/dV kernel, whose CTAs own wgs * bk key rows of a kv head: the grid (B, K,
   key CTAs), or persistent CTAs (TuningConfig.dkv_persistent)."""
   return _grid(call.geo.B, call.geo.K, key_ctas(call, wgs, bk), "kv_seq", persistent,
-               batch_inner(call, x))
+               batch_inner(call, x), "dkv" in call.config.heaviest_first)
 
 
 def batch_inner(call: Call, x) -> bool:
@@ -768,8 +769,17 @@ def key_ctas(call: Call, wgs: int, bk: int) -> int:
   return blocks.cdiv(call.pad.S, wgs * bk)
 
 
-def _grid(B: int, heads: int, per_row: int, axis: str, persistent: bool, inner: bool = False):
-  if inner and not persistent:   # the kernels name their program ids, so any order serves
+def _grid(B: int, heads: int, per_row: int, axis: str, persistent: bool, inner: bool = False,
+          heaviest: bool = False):
+  # The kernels name their program ids, so any order serves. CTA index 0 holds the heaviest
+  # causal rows (keys): with it slowest (`heaviest`) every head's heaviest CTAs start first and
+  # the lighter ones fill the SMs that free up (largest first), where (B, N, rows) starts the
+  # last heads' heaviest CTAs in the last waves.
+  if heaviest and not persistent:
+    if inner:
+      return (per_row, heads, B), (axis, "heads", "batch"), 0
+    return (per_row, B, heads), (axis, "batch", "heads"), 0
+  if inner and not persistent:
     return (heads, per_row, B), ("heads", axis, "batch"), 0
   if not persistent:
     return (B, heads, per_row), ("batch", "heads", axis), 0

@@ -337,7 +337,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
 
   # Persistent CTAs (TuningConfig.fwd_persistent): as many as the device has SMs, each with two
   # Q buffers (the next tile's rows load during this one) and O staged apart from them.
-  grid, names, ctas = common.query_grid(call, x, wgs, bq, call.config.fwd_persistent)
+  grid, names, ctas = common.query_grid(call, x, "fwd", wgs, bq, call.config.fwd_persistent)
   q_bufs = 2 if ctas else 1
   apart = call.config.fwd_bias_apart and x.bias is not None
   bias_smem, mask_smem = common.pairwise_smem(x, stages, wgs * bq, bk)

@@ -175,7 +175,7 @@ def dq_call(call: Call, x: Operands, grads: Fp8Grads, ranges: common.Ranges, out
           plgpu.SMEM((stages, bk), jnp.int32) if call.packed else None)
   barriers = (plgpu.Barrier(num_arrivals=4 + call.packed, num_barriers=wgs),
               plgpu.Barrier(num_arrivals=3 + call.packed, num_barriers=stages))
-  grid, grid_names, _ = common.query_grid(call, x, wgs, bq, False)
+  grid, grid_names, _ = common.query_grid(call, x, "dq", wgs, bq, False)
   return common.launch(
       functools.partial(_dq_kernel, call=call, wgs=wgs),
       (smem, barriers, plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)),

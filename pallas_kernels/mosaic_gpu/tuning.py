@@ -24,6 +24,7 @@ SMEM_BYTES = 227 * 1024
 SMEM_RESERVE = 4 * 1024   # barriers and alignment, beyond the tiles counted in check_smem
 HEAD_DIMS = (64, 128, 256)  # head dims the kernels cover (rows tiled 128 bytes wide)
 PERSISTENT_ORDERS = ("heaviest", "grid")   # TuningConfig.persistent_order
+KERNELS = ("fwd", "dq", "dkv")   # the kernels a TuningConfig tiles
 
 
 def fits_smem(nbytes: int) -> bool:
@@ -118,6 +119,11 @@ class TuningConfig:
   # batch fastest: the CTAs that read one of its tiles run side by side and HBM serves it once
   # (common.batch_inner). False keeps (batch, heads, rows), as without one.
   batch_inner: bool = True
+  # The kernels ("fwd", "dq", "dkv") whose grid (not persistent) launches the row (key) CTA index
+  # slowest: every head's heaviest causal CTAs first, the lighter ones filling the SMs that free
+  # up, where (B, heads, rows) leaves the last heads' heaviest CTAs to the last waves (a tail
+  # as long as a head's heaviest CTA). Outputs bitwise the same.
+  heaviest_first: tuple = ()
   # A producer warpgroup per CTA that streams the blocks with TMA and gives its registers to the
   # compute warpgroups (setmaxnreg: 232 a thread with two, 160 with three). False: no producer;
   # the last compute warpgroup issues the copies between its steps (common.inline_stream), and
@@ -183,6 +189,9 @@ class TuningConfig:
       raise ValueError("producer=False streams one tile per CTA from a compute warpgroup: it "
                        "needs dkv_persistent=False and fused_dq=False, got dkv_persistent="
                        f"{self.dkv_persistent}, fused_dq={self.fused_dq}")
+    if not isinstance(self.heaviest_first, tuple) or not set(self.heaviest_first) <= set(KERNELS):
+      raise ValueError(f"heaviest_first must be a tuple of kernel names of {KERNELS}, got "
+                       f"{self.heaviest_first!r}")
     if self.fwd_producer not in (None, True, False):
       raise ValueError(f"fwd_producer must be None, True or False, got {self.fwd_producer!r}")
     if not isinstance(self.refill_lag, (int, np.integer)) or self.refill_lag < 1:
@@ -415,6 +424,26 @@ _PACKED = {64: dict(dq_wgs=2), 128: dict(fwd_wgs=2, dq_wgs=2)}
 FEW_KEY_TILES = 1024
 _FEW = {128: dict(dkv_persistent=True)}
 
+# Under a causal mask (no window, no segment ids) a CTA's work falls with its row (key) CTA index,
+# and a grid launched (B, heads, rows) starts the last heads' heaviest CTAs in its last waves: the
+# kernel ends on a tail as long as one of them. Launched heaviest first (`heaviest_first`), the
+# lighter CTAs fill the SMs that free up. Same process, 3-5 alternating rounds, outputs bitwise
+# equal, time of the default against each arm (identical arms spread 0.98-1.04x):
+#   head dim 256, B2 T4096 N8 causal, every kernel: forward 1.19x, fwd+bwd 1.17x (JAX 0.11.2);
+#     forward 1.18-1.24x, fwd+bwd 1.14x twice (0.12.0.1; with the forward's change alone 1.07x
+#     and 1.04x, with the dQ kernel's too 1.12x);
+#   head dim 128 causal, the forward: forward 1.00-1.10x at B4 T4096 N16 (median 1.03x of 9
+#     arms with it), 1.00-1.05x at B2 T8192 N32 K8 and B1 T16384 N16; fwd+bwd 0.96-1.01x at B4
+#     T4096 (median 0.99x of the 4 arms that change only the forward and the dQ kernel),
+#     0.99-1.01x at the others. The dK/dV and dQ kernels at 128 stay in grid order: 0.975x and
+#     0.979x with the dK/dV kernel heaviest first at B4 T4096 (its 132 CTAs then stream the Q and
+#     dO of 64 heads, not 4: L2), 0.99-1.01x elsewhere; the dQ kernel's 0.99-1.02x (H200,
+#     benchmarks/results/config_ab_nvidia_h200_j01{1,2}_heaviest*.md).
+# Not measured with bias or mask tiles, and not where every query sees every key (equal tiles:
+# the heaviest-first order only spreads a wave over more heads; at B8 T2048 N16 H64 full every
+# kernel heaviest first ran 0.92x on 0.12).
+_CAUSAL = {128: dict(heaviest_first=("fwd",)), 256: dict(heaviest_first=("fwd", "dq", "dkv"))}
+
 
 # The "fp8" preset's FP8 forward (a top-key residual tile and a second P V product a step:
 # `tile.has_top_residual`) at head dim 128: two compute warpgroups. Three, at 160 registers a
@@ -492,6 +521,12 @@ _ENTRY_REGISTERS_BIAS_FWD = {128: dict(fwd_producer=True)}
 # identical arms). H200, JAX 0.12.0.1, one process (benchmarks/config_ab.py;
 # benchmarks/results/config_ab_nvidia_h200_j012_{packed_h64full,lag2}.md).
 _ENTRY_REGISTERS_PACKED = {128: dict(refill_lag=2)}
+# The same toolchain, causal calls with few dK/dV key tiles (`_FEW`'s, whose persistent dK/dV
+# kernel needs a producer): the dK/dV grid heaviest first too. B2 T8192 N32 K8 H128 causal (1,024
+# key tiles), fwd+bwd 1.031x and 1.033x the forward's change alone, 1.036x and 1.071x the default
+# with the dQ kernel's too (0.12.0.1; JAX 0.11.2 with 0.12's tiles: 1.043x). H200, one process
+# (benchmarks/results/config_ab_nvidia_h200_j012_heaviest*.md).
+_ENTRY_REGISTERS_FEW = {128: dict(heaviest_first=("fwd", "dkv"))}
 
 
 def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
@@ -501,22 +536,25 @@ def dkv_key_tiles(head_dim: int, batch: int, kv_heads: int, kv_len: int) -> int:
 
 
 def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense: bool = False,
-                 packed: bool = False, kv_shape: tuple[int, int, int] | None = None,
+                 packed: bool = False, causal: bool = False,
+                 kv_shape: tuple[int, int, int] | None = None,
                  entry_registers: bool = False, bias_only: bool = False,
                  top_residual: bool = False, **extras) -> TuningConfig:
   """The table's config for a head dim (full: the call masks no (query, key) pair by position or
   segment: `_FULL`'s changes; dense: full, and each kv head has one query head: `_DENSE`'s too;
-  packed: it has segment ids, `_PACKED`'s; kv_shape (batch, kv heads, kv length) giving at most
-  FEW_KEY_TILES dK/dV key tiles (`dkv_key_tiles`), neither full nor packed: `_FEW`'s); with
+  packed: it has segment ids, `_PACKED`'s; causal: a causal mask without a window or segment ids,
+  `_CAUSAL`'s; kv_shape (batch, kv heads, kv length) giving at most FEW_KEY_TILES dK/dV key tiles
+  (`dkv_key_tiles`), neither full nor packed: `_FEW`'s); with
   `extras` (bias / mask tiles: see `smem_needs`), each kernel's first tiling of the table's,
   `_BESIDE` and `_NARROW` that fits shared memory beside them (ValueError when one kernel has
   none), the forward first trying `_BIAS_FWD`'s where they are a bias alone (bias_only), or
   `_BIAS_FULL_FWD`'s where that is also full, `_BIAS_APART`'s at head dim 128; top_residual (the
   "fp8" preset's FP8 forward, which takes no bias or mask): `_TOP_RESIDUAL`'s; entry_registers
   (a toolchain that ignores setmaxnreg: `registers_fixed_at_entry`), last, `_ENTRY_REGISTERS`'
-  changes (and `_ENTRY_REGISTERS_FULL`'s where full, `_ENTRY_REGISTERS_PACKED`'s where packed)
-  where there are no bias or mask tiles, `_ENTRY_REGISTERS_BESIDE`'s where there are (and
-  `_ENTRY_REGISTERS_BIAS_FWD`'s for a bias alone)."""
+  changes (and `_ENTRY_REGISTERS_FULL`'s where full, `_ENTRY_REGISTERS_PACKED`'s where packed,
+  `_ENTRY_REGISTERS_FEW`'s where causal with few key tiles) where there are no bias or mask
+  tiles, `_ENTRY_REGISTERS_BESIDE`'s where there are (and `_ENTRY_REGISTERS_BIAS_FWD`'s for a
+  bias alone)."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
@@ -527,11 +565,14 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
                **(_DENSE.get(head_dim, {}) if dense else {}),
                **(_PACKED.get(head_dim, {}) if packed else {}),
                **(_FEW.get(head_dim, {}) if few else {}),
+               **(_CAUSAL.get(head_dim, {}) if causal else {}),
                **(_TOP_RESIDUAL.get(head_dim, {}) if top_residual else {}),
                **(_ENTRY_REGISTERS.get(head_dim, {}) if entry_registers else {}),
                **(_ENTRY_REGISTERS_FULL.get(head_dim, {})
                   if entry_registers and (full or dense) else {}),
                **(_ENTRY_REGISTERS_PACKED.get(head_dim, {}) if entry_registers and packed
+                  else {}),
+               **(_ENTRY_REGISTERS_FEW.get(head_dim, {}) if entry_registers and causal and few
                   else {})}
     return config.replace(**changes)
   config = config.replace(fwd_wgs=COMPUTE_WGS, dq_wgs=COMPUTE_WGS,   # their tiles: per pair
