@@ -12,8 +12,9 @@ the table would make (an A/B that built its arms from the causal table's row onc
 config the table then did not give full calls: docs/ptxas_setmaxnreg.md).
 
 Forward and forward+backward (bf16, "safe", random normal inputs; "packed": one row of 8
-documents, segment ids, which cuDNN takes as a dense mask) of cuDNN, the default and each arm,
-`--rounds` alternating rounds (the arms' order reversed every other round) of
+documents, segment ids, which cuDNN takes as a dense mask; "alibi" and "alibi256": ALiBi's bf16
+bias [1, N, T, T], an argument of the timed programs, not differentiated) of cuDNN, the default
+and each arm, `--rounds` alternating rounds (the arms' order reversed every other round) of
 benchmarks/attention.py's protocol; the median of the rounds. Columns: ms, the ratio to cuDNN and
 to the default (> 1: faster), and whether O and the gradients are bitwise the default's (an arm
 that computes the same products over the same blocks must give "yes"). Prints the table and
@@ -35,6 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stable_attn  # noqa: E402
 from benchmarks import attention as bench  # noqa: E402
+from benchmarks.features import _alibi  # noqa: E402
 from pallas_kernels import mosaic_gpu as mosaic  # noqa: E402
 from pallas_kernels.mosaic_gpu import tuning  # noqa: E402
 from stable_attn.api import Options, canonicalize  # noqa: E402
@@ -46,8 +48,10 @@ SHAPES = {   # name: (B, T, N, K, H, causal), the Hopper kernel's targets and he
     "h64full": (8, 2048, 16, 16, 64, False), "gqa": (2, 8192, 32, 8, 128, True),
     "16k": (1, 16384, 16, 16, 128, True), "h256": (2, 4096, 8, 8, 256, True),
     "packed": (1, 8192, 16, 16, 128, True),   # 8 documents of 1024 (benchmarks/features.py's)
+    "alibi": (4, 4096, 16, 16, 128, True), "alibi256": (2, 4096, 8, 8, 256, True),
 }
 DOCUMENTS = {"packed": 8}   # shapes whose row packs documents (segment ids)
+ALIBI = ("alibi", "alibi256")   # shapes with ALiBi's bf16 bias [1, N, T, T] (features.py's)
 _TILES = re.compile(r"^(\d+)x(\d+)x(\d+)$")
 
 
@@ -81,16 +85,17 @@ def _value(text: str):
 
 
 def call_of(name: str):
-  """(q, k, v, dO), the call's keywords (segment ids for a packed row) and the (spec, ops) that
-  dot_product_attention makes of them."""
+  """(q, k, v, dO, the bias or None), the call's keywords (segment ids for a packed row) and the
+  (spec, ops) that dot_product_attention makes of them."""
   B, T, N, K, H, causal = SHAPES[name]
   q, k, v, do = bench.make_inputs(B, T, N, K, H, jnp.bfloat16)
   kwargs = dict(is_causal=causal)
   if name in DOCUMENTS:   # the keys' ids are the queries' (self-attention)
     ids = jnp.repeat(jnp.arange(DOCUMENTS[name], dtype=jnp.int32), T // DOCUMENTS[name])
     kwargs.update(q_segment_ids=jnp.broadcast_to(ids, (B, T)))
-  spec, ops, _ = canonicalize(q, k, v, None, None, Options(implementation=IMPL, **kwargs))
-  return (q, k, v, do), kwargs, spec, ops
+  bias = _alibi((B, T, N, H)) if name in ALIBI else None
+  spec, ops, _ = canonicalize(q, k, v, bias, None, Options(implementation=IMPL, **kwargs))
+  return (q, k, v, do, bias), kwargs, spec, ops
 
 
 def arm_configs(spec, ops, arms: dict) -> dict:
@@ -129,20 +134,22 @@ def bitwise(outputs: dict, base: str = "default") -> dict:
 
 
 def _fns(kwargs: dict, configs: dict) -> dict:
+  """name -> (forward, fwd+bwd), each taking call_of's (q, k, v, dO, bias); the bias (or None)
+  is an argument of the timed programs, not differentiated."""
   def ours(config):
-    return lambda q, k, v: stable_attn.dot_product_attention(
-        q, k, v, implementation=IMPL, max_adjust="safe", config=config, **kwargs)
+    return lambda q, k, v, bias: stable_attn.dot_product_attention(
+        q, k, v, bias, implementation=IMPL, max_adjust="safe", config=config, **kwargs)
   ids = kwargs.get("q_segment_ids")   # cuDNN takes a packed row's documents as a dense mask
   mask = None if ids is None else bench.dense_mask(ids)
-  attends = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, mask=mask, is_causal=kwargs["is_causal"], implementation="cudnn")}
+  attends = {"cudnn": lambda q, k, v, bias: jax.nn.dot_product_attention(
+      q, k, v, bias, mask, is_causal=kwargs["is_causal"], implementation="cudnn")}
   attends.update({name: ours(config) for name, config in configs.items()})
 
   def both(attend):
-    def fb(q, k, v, do):
-      o, vjp = jax.vjp(attend, q, k, v)
+    def fb(q, k, v, do, bias):
+      o, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, bias), q, k, v)
       return (o, *vjp(do))
-    return jax.jit(lambda q, k, v, do: attend(q, k, v)), jax.jit(fb)
+    return jax.jit(lambda q, k, v, do, bias: attend(q, k, v, bias)), jax.jit(fb)
   return {name: both(attend) for name, attend in attends.items()}
 
 
@@ -218,7 +225,9 @@ def main(argv=None):
            f"{args.rounds} alternating rounds of {args.blocks} blocks of {args.calls} calls.", "",
            *(f"- {n}: {bench.shape_name(SHAPES[n])}"
              + (f", {DOCUMENTS[n]} documents (segment ids; cuDNN: a dense mask)"
-                if n in DOCUMENTS else "") for n in shapes), "", HEADER]
+                if n in DOCUMENTS else "")
+             + (", ALiBi bias [1, N, T, T] bf16 (not differentiated)" if n in ALIBI else "")
+             for n in shapes), "", HEADER]
   print("\n".join(lines), flush=True)
   for name in shapes:
     for row in ab_shape(name, arms, args.rounds, args.calls, args.blocks):
