@@ -1501,7 +1501,7 @@ def test_gpu_batch_inner_grid_matches_batch_outer(name, max_adjust):
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("name", ["gqa_h128_lens", "packed_causal_gqa", "bias_mask_causal_gqa",
-                                  "cross_window"])
+                                  "cross_window", "h256_gqa_lens"])
 def test_gpu_heaviest_first_grids_match(name):
   """Grids that launch every head's heaviest CTAs first (TuningConfig.heaviest_first, every
   kernel, none persistent) compute every CTA's tile as the (batch, heads, rows) grids do: O, the
