@@ -523,8 +523,9 @@ _ENTRY_REGISTERS_BIAS_FWD = {128: dict(fwd_producer=True)}
 _ENTRY_REGISTERS_PACKED = {128: dict(refill_lag=2)}
 # The same toolchain, causal calls with few dK/dV key tiles (`_FEW`'s, whose persistent dK/dV
 # kernel needs a producer): the dK/dV grid heaviest first too. B2 T8192 N32 K8 H128 causal (1,024
-# key tiles), fwd+bwd 1.031x and 1.033x the forward's change alone, 1.036x and 1.071x the default
-# with the dQ kernel's too (0.12.0.1; JAX 0.11.2 with 0.12's tiles: 1.042x). H200, one process
+# key tiles), fwd+bwd against the default before: 1.031x and 1.033x (the forward's change alone
+# 0.992x and 1.010x in the same runs), 1.036x and 1.071x with the dQ kernel's too (0.12.0.1; JAX
+# 0.11.2 with 0.12's tiles, every kernel: 1.042x). H200, one process
 # (benchmarks/results/config_ab_nvidia_h200_j012_heaviest*.md).
 _ENTRY_REGISTERS_FEW = {128: dict(heaviest_first=("fwd", "dkv"))}
 
