@@ -33,13 +33,15 @@ __all__ = ["cdiv", "kv_block_range", "q_block_range", "full_kv_range", "full_q_r
 
 def kv_block_range(q_start, block_q: int, block_k: int, num_kv_blocks, *, causal: bool, window,
                    kv_len=None):
-  """Half-open range [lo, hi) of key blocks visible to query rows [q_start, q_start + block_q)."""
+  """Half-open range [lo, hi) of key blocks visible to query rows [q_start, q_start + block_q);
+  0 <= lo <= hi <= num_kv_blocks, also where it is empty (kernels read per-block tables at lo)."""
   first_key = 0
   last_key = num_kv_blocks * block_k - 1
   q_last = q_start + block_q - 1
   if window is not None:
     left, right = window
-    first_key = jnp.maximum(q_start - left, 0)
+    # Clamped to the keys' end: a window's left edge may pass it (T > S).
+    first_key = jnp.minimum(jnp.maximum(q_start - left, 0), num_kv_blocks * block_k)
     last_key = jnp.minimum(last_key, q_last + right)
   if causal:
     last_key = jnp.minimum(last_key, q_last)
@@ -52,7 +54,9 @@ def kv_block_range(q_start, block_q: int, block_k: int, num_kv_blocks, *, causal
 
 def q_block_range(k_start, block_k: int, block_q: int, num_q_blocks, *, causal: bool, window,
                   q_len=None):
-  """Half-open range [lo, hi) of query blocks that see key columns [k_start, k_start + block_k)."""
+  """Half-open range [lo, hi) of query blocks that see key columns [k_start, k_start + block_k);
+  0 <= lo <= hi <= num_q_blocks, also where it is empty (causal keys past the last query row:
+  S > T)."""
   first_row = 0
   last_row = num_q_blocks * block_q - 1
   k_last = k_start + block_k - 1
@@ -64,7 +68,10 @@ def q_block_range(k_start, block_k: int, block_q: int, num_q_blocks, *, causal: 
     last_row = jnp.minimum(last_row, k_last + left)
   if q_len is not None:
     last_row = jnp.minimum(last_row, q_len - 1)
-  first_row = jnp.maximum(first_row, 0)
+  # Clamped to the rows' end: keys past the last row (causal, S > T) would put lo past the tables
+  # that the dK/dV kernel reads at lo under a mask (`mask_order`'s rank: one int32 past its end,
+  # an illegal address where that word was negative).
+  first_row = jnp.minimum(jnp.maximum(first_row, 0), num_q_blocks * block_q)
   lo = first_row // block_q
   hi = jnp.maximum(lo, last_row // block_q + 1)
   return lo, jnp.where(last_row < first_row, lo, hi)

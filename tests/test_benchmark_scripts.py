@@ -197,7 +197,9 @@ def test_config_ab_dry_run_and_its_errors(capsys):
   (q, _, _, _, bias), kwargs, spec, ops = config_ab.call_of("alibi256")   # an argument
   assert bias.shape == (1, 8, 4096, 4096) and ops.bias is not None and "bias" not in kwargs
   assert q.shape == (2, 4096, 8, 256) and float(bias[0, 0, 0, 1]) == -2.0 ** -1   # ALiBi's slope
-  assert mosaic_gpu.default_config(spec, ops).heaviest_first == ()   # bias calls: grid order
+  assert mosaic_gpu.default_config(spec, ops).heaviest_first == ("fwd", "dq", "dkv")   # causal
+  *_, spec, ops = config_ab.call_of("alibi")
+  assert ops.bias is not None and mosaic_gpu.default_config(spec, ops).heaviest_first == ()
   for argv, match in ((["--shapes", "h65"], "unknown h65"),
                       (["--arm", "x:fwd_wgs=5", "--dry-run"], "fwd_wgs must be 2 or 3")):
     with pytest.raises(SystemExit):

@@ -792,7 +792,9 @@ def test_causal_calls_launch_their_grids_heaviest_first(entry_registers, monkeyp
   """tuning._CAUSAL: under a causal mask with nothing else bounding a CTA's work, the forward's
   grid at head dim 128 and every grid at 256 launch heaviest first; with a window, segment ids,
   without a mask, with bias or mask tiles, or at head dim 64, none; where ptxas ignores setmaxnreg
-  and the dK/dV key tiles are few (no persistent dK/dV kernel there), its grid too."""
+  and the dK/dV key tiles are few (no persistent dK/dV kernel there), its grid too.
+  tuning._CAUSAL_BIAS: a causal call with a bias alone, every grid at head dim 256 (not at 128,
+  not with a mask beside the bias or with a window)."""
   monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: entry_registers)
   ids = jnp.zeros((2, 512), jnp.int32)
   order = lambda H, K=4, **kw: mosaic.default_config(
@@ -803,10 +805,89 @@ def test_causal_calls_launch_their_grids_heaviest_first(entry_registers, monkeyp
   assert tuning.table_config(128, causal=True, kv_shape=(64, 8, 4096),
                              entry_registers=entry_registers).heaviest_first == ("fwd",)
   assert order(64, is_causal=True) == ()
+  bias = jnp.zeros((1, 8, 512, 512), bf16)
+  mask = jnp.ones((2, 1, 512, 512), bool)
+  assert order(256, is_causal=True, bias=bias) == ("fwd", "dq", "dkv")
+  assert order(128, is_causal=True, bias=bias) == ()
   for kw in (dict(), dict(is_causal=True, local_window_size=(64, 0)),
              dict(is_causal=True, q_segment_ids=ids, kv_segment_ids=ids),
-             dict(is_causal=True, bias=jnp.zeros((1, 8, 512, 512), bf16))):
+             dict(bias=bias), dict(is_causal=True, local_window_size=(64, 0), bias=bias),
+             dict(is_causal=True, mask=mask)):
     assert order(128, **kw) == () and order(256, **kw) == (), kw
+  assert order(128, is_causal=True, bias=bias, mask=mask) == ()   # 256: does not fit beside both
+
+
+class _Bounded:
+  """A kernel's GMEM table as its scalar loads read it: IndexError for an index outside it (on
+  the GPU, a read of whatever lies there, or an illegal address)."""
+
+  def __init__(self, name, a):
+    self.name, self.a = name, np.asarray(a)
+    self.shape, self.ndim = self.a.shape, self.a.ndim
+
+  def __getitem__(self, index):
+    index = tuple(int(i) for i in (index if isinstance(index, tuple) else (index,)))
+    if len(index) != self.ndim or not all(0 <= i < d for i, d in zip(index, self.shape)):
+      raise IndexError(f"{self.name}{index} outside {self.shape}")
+    return self.a[index]
+
+
+# Calls whose blocks see nothing at some CTAs' edges: keys past the last query row (causal, S >
+# T, lengths), a window's left edge past the keys (T > S), under a block-sparse mask.
+MASK_EDGES = {
+    "causal_s_gt_t_lens": dict(B=2, T=384, S=448, N=4, K=2, H=128, is_causal=True,
+                               q_lens=(384, 300), kv_lens=(448, 250), mask=(2, 1, 384, 448),
+                               sparse_blocks=(64, 0.5), whole_blocks=True),
+    "window_t_gt_s": dict(B=1, T=640, S=192, N=2, K=1, H=64, window=(64, 0),
+                          mask=(1, 2, 640, 192), sparse_blocks=(64, 0.3), whole_blocks=True),
+}
+
+
+@pytest.mark.parametrize("entry_registers", [False, True])
+@pytest.mark.parametrize("name", list(MASK_EDGES))
+def test_mask_tables_are_read_inside_their_bounds(name, entry_registers, monkeypatch):
+  """Under a mask every CTA of the three kernels reads the mask's block tables (Ranges: the
+  compacted order's rank and order, the blocks' flags and ranges) at indices inside them: the
+  union's and each warpgroup's bounds, the first block and the prefetched one, for every batch
+  row, head and CTA of the table's config. (`blocks.q_block_range` once put the dK/dV kernel's
+  empty key tiles past the last query block, so rank was read one past its end: an illegal
+  address on the GPU where that word was negative.)"""
+  monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: entry_registers)
+  (q, k, v, bias, mask), kwargs, _ = cases.make_inputs(dict(MASK_EDGES[name]), bf16, 5)
+  spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(**kwargs))
+  config = mosaic.default_config(spec, ops)
+  call = mosaic._call(spec, config, ops)
+  x = mosaic._padded(ops, call)
+  refs = x._replace(q_lens=_Bounded("q_lens", x.q_lens), kv_lens=_Bounded("kv_lens", x.kv_lens))
+  bounded = lambda r, kernel: common.Ranges(*(None if a is None else _Bounded(f"{kernel}.{f}", a)
+                                              for f, a in zip(r._fields, r)))
+  geo = call.geo
+
+  def reads(order, bounds, stages):
+    first, stop = int(order.first), int(order.stop)
+    assert 0 <= first <= stop
+    for lo, flo, fhi, hi in bounds:
+      assert first <= int(order.rank(lo)) <= int(order.rank(flo)) <= int(order.rank(fhi)) \
+          <= int(order.rank(hi)) <= stop
+    order.block(first), order.block(first + stages)
+
+  for kernel in ("fwd", "dq"):
+    tiles, wgs = getattr(config, kernel), getattr(config, f"{kernel}_wgs")
+    ranges = bounded(common.block_ranges(x, tiles.block_q, tiles.block_kv, "query"), kernel)
+    for b, n, index in itertools.product(range(geo.B), range(geo.N),
+                                         range(common.cta_rows(call, wgs, tiles.block_q, 0)[0])):
+      cta = common.query_cta(call, ranges, b, n, call.lengths(refs, b), wgs=wgs,
+                             bq=tiles.block_q, bk=tiles.block_kv, index=index)
+      reads(cta.order, [cta.mine(cta.start + w * tiles.block_q) for w in range(wgs)],
+            tiles.stages)
+  tiles, wgs = config.dkv, config.dkv_key_wgs
+  ranges = bounded(common.block_ranges(x, tiles.block_q, tiles.block_kv, "key", geo.G), "dkv")
+  for b, kvh, index in itertools.product(range(geo.B), range(geo.K),
+                                         range(common.key_ctas(call, wgs, tiles.block_kv))):
+    cta = common.key_cta(call, refs, ranges, b, kvh, index, wgs=wgs, bk=tiles.block_kv,
+                         bq=tiles.block_q)
+    reads(cta.order, [common.clamp_ranges(cta.q_ranges(cta.start + w * tiles.block_kv),
+                                          *cta.union) for w in range(wgs)], tiles.stages)
 
 
 @pytest.mark.parametrize("H", [64, 128])
@@ -1501,7 +1582,7 @@ def test_gpu_batch_inner_grid_matches_batch_outer(name, max_adjust):
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("name", ["gqa_h128_lens", "packed_causal_gqa", "bias_mask_causal_gqa",
-                                  "cross_window", "h256_gqa_lens"])
+                                  "cross_window", "h256_gqa_lens", "bias_h256_gqa_lens"])
 def test_gpu_heaviest_first_grids_match(name):
   """Grids that launch every head's heaviest CTAs first (TuningConfig.heaviest_first, every
   kernel, none persistent) compute every CTA's tile as the (batch, heads, rows) grids do: O, the

@@ -69,6 +69,39 @@ def test_intersection_with_causal_ranges_keeps_every_visible_block():
           assert tiles[:, j].all(), (i, j, (lo, flo, fhi, hi))
 
 
+def test_block_ranges_stay_inside_their_tables():
+  """kv_sections / q_sections: 0 <= lo <= flo <= fhi <= hi <= the block count, also for blocks
+  that see nothing (keys past the last query row under a causal mask, a window's edge past the
+  other side, lengths' shift), since kernels read per-block tables (mask_order's rank, of
+  length n + 1) at lo and hi; and every visible (row, key) pair lies in [lo, hi)."""
+  rng = np.random.default_rng()
+  for _ in range(300):
+    bq, bk = (int(x) for x in rng.choice([16, 32, 64], 2))
+    nq, nk = (int(x) for x in rng.integers(1, 9, 2))
+    q_len, kv_len = int(rng.integers(0, nq * bq + 1)), int(rng.integers(0, nk * bk + 1))
+    shift = int(rng.integers(-nq * bq, nk * bk + 1)) if rng.integers(2) else 0
+    causal = bool(rng.integers(2))
+    window = None if rng.integers(2) else tuple(int(x) for x in rng.integers(0, 130, 2))
+    rows, keys = np.arange(nq * bq)[:, None] + shift, np.arange(nk * bk)[None]
+    seen = (rows - shift < q_len) & (keys < kv_len)
+    seen &= (keys <= rows) if causal else True
+    if window is not None:
+      seen &= (keys >= rows - window[0]) & (keys <= rows + window[1])
+    common = dict(causal=causal, window=window, q_len=q_len, kv_len=kv_len, has_mask=False)
+    for per, n_own, n_other, b_own, b_other in (("query", nq, nk, bq, bk), ("key", nk, nq, bk, bq)):
+      for i in range(n_own):
+        if per == "query":
+          got = blocks.kv_sections(i * bq, bq, bk, nk, **common, shift=shift)
+          tile = seen[i * bq:(i + 1) * bq].reshape(bq, nk, bk).any(axis=(0, 2))
+        else:
+          got = blocks.q_sections(i * bk, bk, bq, nq, **common, shift=shift)
+          tile = seen[:, i * bk:(i + 1) * bk].reshape(nq, bq, bk).any(axis=(1, 2))
+        lo, flo, fhi, hi = (int(x) for x in got)
+        assert 0 <= lo <= flo <= fhi <= hi <= n_other, (per, i, (lo, flo, fhi, hi))
+        visible = np.flatnonzero(tile)
+        assert all(lo <= j < hi for j in visible), (per, i, (lo, hi), visible)
+
+
 @pytest.mark.parametrize("per", ["query", "key"])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_mask_sections_match_brute_force(per, groups):

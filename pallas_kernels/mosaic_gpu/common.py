@@ -383,7 +383,9 @@ class KeyCta(NamedTuple):
     per_head = order.stop - order.first
 
     def block(t):
-      g = lax.div(t, per_head)
+      # A tile with no query block to stream (per_head 0) still prefetches one position, never
+      # loaded: no division by zero there (undefined in the kernel's LLVM IR).
+      g = lax.div(t, jnp.maximum(per_head, 1))
       return kvh * groups + g, order.block(order.first + t - g * per_head)
     return per_head, block
 

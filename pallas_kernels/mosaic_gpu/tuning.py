@@ -439,10 +439,16 @@ _FEW = {128: dict(dkv_persistent=True)}
 #     0.979x with the dK/dV kernel heaviest first at B4 T4096 (its 132 CTAs then stream the Q and
 #     dO of 64 heads, not 4: L2), 0.99-1.01x elsewhere; the dQ kernel's 0.99-1.02x (H200,
 #     benchmarks/results/config_ab_nvidia_h200_j01{1,2}_heaviest*.md).
-# Not measured with bias or mask tiles, and not where every query sees every key (equal tiles:
-# the heaviest-first order only spreads a wave over more heads; at B8 T2048 N16 H64 full every
-# kernel heaviest first ran 0.92x on 0.12).
+# Not where every query sees every key (equal tiles: the heaviest-first order only spreads a wave
+# over more heads; at B8 T2048 N16 H64 full every kernel heaviest first ran 0.92x on 0.12). With a
+# bias alone (`_CAUSAL_BIAS`), ALiBi [1, N, T, T] bf16, fwd+bwd against the grid order: at head
+# dim 256 (B2 T4096 N8 causal, the two dK/dV passes) every kernel 1.103x and 1.098x (JAX 0.11.2),
+# 1.166x (0.12.0.1), the forward alone 1.02-1.05x; at 128 (B4 T4096 N16) every kernel 0.94-0.95x,
+# the forward alone 0.97-0.98x, its kernel 0.87-0.90x as fast (not profiled), so 128 keeps the
+# grid order there (benchmarks/results/config_ab_nvidia_h200_j01{1,2}_heaviest_alibi*.md). Masks
+# and windows: not measured.
 _CAUSAL = {128: dict(heaviest_first=("fwd",)), 256: dict(heaviest_first=("fwd", "dq", "dkv"))}
+_CAUSAL_BIAS = {256: dict(heaviest_first=("fwd", "dq", "dkv"))}
 
 
 # The "fp8" preset's FP8 forward (a top-key residual tile and a second P V product a step:
@@ -555,7 +561,7 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
   changes (and `_ENTRY_REGISTERS_FULL`'s where full, `_ENTRY_REGISTERS_PACKED`'s where packed,
   `_ENTRY_REGISTERS_FEW`'s where causal with few key tiles) where there are no bias or mask
   tiles, `_ENTRY_REGISTERS_BESIDE`'s where there are (and `_ENTRY_REGISTERS_BIAS_FWD`'s for a
-  bias alone)."""
+  bias alone); a causal call with a bias alone: `_CAUSAL_BIAS`'s."""
   if head_dim not in TABLE:
     raise ValueError(f"pallas_mosaic_gpu covers head dims {HEAD_DIMS}, got {head_dim}")
   config = TABLE[head_dim]
@@ -582,7 +588,8 @@ def table_config(head_dim: int, itemsize: int = 2, *, full: bool = False, dense:
                           **(_ENTRY_REGISTERS_BESIDE.get(head_dim, {}) if entry_registers
                              else {}),
                           **(_ENTRY_REGISTERS_BIAS_FWD.get(head_dim, {})
-                             if entry_registers and bias_only else {}))
+                             if entry_registers and bias_only else {}),
+                          **(_CAUSAL_BIAS.get(head_dim, {}) if causal and bias_only else {}))
   # Each kernel's shared memory is its own: each takes the first of its options that fits (the
   # dQ kernel keeps delta's O tile before it gives up 64-key blocks; without it, XLA's delta).
   alone = {**(_BIAS_FULL_FWD if full or dense else _BIAS_FWD), **_BIAS_APART}   # a bias alone
