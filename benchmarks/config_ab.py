@@ -186,6 +186,11 @@ HEADER = ("| shape | arm | fwd ms | fwd+bwd ms | fwd x cuDNN | fwd+bwd x cuDNN |
           "| bitwise the default's | changes |\n|---|---|---:|---:|---:|---:|---:|---|---|")
 
 
+def _quoted(arm: str) -> str:
+  """An arm as a shell takes it back (tuple values hold quotes and parentheses)."""
+  return arm if re.fullmatch(r"[\w:=.,+-]+", arm) else f'"{arm}"'
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shapes", default="h128", help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -221,7 +226,7 @@ def main(argv=None):
   device = jax.devices()[0].device_kind
   lines = [f"# TuningConfig A/B on {device}", "",
            f"JAX {jax.__version__}; `python benchmarks/config_ab.py --shapes {args.shapes} "
-           + " ".join(f"--arm {a}" for a in args.arm) + "`; bf16, \"safe\"; median of "
+           + " ".join(f"--arm {_quoted(a)}" for a in args.arm) + "`; bf16, \"safe\"; median of "
            f"{args.rounds} alternating rounds of {args.blocks} blocks of {args.calls} calls.", "",
            *(f"- {n}: {bench.shape_name(SHAPES[n])}"
              + (f", {DOCUMENTS[n]} documents (segment ids; cuDNN: a dense mask)"

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 
 import jax
 import jax.numpy as jnp
@@ -200,6 +201,9 @@ def test_config_ab_dry_run_and_its_errors(capsys):
   assert mosaic_gpu.default_config(spec, ops).heaviest_first == ("fwd", "dq", "dkv")   # causal
   *_, spec, ops = config_ab.call_of("alibi")
   assert ops.bias is not None and mosaic_gpu.default_config(spec, ops).heaviest_first == ()
+  for arm in ("x:dkv=64x64x3", "f:heaviest_first=('fwd',)", "hf:dkv_persistent=False,"
+              "heaviest_first=('fwd','dq')"):   # the results' header: commands a shell takes back
+    assert shlex.split(config_ab._quoted(arm)) == [arm]
   for argv, match in ((["--shapes", "h65"], "unknown h65"),
                       (["--arm", "x:fwd_wgs=5", "--dry-run"], "fwd_wgs must be 2 or 3")):
     with pytest.raises(SystemExit):
