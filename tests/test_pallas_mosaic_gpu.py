@@ -833,21 +833,25 @@ class _Bounded:
 
 
 # Calls whose blocks see nothing at some CTAs' edges: keys past the last query row (causal, S >
-# T, lengths), a window's left edge past the keys (T > S), under a block-sparse mask.
+# T, lengths), a window's left edge past the keys (T > S), under a block-sparse mask or with
+# segment ids.
 MASK_EDGES = {
     "causal_s_gt_t_lens": dict(B=2, T=384, S=448, N=4, K=2, H=128, is_causal=True,
                                q_lens=(384, 300), kv_lens=(448, 250), mask=(2, 1, 384, 448),
                                sparse_blocks=(64, 0.5), whole_blocks=True),
     "window_t_gt_s": dict(B=1, T=640, S=192, N=2, K=1, H=64, window=(64, 0),
                           mask=(1, 2, 640, 192), sparse_blocks=(64, 0.3), whole_blocks=True),
+    # Segment ids' tables, with three warpgroups where T leaves the last CTA's first ones idle.
+    "packed_idle_rows": dict(B=2, T=320, S=448, N=4, K=2, H=64, is_causal=True, segments=True,
+                             q_lens=(320, 150), kv_lens=(448, 200)),
 }
 
 
 @pytest.mark.parametrize("entry_registers", [False, True])
 @pytest.mark.parametrize("name", list(MASK_EDGES))
 def test_mask_tables_are_read_inside_their_bounds(name, entry_registers, monkeypatch):
-  """Under a mask every CTA of the three kernels reads the mask's block tables (Ranges: the
-  compacted order's rank and order, the blocks' flags and ranges) at indices inside them: the
+  """Under a mask or segment ids every CTA of the three kernels reads the block tables (Ranges:
+  the compacted order's rank and order, the blocks' flags and ranges) at indices inside them: the
   union's and each warpgroup's bounds, the first block and the prefetched one, for every batch
   row, head and CTA of the table's config. (`blocks.q_block_range` once put the dK/dV kernel's
   empty key tiles past the last query block, so rank was read one past its end: an illegal
