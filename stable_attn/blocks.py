@@ -70,7 +70,7 @@ def q_block_range(k_start, block_k: int, block_q: int, num_q_blocks, *, causal: 
     last_row = jnp.minimum(last_row, q_len - 1)
   # Clamped to the rows' end: keys past the last row (causal, S > T) would put lo past the tables
   # that the dK/dV kernel reads at lo under a mask (`mask_order`'s rank: one int32 past its end,
-  # an illegal address where that word was negative).
+  # whatever lies there then indexing the order).
   first_row = jnp.minimum(jnp.maximum(first_row, 0), num_q_blocks * block_q)
   lo = first_row // block_q
   hi = jnp.maximum(lo, last_row // block_q + 1)
