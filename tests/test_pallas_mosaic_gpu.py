@@ -854,8 +854,8 @@ def test_mask_tables_are_read_inside_their_bounds(name, entry_registers, monkeyp
   the compacted order's rank and order, the blocks' flags and ranges) at indices inside them: the
   union's and each warpgroup's bounds, the first block and the prefetched one, for every batch
   row, head and CTA of the table's config. (`blocks.q_block_range` once put the dK/dV kernel's
-  empty key tiles past the last query block, so rank was read one past its end: an illegal
-  address on the GPU where that word was negative.)"""
+  empty key tiles past the last query block, so rank was read one past its end, and what lay
+  there indexed the order.)"""
   monkeypatch.setattr(tuning, "registers_fixed_at_entry", lambda version: entry_registers)
   (q, k, v, bias, mask), kwargs, _ = cases.make_inputs(dict(MASK_EDGES[name]), bf16, 5)
   spec, ops, _ = canonicalize(q, k, v, bias, mask, Options(**kwargs))
@@ -873,7 +873,7 @@ def test_mask_tables_are_read_inside_their_bounds(name, entry_registers, monkeyp
     for lo, flo, fhi, hi in bounds:
       assert first <= int(order.rank(lo)) <= int(order.rank(flo)) <= int(order.rank(fhi)) \
           <= int(order.rank(hi)) <= stop
-    order.block(first), order.block(first + stages)
+    order.block(first), order.block(first + stages)   # read before the loop, and prefetched
 
   for kernel in ("fwd", "dq"):
     tiles, wgs = getattr(config, kernel), getattr(config, f"{kernel}_wgs")

@@ -88,7 +88,7 @@ def test_block_ranges_stay_inside_their_tables():
     if window is not None:
       seen &= (keys >= rows - window[0]) & (keys <= rows + window[1])
     common = dict(causal=causal, window=window, q_len=q_len, kv_len=kv_len, has_mask=False)
-    for per, n_own, n_other, b_own, b_other in (("query", nq, nk, bq, bk), ("key", nk, nq, bk, bq)):
+    for per, n_own, n_other in (("query", nq, nk), ("key", nk, nq)):
       for i in range(n_own):
         if per == "query":
           got = blocks.kv_sections(i * bq, bq, bk, nk, **common, shift=shift)
