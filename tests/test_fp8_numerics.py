@@ -140,15 +140,18 @@ def test_fp8_preset_keeps_safe_about_as_accurate_as_off():
   """Near-one-hot rows (jax.nn's bias-gradient test): with the top key's P_bar in e4m3, "safe"'s
   weight w of the row's maximum rounds on a 1/16 grid (up to 3% of a key holding ~90% of the
   row), and delta = rowsum(dO * O) carries that into dQ: ~25x "off"'s largest dQ error. With it
-  in bf16 (p_top=input, the "fp8" preset) "safe" is within ~2.5x of "off", as with bf16 P."""
+  in bf16 (p_top=input, the "fp8" preset) "safe" is within ~2.5x of "off", as with bf16 P: the
+  ratio of the largest dQ errors ran 1.5-3.3x over seeds 0-59 and 5.1x in one CI draw (a maximum
+  over the call), with the top in e4m3 23-45x (seeds 0-11)."""
   from stable_attn.diagnostics import accuracy
   top_e4m3 = _FP8_P.replace("+p_top=input", "")
   arms = [accuracy.Arm("reference", mode, nx) for mode, nx in
           (("off", _FP8_P), ("safe", _FP8_P), ("safe", top_e4m3))]
-  results, _ = accuracy.measure(arms, ("one-hot",), seed=int(np.random.default_rng().integers(
-      1 << 16)), shapes={"one-hot": (4, 128, 128, 2, 64)})
+  seed = int(np.random.default_rng().integers(1 << 16))
+  results, _ = accuracy.measure(arms, ("one-hot",), seed=seed,
+                                shapes={"one-hot": (4, 128, 128, 2, 64)})
   dq = [r.stats["dQ"].max_abs for r in results]
-  assert dq[1] < 4 * dq[0] and dq[2] > 10 * dq[0], dq
+  assert dq[1] < 6 * dq[0] and dq[2] > 10 * dq[0], (dq, seed)
 
 
 @pytest.mark.parametrize("max_adjust, numerics_name, warns", [
