@@ -6,6 +6,7 @@
     PYTHONPATH=. python benchmarks/fp8.py --plot benchmarks/results/fp8_nvidia_h200.md   # its .png
   PYTHONPATH=. python benchmarks/fp8.py --backward   # the FP8 backward's kernels alone
   PYTHONPATH=. python benchmarks/fp8.py --profile --shapes 0 --arms bf16,fp8_bwd   # by kernel
+  PYTHONPATH=. python benchmarks/fp8.py --payloads --shapes 0,1   # the api's e4m3 payloads, A/B
 
 Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu" unless named):
   cudnn     jax.nn.dot_product_attention(implementation="cudnn")
@@ -33,6 +34,7 @@ ERROR_SHAPE. Writes benchmarks/results/fp8_<device>.md and .png (`plot`) and pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -46,6 +48,7 @@ from benchmarks import attention as bench  # noqa: E402
 from pallas_kernels import mosaic_gpu as mosaic  # noqa: E402
 from stable_attn import fp8  # noqa: E402
 from stable_attn.api import Options, canonicalize  # noqa: E402
+from stable_attn.layout import Geometry  # noqa: E402
 from stable_attn.reference import exact_attention_vjp  # noqa: E402
 from stable_attn.spec import OPERANDS  # noqa: E402
 
@@ -81,7 +84,7 @@ def quantize_only(q, k, v):
   """The fp8 arm's preamble: quantize (the API) and e4m3 payloads with V^T (the backend's)."""
   q, k, v, scales = fp8.quantize_inputs(q, k, v, "e4m3")
   ops = OPERANDS.make(q=q, k=k, v=v, **scales)
-  x = mosaic._fp8_operands(ops, ops, q.shape[2] // k.shape[2],
+  x = mosaic._fp8_operands(ops, ops, Geometry.of(ops).padded(1, 1), q.shape[2] // k.shape[2],
                            mosaic.tuning.table_config(q.shape[-1]).fp8_p_registers)
   return x.q, x.k, x.v, x.qk_descale, x.v_descale
 
@@ -205,6 +208,57 @@ def preamble(shape, calls, blocks) -> str:
   for name, (fn, *args) in parts.items():
     t = bench.time_calls(jax.jit(fn), tuple(args), calls, blocks)
     lines.append(f"| {shape} | {name} | {t * 1e3:.3f} |")
+  return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _casting_again():
+  """Calls traced inside see no e4m3 payload rows (fp8.PAYLOAD_ROWS): the Hopper backend casts the
+  quantized values again, as before the api handed the payloads over."""
+  full = fp8.quantize_inputs
+
+  def scales_only(*args, **kwargs):
+    q, k, v, rows = full(*args, **kwargs)
+    return q, k, v, {name: rows[name] for name in fp8.SCALE_ROWS if name in rows}
+  fp8.quantize_inputs = scales_only
+  try:
+    yield
+  finally:
+    fp8.quantize_inputs = full
+
+
+def payload_ab(shapes, calls, blocks, rounds=5, implementation="pallas_mosaic_gpu") -> str:
+  """Markdown: the FP8 arms with the api's e4m3 payloads ("payloads") against the backend casting
+  the quantized values again ("cast again"), bf16 beside them, every arm of a shape timed in
+  alternating rounds (bench.alternating_rounds); and whether O and the gradients are bitwise
+  the same both ways."""
+  lines = ["| shape | arm | operands | fwd ms | fwd+bwd ms | fwd x bf16 | fwd+bwd x bf16 |"
+           " bitwise |", "|---|---|---|---:|---:|---:|---:|---|"]
+  for shape in shapes:
+    q, k, v, do = bench.make_inputs(*shape, jnp.bfloat16)
+    calls_of = {}
+    for arm in ("bf16", "fp8", "fp8_given", "fp8_bwd"):
+      for how in (("payloads", "cast again") if arm != "bf16" else ("-",)):
+        with _casting_again() if how == "cast again" else contextlib.nullcontext():
+          f, g = jitted_calls(arm, implementation, (q, k, v))
+          # Both traced here, inside the context (jit traces at the first call).
+          out = jax.block_until_ready((f(q, k, v), g(q, k, v, do)))
+        calls_of[arm, how] = (f, g, out)
+    arms = {}
+    for key, (f, g, _) in calls_of.items():
+      arms[key + ("fwd",)] = (f, (q, k, v))
+      arms[key + ("fb",)] = (g, (q, k, v, do))
+    t = bench.alternating_rounds(arms, rounds, calls, blocks)
+    for (arm, how), (_, _, out) in calls_of.items():
+      other = calls_of.get((arm, "cast again"))
+      same = "-" if how != "payloads" else str(all(
+          bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(out),
+                                                      jax.tree.leaves(other[2]))))
+      fwd, fb = t[arm, how, "fwd"], t[arm, how, "fb"]
+      B, T, N, _, H = shape
+      lines.append(f"| B{B} T{T} N{N} H{H} | {arm} | {how} | {fwd * 1e3:.3f} | "
+                   f"{fb * 1e3:.3f} | {t['bf16', '-', 'fwd'] / fwd:.3f} | "
+                   f"{t['bf16', '-', 'fb'] / fb:.3f} | {same} |")
   return "\n".join(lines) + "\n"
 
 
@@ -358,6 +412,8 @@ def main(argv=None) -> int:
                       help="comma list of indices into SHAPES (default: all)")
   parser.add_argument("--backward", action="store_true",
                       help="the FP8 backward's kernels alone against the bf16 ones, only")
+  parser.add_argument("--payloads", action="store_true",
+                      help="the FP8 arms with and without the api's e4m3 payloads (A/B), only")
   parser.add_argument("--profile", action="store_true",
                       help="each of --arms' GPU time by kernel and XLA pass (profiler), only")
   args = parser.parse_args(argv)
@@ -373,6 +429,10 @@ def main(argv=None) -> int:
     return 0
   if args.preamble:
     print(preamble(SHAPES[0], args.calls, args.blocks))
+    return 0
+  if args.payloads:   # --smoke: the code path on the CPU (the reference reads no payloads)
+    print(payload_ab([(1, 256, 2, 2, 128)], 2, 2, 1, "reference") if args.smoke else
+          payload_ab(shapes, args.calls, args.blocks))
     return 0
   if args.sweep:
     variants = tuple(v for v in args.sweep_variants.split(",") if v)

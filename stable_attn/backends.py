@@ -139,9 +139,9 @@ def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, confi
   if reason is not None:
     raise ValueError(f"implementation={implementation!r} does not cover this call: {reason}")
   if not getattr(backend, "FP8_SCALES", False):
-    # q, k and v's FP8 scales are for a backend that builds e4m3 payloads from them (FP8_SCALES =
-    # True); the others compute on the quantized values alone.
-    ops = ops._replace(**dict.fromkeys(fp8.SCALE_ROWS))
+    # q, k and v's FP8 scales and e4m3 payloads are for a backend whose kernels read e4m3
+    # (FP8_SCALES = True); the others compute on the quantized values alone.
+    ops = ops._replace(**dict.fromkeys(fp8.ROWS))
   if qkv is not None and hasattr(backend, "attention_qkvpacked"):
     return backend.attention_qkvpacked(spec, ops, qkv, config)
   if not getattr(backend, "SHARDS_ITSELF", False):

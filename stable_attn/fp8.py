@@ -54,6 +54,16 @@ def quantize(x: jax.Array) -> jax.Array:
   return quantize_under(x, jax.lax.stop_gradient(head_scales(x)))
 
 
+def _saturated(x: jax.Array, s: jax.Array) -> jax.Array:
+  """x * s in fp32, finite values clipped to +-448 (an inf or NaN stays NaN: 0 * y is NaN there,
+  so a bad input stays visible). s: the scales broadcast against x."""
+  y = x.astype(jnp.float32) * s
+  # Not jnp.where(jnp.isfinite(y), ...): with it XLA split V's quantize-transpose-cast fusion and
+  # wrote V^T in fp32, 0.5 ms more per FP8 call at B4 T4096 N16 H128 on an H200 (1.23 against
+  # 0.71 ms forward).
+  return jnp.clip(y, -_MAX, _MAX) + 0 * y
+
+
 @jax.custom_vjp
 def quantize_under(x: jax.Array, scales: jax.Array) -> jax.Array:
   """x [B, T, N, H] rounded to e4m3 under `scales` [N] (powers of two, `head_scales` of x or of
@@ -64,30 +74,41 @@ def quantize_under(x: jax.Array, scales: jax.Array) -> jax.Array:
   s = scales[None, None, :, None]
   # tile.round_exact, not a cast pair: XLA's excess-precision simplification drops
   # f32 -> e4m3 -> f32 (the compiled kernels then got the unquantized inputs).
-  y = x.astype(jnp.float32) * s
-  # Saturation for finite values only: 0 * y is NaN where y is inf or NaN, so those stay visible.
-  # Not jnp.where(jnp.isfinite(y), ...): with it XLA split V's quantize-transpose-cast fusion and
-  # wrote V^T in fp32, 0.5 ms more per FP8 call at B4 T4096 N16 H128 on an H200 (1.23 against
-  # 0.71 ms forward).
-  rounded = tile.round_exact(jnp.clip(y, -_MAX, _MAX) + 0 * y, E4M3)
-  return (rounded / s).astype(x.dtype)
+  return (tile.round_exact(_saturated(x, s), E4M3) / s).astype(x.dtype)
 
 
 quantize_under.defvjp(lambda x, s: (quantize_under(x, s), s),
                       lambda s, g: (g, jnp.zeros_like(s)))
 
+
+def payload_under(x: jax.Array, scales: jax.Array) -> jax.Array:
+  """x [B, T, N, H] -> float8_e4m3fn [B, T, N, H]: `quantize_under(x, scales) * scales` (the same
+  values, bitwise), made by one cast from x. Not differentiable (an FP8 kernel's operand; the
+  gradient reaches x through `quantize_under`'s values)."""
+  return _saturated(jax.lax.stop_gradient(x), scales[None, None, :, None]).astype(E4M3)
+
+
 SCALE_ROWS = ("q_scale", "k_scale", "v_scale")
+# q, k and v's e4m3 payloads (`payload_under`), for a backend whose kernels read e4m3: made from
+# the unquantized inputs in the pass that reads them, not from the quantized values in a second
+# one (XLA cannot see that quantize_under's values times the scale are the payload: its fused
+# quantize-and-cast took 250 us for q, k and v at B4 T4096 N16 H128 on an H200, the cast alone
+# with V^T 140 us).
+PAYLOAD_ROWS = ("q_e4m3", "k_e4m3", "v_e4m3")
+ROWS = SCALE_ROWS + PAYLOAD_ROWS   # what only a backend with FP8_SCALES reads
 
 
 def quantize_inputs(q, k, v, qkv: str, scales=None):
-  """-> (q, k, v, scales): q, k, v as the numerics' `qkv` field says, unchanged ("input") or each
+  """-> (q, k, v, fp8_rows): q, k, v as the numerics' `qkv` field says, unchanged ("input") or each
   `quantize_under` its per-head scales ("e4m3"): the given (q_scale, k_scale, v_scale), or None
-  for each one's `head_scales`; scales: {} or those per-head scales by operand row (SCALE_ROWS:
-  [N], [K], [K] fp32), which an FP8 kernel multiplies by to get its e4m3 payloads without
-  measuring the heads again."""
+  for each one's `head_scales`; fp8_rows: {} or, by operand row (ROWS), those per-head scales
+  (SCALE_ROWS: [N], [K], [K] fp32) and the e4m3 payloads (PAYLOAD_ROWS: q, k, v's values times
+  their scales, `payload_under`), which an FP8 kernel reads; under jit a caller that does not
+  read the payloads does not compute them."""
   if qkv == "input":
     return q, k, v, {}
   scales = [jax.lax.stop_gradient(head_scales(x) if scales is None else s)
             for x, s in zip((q, k, v), scales or (None,) * 3)]
+  payloads = [payload_under(x, s) for x, s in zip((q, k, v), scales)]
   q, k, v = (quantize_under(x, s) for x, s in zip((q, k, v), scales))
-  return q, k, v, dict(zip(SCALE_ROWS, scales))
+  return q, k, v, dict(zip(ROWS, scales + payloads))

@@ -90,7 +90,7 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, 
                                                   custom_partitioning)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, auto_axes
 
-from stable_attn import context, tile
+from stable_attn import context, fp8, tile
 from stable_attn.spec import (LSE_AXES, PARTITIONABLE, ROW_AXES, Operand, OperandTable, is_packed,
                               unpack)
 
@@ -507,12 +507,22 @@ def _context_calls(spec, axes: _Axes, ops):
           for chunk, fields in runs]
 
 
+def _sequence_local(axes: _Axes, ops):
+  """ops without q, k and v's e4m3 payloads where the sequence is split: the strategies cut and
+  move q, k and v by name (runs, ring blocks), so a kernel call makes its payloads from the
+  quantized values it gets (pallas_kernels.mosaic_gpu._fp8_operands), never from another run's."""
+  if axes.seq is None or not hasattr(ops, fp8.PAYLOAD_ROWS[0]):
+    return ops
+  return ops._replace(**dict.fromkeys(fp8.PAYLOAD_ROWS))
+
+
 def _zigzag(spec, axes: _Axes) -> bool:
   return spec.context_layout == "zigzag" and axes.seq_devices > 1
 
 
 def _context_forward(forward: Callable, spec, config, axes: _Axes, ops, fp32_steps=False):
   """(O, O residual, LSE) of one device: its runs' kernel calls, joined along the queries."""
+  ops = _sequence_local(axes, ops)
   if axes.strategy == "ring":   # _axes: "allgather" wherever the sequence is whole
     return _ring_forward(forward, spec, config, axes, ops, fp32_steps)
   if axes.strategy == "alltoall":
@@ -531,6 +541,7 @@ def _context_backward(backward: Callable, spec, config, axes: _Axes, ops, o_res,
   dv stacked into its dqkv."""
   if axes.seq is None:
     return backward(spec, config, ops, o_res, lse, do, dlse)
+  ops = _sequence_local(axes, ops)
   if axes.strategy == "ring":
     return _ring_backward(backward, spec, config, axes, ops, o_res, lse, do, dlse)
   if axes.strategy == "alltoall":

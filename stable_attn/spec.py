@@ -66,7 +66,7 @@ class Operand:
     name: the field of `Operands`.
     axes: logical axes of its dims (see the module docstring); "batch" comes first when present.
     dtype: "input" (q's dtype), "float" (any floating dtype), "bool", "int" (any integer dtype,
-      stored as int32) or "float32".
+      stored as int32), "float32" or "e4m3" (float8_e4m3fn).
     fill: how padding of its "query", "key" and "head_dim" dims is filled: "zero" (0 / False) or
       "edge" (the last value repeated: a block's id range stays as tight as its real ids).
     counts: for lengths, the axis they count; they are clamped to that axis's size.
@@ -183,6 +183,11 @@ OPERANDS = OperandTable([
     Operand("q_scale", ("heads",), "float32", optional=True, arg="fp8_scales[0] (q_scale)"),
     Operand("k_scale", ("kv_heads",), "float32", optional=True, arg="fp8_scales[1] (k_scale)"),
     Operand("v_scale", ("kv_heads",), "float32", optional=True, arg="fp8_scales[2] (v_scale)"),
+    # ... and q, k and v times those scales as e4m3 (stable_attn.fp8.payload_under), the values an
+    # FP8 kernel reads: cast from the unquantized inputs, in the pass that reads them.
+    Operand("q_e4m3", ROW_AXES, "e4m3", optional=True),
+    Operand("k_e4m3", ("batch", "key", "kv_heads", "head_dim"), "e4m3", optional=True),
+    Operand("v_e4m3", ("batch", "key", "kv_heads", "head_dim"), "e4m3", optional=True),
     # An FP8 kernel's descale factors, per query head (built by the backend from the scales
     # above): the scores' (q's times its kv head's k's) and O's (v's).
     Operand("qk_descale", ("heads",), "float32", optional=True),

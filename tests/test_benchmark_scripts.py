@@ -232,6 +232,25 @@ def test_fp8_profile_takes_attention_arms_and_runs_both_passes(capsys):
       "(1, 64, 2, 2, 64) bf16, fwd", "(1, 64, 2, 2, 64) bf16, fwd+bwd"], text
 
 
+@pytest.mark.slow
+def test_fp8_payloads_ab_hides_the_payloads_from_one_side(capsys):
+  """benchmarks/fp8.py --payloads: each FP8 arm traced with and without the api's e4m3 payload
+  rows (inside `_casting_again` quantize_inputs hands over the scales only, and the real
+  function is back afterwards), one row per arm and side with a bitwise column (on a CPU the
+  reference, which reads no payloads: the two sides are then bitwise equal)."""
+  full = fp8.fp8.quantize_inputs
+  x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+  with fp8._casting_again():
+    assert set(fp8.fp8.quantize_inputs(x, x, x, "e4m3")[3]) == set(fp8.fp8.SCALE_ROWS)
+  assert fp8.fp8.quantize_inputs is full
+  fp8.main(["--payloads", "--smoke"])
+  rows = re.findall(r"^\| B1 T256 N2 H128 \| (\w+) \| ([a-z -]+) \|.* \| (\S+) \|$",
+                    capsys.readouterr().out, re.M)
+  assert rows == [("bf16", "-", "-")] + [(arm, how, "True" if how == "payloads" else "-")
+                                         for arm in ("fp8", "fp8_given", "fp8_bwd")
+                                         for how in ("payloads", "cast again")], rows
+
+
 def test_config_ab_rounds_and_bitwise_column():
   x = jnp.arange(8.0)
   fns = {name: (jax.jit(f), jax.jit(lambda x, f=f: (f(x), 2 * f(x)))) for name, f in (

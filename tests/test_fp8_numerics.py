@@ -305,6 +305,37 @@ def test_quantize_under_saturates_finite_values_only():
     assert np.all(np.isnan(got[~finite])), got[~finite]
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_payloads_are_the_quantized_values_times_their_scales(jit):
+  """fp8.payload_under, the e4m3 operand an FP8 kernel reads (cast once from the unquantized
+  input), is bitwise quantize_under(x, s) * s, tile.round_exact's rounding, which the gradient
+  and every other backend see: bf16, fp16 and fp32 values from 2^-30 to 2^20 times a normal draw
+  (e4m3's subnormals, its ties, saturation past 448), scales from 2^-6 to 2^12; an inf or NaN
+  input gives NaN. quantize_inputs hands them over as the rows q_e4m3, k_e4m3, v_e4m3."""
+  from stable_attn import fp8
+  rng = np.random.default_rng()
+  run = jax.jit if jit else (lambda f: f)
+  payload = run(fp8.payload_under)
+  times_scale = run(lambda x, s: (fp8.quantize_under(x, s).astype(jnp.float32)
+                                  * s[None, None, :, None]).astype(fp8.E4M3))
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+    x = rng.standard_normal((2, 32, 3, 16)) * np.exp2(rng.uniform(-30, 20, (2, 32, 3, 16)))
+    x.ravel()[rng.choice(x.size, 4, replace=False)] = [np.inf, -np.inf, np.nan, 0]
+    x = jnp.asarray(x, dtype)
+    s = jnp.asarray(np.exp2(rng.integers(-6, 13, 3)), jnp.float32)
+    got, want = np.asarray(payload(x, s), np.float32), np.asarray(times_scale(x, s), np.float32)
+    finite = np.isfinite(np.asarray(x, np.float32))
+    np.testing.assert_array_equal(got[finite], want[finite])
+    assert np.all(np.isnan(got[~finite])), got[~finite]
+    assert 0 < np.mean(np.abs(got[finite]) < 2.0 ** -6) < 1   # subnormal e4m3 among the values
+  x = jnp.asarray(rng.standard_normal((1, 8, 2, 4)), jnp.bfloat16)
+  *_, rows = fp8.quantize_inputs(x, x[:, :, :1], x[:, :, :1], "e4m3")
+  assert set(rows) == set(fp8.ROWS)
+  np.testing.assert_array_equal(np.asarray(rows["k_e4m3"], np.float32),
+                                np.asarray(fp8.payload_under(x[:, :, :1], rows["k_scale"]),
+                                           np.float32))
+
+
 def test_fp8_scales_are_checked():
   """fp8_scales: ValueErrors that name the argument, for numerics that do not quantize, a wrong
   count or shape, and values that are not positive powers of two."""

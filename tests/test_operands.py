@@ -64,9 +64,10 @@ def test_table_rows_describe_the_canonical_operands():
   kv = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.bfloat16)
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
   # q_shift only stable_attn.partition builds (a context-parallel device's), the FP8 descale
-  # factors only the Hopper backend's FP8 forward; q, k and v's FP8 scales come with e4m3 inputs.
+  # factors only the Hopper backend's FP8 forward; q, k and v's FP8 scales and payloads come with
+  # e4m3 inputs.
   built_later = {"q_shift", "qk_descale", "v_descale"}
-  for numerics, absent in (("fast", built_later | set(fp8.SCALE_ROWS)),
+  for numerics, absent in (("fast", built_later | set(fp8.ROWS)),
                            ("fast+qkv=e4m3", built_later)):
     spec, ops, _ = canonicalize(q, kv, kv, jnp.zeros((N, 1, S)), jnp.ones((B, 1, T, 1), bool),
                                 Options(q_segment_ids=jnp.zeros((B, T), jnp.int8),
@@ -79,8 +80,9 @@ def test_table_rows_describe_the_canonical_operands():
         assert all(d in (1, w) for d, w in zip(x.shape, want)), (row.name, x.shape)
       else:
         assert x.shape == want, (row.name, x.shape, want)
-      if row.dtype in ("int", "float32"):
-        assert x.dtype == {"int": jnp.int32, "float32": jnp.float32}[row.dtype], row.name
+      if row.dtype in ("int", "float32", "e4m3"):
+        assert x.dtype == {"int": jnp.int32, "float32": jnp.float32,
+                           "e4m3": jnp.float8_e4m3fn}[row.dtype], row.name
       if row.dtype == "input":
         assert x.dtype == q.dtype, row.name
     assert {r.name for r, _ in OPERANDS.present(ops)} == set(Operands._fields) - absent

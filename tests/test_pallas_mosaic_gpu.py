@@ -2379,6 +2379,43 @@ def test_fp8_forward_measures_each_head_once():
     mosaic.forward_inputs(spec, mosaic.default_config(spec, ops), ops._replace(k_scale=None))
 
 
+@pytest.mark.parametrize("fp8_backward", [False, True])
+def test_fp8_kernels_read_the_apis_payloads(fp8_backward):
+  """The FP8 kernels' e4m3 operands are the api's payloads (the rows q_e4m3, k_e4m3, v_e4m3,
+  cast from the unquantized inputs: one pass, where casting the quantized values again was a
+  second), padded: bitwise what the backend casts from the quantized values without them, GQA
+  with lengths and a length needing padding; and they are read (other payloads give other
+  operands). Forward (Q, K, V^T) and the FP8 backward's inputs (Q, K, V and Q^T, K^T)."""
+  rng = np.random.default_rng()
+  B, T, N, K, H = 2, 300, 4, 2, 128
+  q = jnp.asarray(rng.standard_normal((B, T, N, H)) * 3, bf16)
+  k, v = (jnp.asarray(rng.standard_normal((B, T, K, H)), bf16) for _ in range(2))
+  spec, ops, _ = canonicalize(q, k, v, None, None, Options(
+      is_causal=True, max_adjust="off", numerics=FP8,
+      key_value_seq_lengths=jnp.array([300, 170])))
+  config = dataclasses.replace(mosaic.default_config(spec, ops), fp8_backward=fp8_backward)
+  if fp8_backward:
+    from pallas_kernels.mosaic_gpu import fp8_backward as fp8_bwd
+    o = jnp.asarray(rng.standard_normal((B, T, N, H)), bf16)
+    lse = jnp.zeros((B, N, T), jnp.float32)
+    inputs = lambda ops: fp8_bwd.backward_inputs(spec, config, ops, o, lse, o)
+    arrays = lambda got: (got[1].q, got[1].k, got[1].v, got[2].q_t, got[2].k_t)
+  else:
+    inputs = lambda ops: mosaic.forward_inputs(spec, config, ops)
+    arrays = lambda got: (got[1].q, got[1].k, got[1].v)
+  bits = lambda a: np.asarray(a).view(np.uint8)
+  cast_again = ops._replace(**dict.fromkeys(mosaic.fp8.PAYLOAD_ROWS))
+  run = jax.jit(lambda ops: arrays(inputs(ops)))
+  for got, want in zip(run(ops), run(cast_again)):
+    assert got.dtype == mosaic.fp8.E4M3 and got.shape == want.shape
+    np.testing.assert_array_equal(bits(got), bits(want))
+  other = ops._replace(q_e4m3=jnp.ones_like(ops.q_e4m3), k_e4m3=jnp.ones_like(ops.k_e4m3),
+                       v_e4m3=jnp.ones_like(ops.v_e4m3))
+  for got in run(other):
+    real = np.asarray(got, np.float32)
+    assert set(np.unique(real)) <= {0.0, 1.0} and real.max() == 1.0   # ones, and the padding
+
+
 def test_safe_offsets_are_trace_time_constants():
   """max_adjust="safe" adds no per-call XLA work: its offsets (an operand, tile.safe_offset of every
   head and position) are computed when the call is traced and enter the program as a constant."""

@@ -155,8 +155,8 @@ def _call(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands) -> Ca
 
 def _padded(ops: Operands, call: Call) -> Operands:
   """The operands padded for the kernels; bias and mask with their query and key dims
-  materialised (TMA copies tiles of them) and the mask as int8; without the FP8 scales (only
-  `_fp8_operands` reads them, from the unpadded operands)."""
+  materialised (TMA copies tiles of them) and the mask as int8; without the FP8 scales and
+  payloads (only `_fp8_operands` reads them, from the unpadded operands)."""
   x = pad_operands(ops, call.pad)
   pairwise = {}
   for name in ("bias", "mask"):
@@ -164,36 +164,44 @@ def _padded(ops: Operands, call: Call) -> Operands:
     if a is not None:
       a = jnp.broadcast_to(a, a.shape[:2] + (call.pad.T, call.pad.S))
       pairwise[name] = a.astype(jnp.int8) if name == "mask" else a
-  return x._replace(**pairwise, **dict.fromkeys(fp8.SCALE_ROWS))
+  return x._replace(**pairwise, **dict.fromkeys(fp8.ROWS))
 
 
-def _fp8_operands(x: Operands, scales: Operands, groups: int, relabelled: bool = False,
+def _fp8_operands(x: Operands, scales: Operands, pad, groups: int, relabelled: bool = False,
                   v_transposed: bool = True) -> Operands:
   """Padded Operands (q, k, v already quantized: stable_attn.fp8) -> q and k as e4m3 [B, Tp, N|K,
   H], v as e4m3 V^T [B, K, H, Sp] (FP8 wgmma takes both operands K-major: P V reduces over keys;
   relabelled: its keys in common.relabelled_keys order, for a P kept in registers; not
-  v_transposed: V as stored, [B, Sp, K, H], for the FP8 backward's dO V^T), each times
-  the per-head power of two it was quantized under (`scales`: the operands with the api's
-  q_scale, k_scale and v_scale; exact, and one pass over each), and their descale factors per
-  query head: qk_descale (q's times its kv head's k's) and v_descale."""
+  v_transposed: V as stored, [B, Sp, K, H], for the FP8 backward's dO V^T), and their descale
+  factors per query head: qk_descale (q's times its kv head's k's) and v_descale. The e4m3 values
+  are the api's payloads (`scales`: the unpadded operands, with q_scale, k_scale, v_scale and
+  q_e4m3, k_e4m3, v_e4m3), padded to `pad` (the call's Padded); where a payload is absent (a
+  context-parallel step's keys, a caller of the backend), the quantized value times its scale,
+  exact, one pass over it."""
   q_scale, k_scale, v_scale = (getattr(scales, name) for name in fp8.SCALE_ROWS)
   if q_scale is None or k_scale is None or v_scale is None:
     raise ValueError("the FP8 forward takes q, k and v with the per-head scales they were "
                      "quantized under (operands q_scale, k_scale, v_scale: "
                      "stable_attn.fp8.quantize_inputs, which dot_product_attention calls)")
+  table = type(scales).TABLE
 
-  def e4m3(a, scale, axes=(0, 1, 2, 3), reorder=None):   # V: transposed, then cast
-    scaled = jnp.transpose(a.astype(jnp.float32) * scale[None, None, :, None], axes)
-    cast = scaled.astype(fp8.E4M3)
-    return cast if reorder is None else reorder(cast)
+  def e4m3(name, scale):
+    payload = getattr(scales, f"{name}_e4m3")
+    if payload is not None:
+      return pad_to(payload, table[f"{name}_e4m3"].axes, pad)
+    return (getattr(x, name).astype(jnp.float32) * scale[None, None, :, None]).astype(fp8.E4M3)
+
   per_query_head = lambda kv_scale: jnp.repeat(kv_scale, groups)
-  # The key order as a pass of its own after the transpose: fused into it, XLA writes V^T and the
-  # backward's bf16 V in one loop fusion (not its tiled transpose): fwd+bwd 2.33 -> 2.20 ms at B4
-  # T4096 N16 H128 causal, the forward alone 0.655 -> 0.683 ms (H200, JAX 0.11.2, one process).
-  keys = (lambda a: relabelled_keys(jax.lax.optimization_barrier(a))) if relabelled else None
-  return x._replace(q=e4m3(x.q, q_scale), k=e4m3(x.k, k_scale),
-                    v=e4m3(x.v, v_scale, (0, 2, 3, 1), keys) if v_transposed else
-                    e4m3(x.v, v_scale),
+  v = e4m3("v", v_scale)
+  if v_transposed:
+    v = jnp.transpose(v, (0, 2, 3, 1))
+    if relabelled:
+      # The key order as a pass of its own after the transpose: fused into it, XLA writes V^T and
+      # the backward's bf16 V in one loop fusion (not its tiled transpose): fwd+bwd 2.33 -> 2.20
+      # ms at B4 T4096 N16 H128 causal, the forward alone 0.655 -> 0.683 ms (H200, JAX 0.11.2,
+      # one process).
+      v = relabelled_keys(jax.lax.optimization_barrier(v))
+  return x._replace(q=e4m3("q", q_scale), k=e4m3("k", k_scale), v=v,
                     qk_descale=1.0 / (q_scale * per_query_head(k_scale)),
                     v_descale=1.0 / per_query_head(v_scale))
 
@@ -204,7 +212,7 @@ def forward_inputs(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operan
   call = _call(spec, config, ops)
   x = _padded(ops, call)
   if call.fp8:
-    x = _fp8_operands(unpack(x), ops, call.geo.G, config.fp8_p_registers)
+    x = _fp8_operands(unpack(x), ops, call.pad, call.geo.G, config.fp8_p_registers)
   return call, x, block_ranges(x, config.fwd.block_q, config.fwd.block_kv, "query")
 
 
@@ -243,7 +251,8 @@ def _backward(spec: AttentionSpec, config: tuning.TuningConfig, ops: Operands, o
 _flash = make_flash_attention(_forward, _backward, partition=True, context_parallel=True)
 SHARDS_ITSELF = True   # custom_partitioning / shard_map (stable_attn.partition)
 CONTEXT_PARALLEL = True   # a sequence-sharded call runs context parallel (stable_attn.partition)
-FP8_SCALES = True   # takes q, k and v's FP8 scales (stable_attn.fp8.SCALE_ROWS): `_fp8_operands`
+# Takes q, k and v's FP8 scales and e4m3 payloads (stable_attn.fp8.ROWS): `_fp8_operands`.
+FP8_SCALES = True
 
 
 def attention(spec: AttentionSpec, ops: Operands,

@@ -375,7 +375,7 @@ def backward_inputs(spec: AttentionSpec, config, ops: Operands, o, lse, do, dlse
   G = call.geo.G
   # Q and K e4m3 as the forward reads them; V as stored too (dP = dO V^T reduces over the head
   # dim); K^T, Q^T and dO^T for the products that reduce over keys or queries, relabelled.
-  x = mosaic._fp8_operands(padded, ops, G, v_transposed=False)
+  x = mosaic._fp8_operands(padded, ops, call.pad, G, v_transposed=False)
   # The relabelling as a pass of its own after XLA's tiled transpose (fused into it, XLA writes
   # both in one loop fusion: the FP8 forward's V^T measured that, mosaic_gpu._fp8_operands).
   transposed = lambda a: common.relabelled_keys(lax.optimization_barrier(
