@@ -472,3 +472,23 @@ def test_sinks_gradient_under_every_strategy():
   for strategy, (dq, dk, dv, dsinks) in result.items():
     bound = 1e-3 if strategy == "ring" else 1e-6
     assert max(dq, dk, dv) <= 1e-2 and dsinks <= bound, (strategy, seed, result[strategy])
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ring", "alltoall"])
+def test_a_sequence_split_call_makes_its_own_fp8_payloads(strategy):
+  """Each device of a sequence-sharded FP8 call gets no e4m3 payload rows (q_e4m3, k_e4m3,
+  v_e4m3): the strategies cut and move q, k and v by name, so a payload kept beside them would
+  belong to other rows; the Hopper backend then casts the quantized values it gets. A call split
+  over batch or heads only keeps them (its rows are the device's own)."""
+  from stable_attn import fp8, partition
+  rng = np.random.default_rng()
+  q = jnp.asarray(rng.standard_normal((1, 8, 2, 4)), jnp.bfloat16)
+  _, ops, _ = api.canonicalize(q, q, q, options=api.Options(
+      numerics="fast+qkv=e4m3+p=e4m3+p_scale=256", max_adjust="off"))
+  assert all(getattr(ops, name) is not None for name in fp8.PAYLOAD_ROWS)
+  split = partition._Axes(batch=None, heads=None, seq="x", seq_devices=2, strategy=strategy)
+  local = partition._sequence_local(split, ops)
+  assert all(getattr(local, name) is None for name in fp8.PAYLOAD_ROWS)
+  for name in set(ops._fields) - set(fp8.PAYLOAD_ROWS):
+    assert getattr(local, name) is getattr(ops, name), name
+  assert partition._sequence_local(partition._Axes(batch="x", heads=None), ops) is ops
