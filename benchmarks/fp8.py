@@ -5,6 +5,7 @@
     PYTHONPATH=. python benchmarks/fp8.py --sweep [--sweep-arm preset]   # the FP8 forward's tilings
     PYTHONPATH=. python benchmarks/fp8.py --plot benchmarks/results/fp8_nvidia_h200.md   # its .png
   PYTHONPATH=. python benchmarks/fp8.py --backward   # the FP8 backward's kernels alone
+  PYTHONPATH=. python benchmarks/fp8.py --backward --sweep   # the FP8 backward's tilings
   PYTHONPATH=. python benchmarks/fp8.py --profile --shapes 0 --arms bf16,fp8_bwd   # by kernel
   PYTHONPATH=. python benchmarks/fp8.py --payloads --shapes 0,1   # the api's e4m3 payloads, A/B
 
@@ -105,13 +106,28 @@ def forward_kernel(arm, shape, changes=None):
 # --sweep: the FP8 forward kernel's tilings (changes to the table's config).
 SWEEP = {"table": {}, "2 warpgroups": dict(fwd_wgs=2), "3 warpgroups": dict(fwd_wgs=3),
          "3 stages": dict(fwd=mosaic.tuning.Tiles(64, 128, 3)),
-         "2 warpgroups, 3 stages": dict(fwd_wgs=2, fwd=mosaic.tuning.Tiles(64, 128, 3)),
+         "2 warpgroups with 3 stages": dict(fwd_wgs=2, fwd=mosaic.tuning.Tiles(64, 128, 3)),
          # P kept in registers (TuningConfig.fp8_p_registers), no shared-memory tile or fence
          "P in registers": dict(fp8_p_registers=True),
          "P in registers + 2 warpgroups": dict(fp8_p_registers=True, fwd_wgs=2),
          "P in registers + 3 warpgroups": dict(fp8_p_registers=True, fwd_wgs=3),
          "P in registers + 3 stages": dict(fp8_p_registers=True,
-                                          fwd=mosaic.tuning.Tiles(64, 128, 3))}
+                                          fwd=mosaic.tuning.Tiles(64, 128, 3)),
+         # one CTA per SM taking the query tiles in rounds (Q is e4m3: its second buffer fits)
+         "persistent": dict(fwd_persistent=True),
+         "persistent in grid order": dict(fwd_persistent=True, persistent_order="grid"),
+         "grid order": dict(heaviest_first=())}
+
+# --backward --sweep: the FP8 backward kernels' tilings (changes to the call's default config)
+BACKWARD_SWEEP = {
+    "table": {}, "dq: 2 warpgroups": dict(dq_wgs=2),
+    "dq: 2 warpgroups with 128-key blocks": dict(dq_wgs=2, dq=mosaic.tuning.Tiles(64, 128, 2)),
+    "dq: 3 stages": dict(dq=mosaic.tuning.Tiles(64, 64, 3)),
+    "dq: heaviest first": dict(heaviest_first=("fwd", "dq")),
+    "dkv: 3 stages": dict(dkv=mosaic.tuning.Tiles(64, 64, 3)),
+    "dkv: 128-query blocks": dict(dkv=mosaic.tuning.Tiles(128, 64, 2)),
+    "dkv: 3 warpgroups": dict(dkv_wgs=3),
+    "dkv: heaviest first": dict(heaviest_first=("fwd", "dkv"))}
 
 
 def sweep(shapes, calls, blocks, arm="fp8", variants=tuple(SWEEP)) -> str:
@@ -131,18 +147,21 @@ def sweep(shapes, calls, blocks, arm="fp8", variants=tuple(SWEEP)) -> str:
   return "\n".join(lines) + "\n"
 
 
-def backward_kernels(shape):
+def backward_kernels(shape, variants=None):
   """{name: (f, args)}: each backward kernel alone on its prepared inputs, delta given to all:
   the bf16 dQ and dK/dV kernels (numerics "fast+qkv=e4m3": the FP8 arms' bf16 backward), the FP8
   ones (pallas_kernels/mosaic_gpu/fp8_backward.py), and "fp8_prep", the FP8 kernels' input
   preparation (dO quantized per batch row and kv head and transposed, V cast, K^T and Q^T
-  relabelled, delta of the cast dO)."""
+  relabelled, delta of the cast dO). variants: {name: changes to the FP8 call's config}, whose
+  FP8 kernels come as "fp8_dq NAME" and "fp8_dkv NAME" instead (and no bf16 kernels)."""
   from pallas_kernels.mosaic_gpu import backward, common, fp8_backward
   from stable_attn import tile
   from stable_attn.spec import BackwardInputs
   q, k, v, do = bench.make_inputs(*shape, jnp.bfloat16)
   arms = {}
   for kind, numerics in (("bf16", NUMERICS["bf16_q"]), ("fp8", FP8_NUMERICS)):
+    if kind == "bf16" and variants is not None:
+      continue
     spec, ops, _ = canonicalize(q, k, v, None, None, Options(
         is_causal=True, implementation="pallas_mosaic_gpu", numerics=numerics, max_adjust="off"))
     config = mosaic.default_config(spec, ops)
@@ -161,14 +180,40 @@ def backward_kernels(shape):
       continue
     prep = jax.jit(lambda ops, o, lse, do: fp8_backward.backward_inputs(
         spec, config, ops, o, lse, do)[1:3])
-    call, _, _, dq_ranges, dkv_ranges = fp8_backward.backward_inputs(spec, config, ops, o, lse, do)
     arms["fp8_prep"] = (prep, (ops, o, lse, do))
     x, grads = prep(ops, o, lse, do)
-    arms["fp8_dq"] = (jax.jit(lambda x, g: fp8_backward.dq_call(call, x, g, dq_ranges,
-                                                                jnp.bfloat16)), (x, grads))
-    arms["fp8_dkv"] = (jax.jit(lambda x, g: fp8_backward.dkv_call(call, x, g, dkv_ranges,
-                                                                  jnp.bfloat16)), (x, grads))
+    for name, changes in (variants or {"": {}}).items():
+      varied = config.replace(fp8_backward=True, **changes)
+      call, _, _, dq_ranges, dkv_ranges = fp8_backward.backward_inputs(spec, varied, ops, o, lse,
+                                                                       do)
+      suffix = f" {name}" if variants else ""
+      arms["fp8_dq" + suffix] = (jax.jit(lambda x, g, call=call, r=dq_ranges:
+                                         fp8_backward.dq_call(call, x, g, r, jnp.bfloat16)),
+                                 (x, grads))
+      arms["fp8_dkv" + suffix] = (jax.jit(lambda x, g, call=call, r=dkv_ranges:
+                                          fp8_backward.dkv_call(call, x, g, r, jnp.bfloat16)),
+                                  (x, grads))
   return arms
+
+
+def backward_sweep(shapes, calls, blocks, variants=tuple(BACKWARD_SWEEP)) -> str:
+  """Markdown: the FP8 dQ and dK/dV kernels under each BACKWARD_SWEEP variant against the
+  table's (3 alternating rounds, medians), and whether their outputs are the table's bitwise
+  (a variant that adds the same products in the same order gives "yes")."""
+  lines = ["| shape | FP8 backward config | dQ ms | x table | same | dK/dV ms | x table | same |",
+           "|---|---|---:|---:|---|---:|---:|---|"]
+  for shape in shapes:
+    arms = {name: fn for name, fn in backward_kernels(
+        shape, {v: BACKWARD_SWEEP[v] for v in ("table",) + tuple(variants)}).items()
+            if name != "fp8_prep"}
+    outs = {name: jax.tree.leaves(f(*args)) for name, (f, args) in arms.items()}
+    t = bench.alternating_rounds(arms, 3, calls, blocks)
+    same = lambda a, b: "yes" if all(bool(jnp.array_equal(x, y)) for x, y in zip(a, b)) else "no"
+    for v in variants:
+      cells = [f"{t[f'{k} {v}'] * 1e3:.3f} | {t[f'{k} table'] / t[f'{k} {v}']:.3f} | "
+               f"{same(outs[f'{k} {v}'], outs[f'{k} table'])}" for k in ("fp8_dq", "fp8_dkv")]
+      lines.append(f"| {shape} | {v} | {' | '.join(cells)} |")
+  return "\n".join(lines) + "\n"
 
 
 def backward_table(shapes, calls, blocks) -> str:
@@ -398,11 +443,13 @@ def main(argv=None) -> int:
   parser.add_argument("--calls", type=int, default=20)
   parser.add_argument("--blocks", type=int, default=5)
   parser.add_argument("--out", default=None, help="markdown path (default: benchmarks/results)")
-  parser.add_argument("--sweep", action="store_true", help="the FP8 forward's tilings only")
+  parser.add_argument("--sweep", action="store_true",
+                      help="the FP8 forward's tilings only (with --backward: the FP8 backward's)")
   parser.add_argument("--sweep-arm", default="fp8", choices=("fp8", "preset"),
                       help="with --sweep: FlashAttention-3's arithmetic or the fp8 preset")
-  parser.add_argument("--sweep-variants", default=",".join(SWEEP),
-                      help=f"with --sweep: a comma list of {tuple(SWEEP)}")
+  parser.add_argument("--sweep-variants", default=None,
+                      help=f"with --sweep: a comma list of {tuple(SWEEP)}; with --backward "
+                      f"--sweep, of {tuple(BACKWARD_SWEEP)} (default: all)")
   parser.add_argument("--plot", metavar="MD", help="render MD's first table (a results file of "
                       "this script) to MD with .png, and stop")
   parser.add_argument("--preamble", action="store_true",
@@ -424,6 +471,13 @@ def main(argv=None) -> int:
   if not all(i.isdigit() and int(i) < len(SHAPES) for i in picked):
     parser.error(f"--shapes {args.shapes!r}: a comma list of indices into {SHAPES}")
   shapes = [SHAPES[int(i)] for i in picked]
+  if args.backward and args.sweep:
+    variants = tuple(v for v in (args.sweep_variants or ",".join(BACKWARD_SWEEP)).split(",")
+                     if v and v != "table")
+    if set(variants) - set(BACKWARD_SWEEP):
+      parser.error(f"--sweep-variants: unknown {sorted(set(variants) - set(BACKWARD_SWEEP))}")
+    print(backward_sweep(shapes, args.calls, args.blocks, variants))
+    return 0
   if args.backward:
     print(backward_table(shapes, args.calls, args.blocks))
     return 0
@@ -435,7 +489,7 @@ def main(argv=None) -> int:
           payload_ab(shapes, args.calls, args.blocks))
     return 0
   if args.sweep:
-    variants = tuple(v for v in args.sweep_variants.split(",") if v)
+    variants = tuple(v for v in (args.sweep_variants or ",".join(SWEEP)).split(",") if v)
     if set(variants) - set(SWEEP):
       parser.error(f"--sweep-variants: unknown {sorted(set(variants) - set(SWEEP))}")
     print(sweep(shapes, args.calls, args.blocks, args.sweep_arm, variants))

@@ -59,14 +59,20 @@ def test_safe_cost_smoke(capsys):
 
 @pytest.mark.parametrize("H", [64, 128])
 def test_fp8_sweep_variants_are_configs_of_the_table(H):
-  """Every variant of benchmarks/fp8.py --sweep is a valid change to the table's config, and
-  --sweep-variants refuses a name it does not know."""
+  """Every variant of benchmarks/fp8.py --sweep (the forward's) and --backward --sweep (the FP8
+  backward's) is a valid change to the FP8 call's table config whose kernels fit shared memory,
+  and --sweep-variants refuses a name it does not know."""
   from pallas_kernels.mosaic_gpu import tuning
-  for name, changes in fp8.SWEEP.items():
-    config = tuning.table_config(H).replace(**changes)
+  table = tuning.table_config(H, causal=True)
+  for name, changes in [*fp8.SWEEP.items(), *fp8.BACKWARD_SWEEP.items()]:
+    config = table.replace(fp8_backward=name in fp8.BACKWARD_SWEEP, **changes)
     assert all(getattr(config, k) == v for k, v in changes.items()), name
+    assert config.smem_problem(H, 2, fp8=True) is None, name
+    assert "," not in name, name   # --sweep-variants is a comma list
   with pytest.raises(SystemExit):
     fp8.main(["--sweep", "--sweep-variants", "table,P in SMEM"])
+  with pytest.raises(SystemExit):
+    fp8.main(["--backward", "--sweep", "--sweep-variants", "dq: 4 warpgroups"])
 
 
 def test_fp8_plot_renders_a_results_file(tmp_path):
