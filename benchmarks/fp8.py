@@ -11,6 +11,12 @@
 
 Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu" unless named):
   cudnn     jax.nn.dot_product_attention(implementation="cudnn")
+  cudnn_fp8 cuDNN's FP8 attention as JAX reaches it (benchmarks/peers.py; e4m3 in and out, one
+            scale per tensor, no tie adjustment), bf16 in and out around it: q, k, v (dO) cast to
+            e4m3, O (dQ, dK, dV) read back, under delayed scales measured before the timed calls
+            (peers.cudnn_fp8_scales)
+  cudnn_fp8_kernel  the same kernels alone, on e4m3 operands cast outside the timed calls, O and
+            the gradients left in e4m3 (fwd "x bf16" is then against bf16_kernel)
   bf16      numerics "fast": the bf16 kernels
   bf16_q    numerics "fast+qkv=e4m3": the bf16 kernels on e4m3-quantized q, k, v (the FP8 arm's
             inputs and backward; isolates the forward kernel from the quantization)
@@ -46,6 +52,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stable_attn  # noqa: E402
 from benchmarks import attention as bench  # noqa: E402
+from benchmarks import peers  # noqa: E402
 from pallas_kernels import mosaic_gpu as mosaic  # noqa: E402
 from stable_attn import fp8  # noqa: E402
 from stable_attn.api import Options, canonicalize  # noqa: E402
@@ -59,7 +66,8 @@ NUMERICS = {"bf16": "fast", "bf16_q": "fast+qkv=e4m3", "fp8": FP8_NUMERICS,
             "preset_bwd": "fp8"}
 FP8_BACKWARD = ("fp8_bwd", "preset_bwd")   # TuningConfig.fp8_backward: the FP8 backward kernels
 ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "fp8_given", "preset", "fp8_bwd", "preset_bwd",
-        "quantize", "bf16_kernel", "fp8_kernel", "preset_kernel")
+        "quantize", "bf16_kernel", "fp8_kernel", "preset_kernel", "cudnn_fp8", "cudnn_fp8_kernel")
+CUDNN = ("cudnn", "cudnn_fp8")   # attention arms that are not ours
 # (B, T, N, K, H), causal: issue 49's two targets, and head dim 64
 SHAPES = [(4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128), (4, 4096, 16, 16, 64)]
 ERROR_SHAPE = (1, 2048, 4, 4, 128)
@@ -70,6 +78,9 @@ def attention_fn(arm: str, implementation: str, inputs=None):
   if arm == "cudnn":
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                         implementation="cudnn")
+  if arm == "cudnn_fp8":   # its scales from these inputs and a dO drawn as the benchmarks' are
+    do = jax.random.normal(jax.random.PRNGKey(99), inputs[0].shape).astype(inputs[0].dtype)
+    return peers.cudnn_fp8_attention(peers.cudnn_fp8_scales(*inputs, do))
   given = {}
   if arm == "fp8_given":
     given = dict(fp8_scales=tuple(jax.device_get(fp8.head_scales(x)) for x in inputs))
@@ -311,11 +322,29 @@ def timings(arm, implementation, shape, calls, blocks) -> dict:
   q, k, v, do = bench.make_inputs(*shape, jnp.bfloat16)
   if arm == "quantize":
     return dict(fwd=bench.time_calls(jax.jit(quantize_only), (q, k, v), calls, blocks))
+  if arm == "cudnn_fp8_kernel":
+    return cudnn_fp8_kernel_timings(q, k, v, do, calls, blocks)
   if arm.endswith("_kernel"):
     return dict(fwd=bench.time_calls(*forward_kernel(arm[:-len("_kernel")], shape), calls, blocks))
   fwd, fwd_bwd = jitted_calls(arm, implementation, (q, k, v))
   return dict(fwd=bench.time_calls(fwd, (q, k, v), calls, blocks),
               fb=bench.time_calls(fwd_bwd, (q, k, v, do), calls, blocks))
+
+
+def cudnn_fp8_kernel_timings(q, k, v, do, calls, blocks) -> dict:
+  """cuDNN's FP8 attention alone: e4m3 q, k, v (and dO) cast before the timed calls, O and the
+  gradients left in e4m3."""
+  scales = peers.cudnn_fp8_scales(q, k, v, do)
+  f = peers.cudnn_fp8_kernel(scales)
+  x8 = tuple(peers.cudnn_fp8_cast(x, scales[name])
+             for x, name in ((q, "q"), (k, "k"), (v, "v"), (do, "do")))
+
+  @jax.jit
+  def fwd_bwd(q8, k8, v8, do8):
+    o8, pullback = jax.vjp(f, q8, k8, v8)
+    return o8, pullback(do8)
+  return dict(fwd=bench.time_calls(jax.jit(f), x8[:3], calls, blocks),
+              fb=bench.time_calls(fwd_bwd, x8, calls, blocks))
 
 
 def jitted_calls(arm, implementation, inputs):
@@ -395,8 +424,9 @@ def markdown(device, results, errs, calls, blocks) -> str:
 
 
 # --plot: the latest run's ratios to our bf16 attention (the first table of a results file).
-PLOTTED = {"fwd": ("fp8_kernel", "preset_kernel", "fp8", "fp8_given", "preset", "cudnn"),
-           "fb": ("fp8", "fp8_given", "preset", "fp8_bwd", "preset_bwd", "cudnn")}
+PLOTTED = {"fwd": ("fp8_kernel", "preset_kernel", "cudnn_fp8_kernel", "fp8", "fp8_given",
+                   "preset", "cudnn", "cudnn_fp8"),
+           "fb": ("fp8", "fp8_given", "preset", "fp8_bwd", "preset_bwd", "cudnn", "cudnn_fp8")}
 TARGETS = {"fwd": 1.4, "fb": 1.15}   # issue 49's: FP8 forward and fwd+bwd over our bf16
 
 
@@ -499,9 +529,9 @@ def main(argv=None) -> int:
   if set(arms) - set(ARMS):
     parser.error(f"--arms: unknown {sorted(set(arms) - set(ARMS))}; choose from {ARMS}")
   if args.profile:
-    calls = tuple(a for a in arms if a in NUMERICS or a == "cudnn")
+    calls = tuple(a for a in arms if a in NUMERICS or a in CUDNN)
     if calls != arms:
-      parser.error(f"--profile takes attention arms ({', '.join(('cudnn',) + tuple(NUMERICS))})")
+      parser.error(f"--profile takes attention arms ({', '.join(CUDNN + tuple(NUMERICS))})")
     print(profile(shapes, arms))
     return 0
   if args.smoke:
@@ -513,7 +543,7 @@ def main(argv=None) -> int:
   results = {shape: {arm: timings(arm, implementation, shape, args.calls, args.blocks)
                      for arm in arms} for shape in shapes}
   errs = {arm: errors(arm, implementation, error_shape) for arm in arms if arm in NUMERICS
-          or arm == "cudnn"}
+          or arm in CUDNN}
   text = markdown(device, results, errs, args.calls, args.blocks)
   path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                   f"fp8_{bench.device_slug(device)}.md")

@@ -85,6 +85,83 @@ def test_fp8_plot_renders_a_results_file(tmp_path):
   assert (tmp_path / "fp8.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_fp8_ceiling_copies_still_cut_what_they_name():
+  """benchmarks/fp8_ceilings.py: every replacement still matches the FP8 backward's source, each
+  copy lowers for CUDA (dQ and dK/dV kernels, on the CPU), and a replacement that no longer
+  matches is refused by name."""
+  from benchmarks import fp8_ceilings
+  from pallas_kernels.mosaic_gpu import fp8_backward
+  from stable_attn.api import Options, canonicalize
+  q, k, v, do = attention.make_inputs(1, 256, 2, 2, 128, jnp.bfloat16)
+  spec, ops, _ = canonicalize(q, k, v, None, None, Options(
+      is_causal=True, implementation="pallas_mosaic_gpu", numerics=fp8.FP8_NUMERICS,
+      max_adjust="off"))
+  config = mosaic_gpu.default_config(spec, ops).replace(fp8_backward=True)
+  lse = jnp.zeros((1, 2, 256), jnp.float32)
+  texts = {}
+  for name in [None, *fp8_ceilings.CEILINGS]:
+    m = fp8_backward if name is None else fp8_ceilings.kernel_copy(name)
+
+    def grads(ops, o, lse, do, m=m):
+      call, x, g, dq_r, dkv_r = m.backward_inputs(spec, config, ops, o, lse, do)
+      return m.dq_call(call, x, g, dq_r, jnp.bfloat16), m.dkv_call(call, x, g, dkv_r, jnp.bfloat16)
+    texts[name] = jax.jit(grads).trace(ops, q, lse, do).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert len(set(texts.values())) == len(texts)   # each copy is another kernel
+  old = fp8_ceilings.CEILINGS["no rescale"]
+  try:
+    fp8_ceilings.CEILINGS["no rescale"] = old + [("no such line", "pass")]
+    with pytest.raises(ValueError, match="no such line"):
+      fp8_ceilings.kernel_copy("no rescale")
+  finally:
+    fp8_ceilings.CEILINGS["no rescale"] = old
+
+
+def test_cudnn_fp8_operands_descale_what_cudnn_reads_and_scale_what_it_writes():
+  """benchmarks/peers.py: the scalar operands of cuDNN's FP8 forward and backward from one power
+  of two per tensor (descale_X = 1 / X's scale, scale_X = X's scale); the backward's are the ones
+  JAX's own wrapper passes (fp8_params_keys_bwd), in the order measured on the GPU."""
+  fa, why = peers.cudnn_fp8_module()
+  if fa is None:
+    pytest.skip(why)
+  assert peers.CUDNN_FP8_FORWARD == tuple(fa.fp8_params_keys_fwd)
+  assert sorted(peers.CUDNN_FP8_BACKWARD) == sorted(fa.fp8_params_keys_bwd)
+  rng = np.random.default_rng()
+  scales = {name: float(2.0 ** rng.integers(-8, 9)) for name in peers.CUDNN_FP8_TENSORS}
+  for names in (peers.CUDNN_FP8_FORWARD, peers.CUDNN_FP8_BACKWARD):
+    for name, value in zip(names, peers.cudnn_fp8_operands(scales, names)):
+      assert value.shape == (1, 1, 1, 1) and value.dtype == jnp.float32, name
+      kind, tensor = name.split("_", 1)
+      want = scales[tensor.lower()]
+      assert float(value[0, 0, 0, 0]) == (1.0 / want if kind == "descale" else want), name
+  x = jnp.asarray(rng.standard_normal((1, 8, 2, 4)) * 1e3, jnp.bfloat16)
+  x8 = peers.cudnn_fp8_cast(x, 2.0 ** -3)   # saturates past 448
+  assert x8.dtype == jnp.float8_e4m3fn
+  np.testing.assert_array_equal(np.asarray(x8, np.float32), np.asarray(jnp.clip(
+      x.astype(jnp.float32) / 8, -448, 448).astype(jnp.float8_e4m3fn), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mosaic_gpu.is_available(), reason="needs a Hopper (sm_90) GPU")
+def test_gpu_cudnn_fp8_peer_is_fp8_attention():
+  """The cudnn_fp8 arm (cuDNN's FP8 attention through JAX, bf16 in and out) computes causal
+  attention and its gradients: O within e4m3's rounding of float64 attention (relative Frobenius
+  error < 0.1: q, k, v, P and O each rounded to 3 mantissa bits), dQ, dK, dV within 0.3, and not
+  bf16's O (it really is FP8)."""
+  from stable_attn.reference import exact_attention_vjp
+  q, k, v, do = attention.make_inputs(1, 1024, 4, 4, 128, jnp.bfloat16, seed=3)
+  f = fp8.attention_fn("cudnn_fp8", "pallas_mosaic_gpu", (q, k, v))
+  o, pullback = jax.vjp(jax.jit(f), q, k, v)
+  got = (o,) + tuple(pullback(do))
+  exact = exact_attention_vjp(q, k, v, do, is_causal=True)
+  rel = lambda x, ref: float(np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref))
+  errors = [rel(jnp.asarray(x, jnp.float32), ref)
+            for x, ref in zip(got, (exact.out, exact.dq, exact.dk, exact.dv))]
+  assert errors[0] < 0.1 and max(errors[1:]) < 0.3, errors
+  bf16 = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  assert rel(jnp.asarray(bf16, jnp.float32), exact.out) < errors[0] / 4, errors
+
+
 @pytest.mark.slow
 def test_fp8_smoke(capsys):
   """benchmarks/fp8.py's arms that run on a CPU (the reference in each numerics) and its error
