@@ -7,10 +7,11 @@ tokamax      tokamax.dot_product_attention with its sm90 Mosaic GPU kernel
 pallas_mha   JAX's Pallas Triton flash attention, jax.experimental.pallas.ops.gpu.attention.mha:
              deprecated since JAX 0.11 (its import warns), so attention.py runs it only when named
              (--only ...,pallas_mha).
-cudnn_fp8    cuDNN's FP8 attention, forward and backward, as JAX reaches it: the private
-             jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True)
-             (jax.nn does not expose it). e4m3 in and out, one scale per tensor, head dim 128,
-             lengths multiples of 128. benchmarks/fp8.py runs it (arms cudnn_fp8, cudnn_fp8_kernel).
+cudnn_fp8    cuDNN's FP8 attention, forward and backward, as JAX reaches it: the FP8 primitives of
+             the private jax._src.cudnn.fused_attention_stablehlo, bound here (jax.nn does not
+             expose them, and that module's own wrapper mis-orders the backward's scales:
+             CUDNN_FP8_BACKWARD). e4m3 in and out, one scale per tensor, head dim 128, lengths
+             multiples of 128. benchmarks/fp8.py runs it (arms cudnn_fp8, cudnn_fp8_kernel).
 """
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ def pallas_mha():
 
 @functools.cache
 def cudnn_fp8_module():
-  """(jax._src.cudnn.fused_attention_stablehlo, None) when it has the FP8 attention this file
-  drives, else (None, why)."""
+  """(jax._src.cudnn.fused_attention_stablehlo, None) when it has the FP8 primitives this file
+  binds, else (None, why)."""
   try:
     from jax._src.cudnn import fused_attention_stablehlo as fa
-    fa.fp8_params_keys, fa.MaskType.CAUSAL, fa.dot_product_attention  # noqa: B018
+    (fa._dot_product_attention_fp8_fwd_p_wrapper, fa._dot_product_attention_fp8_bwd_p_wrapper,  # noqa: B018
+     fa.AttentionLayout.BTNH, fa.fp8_params_keys_fwd, fa.fp8_params_keys_bwd)
   except Exception as e:  # pragma: no cover - depends on the installed JAX
     return None, f"{type(e).__name__}: {e}"
   return fa, None
