@@ -27,8 +27,11 @@ Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu"
   preset    numerics "fp8": the FP8 forward with each key block's top key in bf16 (its residual
             a second e4m3 P V product: stable_attn.tile.rescale's split_top) and the row sum of the
             rounded P_bar, what "safe" needs under an FP8 P (docs/fp8.md)
-  fp8_bwd, preset_bwd  the fp8 and preset arms with the FP8 backward (TuningConfig.fp8_backward:
-            e4m3 products in the dQ and dK/dV kernels; pallas_kernels/mosaic_gpu/fp8_backward.py)
+  fp8_fast  numerics "fp8_fast": FlashAttention-3's FP8 forward with the row sum of the rounded
+            P_bar and "safe"'s dither on O (Numerics.dither="out": the row maximum's weight 1)
+  fp8_bwd, preset_bwd, fp8_fast_bwd  the fp8, preset and fp8_fast arms with the FP8 backward
+            (TuningConfig.fp8_backward: e4m3 products in the dQ and dK/dV kernels;
+            pallas_kernels/mosaic_gpu/fp8_backward.py)
   quantize  what the fp8 arm does before its kernel: q, k, v quantized, scaled to e4m3 payloads,
             V transposed (forward only)
   *_kernel  the bf16 / FP8 forward kernel alone, on operands prepared outside the timed calls
@@ -63,10 +66,12 @@ from stable_attn.spec import OPERANDS  # noqa: E402
 FP8_NUMERICS = "fast+qkv=e4m3+p=e4m3+p_scale=256"
 NUMERICS = {"bf16": "fast", "bf16_q": "fast+qkv=e4m3", "fp8": FP8_NUMERICS,
             "fp8_given": FP8_NUMERICS, "preset": "fp8", "fp8_bwd": FP8_NUMERICS,
-            "preset_bwd": "fp8"}
-FP8_BACKWARD = ("fp8_bwd", "preset_bwd")   # TuningConfig.fp8_backward: the FP8 backward kernels
-ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "fp8_given", "preset", "fp8_bwd", "preset_bwd",
-        "quantize", "bf16_kernel", "fp8_kernel", "preset_kernel", "cudnn_fp8", "cudnn_fp8_kernel")
+            "preset_bwd": "fp8", "fp8_fast": "fp8_fast", "fp8_fast_bwd": "fp8_fast"}
+# TuningConfig.fp8_backward: the FP8 backward kernels
+FP8_BACKWARD = ("fp8_bwd", "preset_bwd", "fp8_fast_bwd")
+ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "fp8_given", "preset", "fp8_fast", "fp8_bwd",
+        "preset_bwd", "fp8_fast_bwd", "quantize", "bf16_kernel", "fp8_kernel", "preset_kernel",
+        "fp8_fast_kernel", "cudnn_fp8", "cudnn_fp8_kernel")
 CUDNN = ("cudnn", "cudnn_fp8")   # attention arms that are not ours
 # (B, T, N, K, H), causal: issue 49's two targets, and head dim 64
 SHAPES = [(4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128), (4, 4096, 16, 16, 64)]
@@ -424,9 +429,10 @@ def markdown(device, results, errs, calls, blocks) -> str:
 
 
 # --plot: the latest run's ratios to our bf16 attention (the first table of a results file).
-PLOTTED = {"fwd": ("fp8_kernel", "preset_kernel", "cudnn_fp8_kernel", "fp8", "fp8_given",
-                   "preset", "cudnn", "cudnn_fp8"),
-           "fb": ("fp8", "fp8_given", "preset", "fp8_bwd", "preset_bwd", "cudnn", "cudnn_fp8")}
+PLOTTED = {"fwd": ("fp8_kernel", "preset_kernel", "fp8_fast_kernel", "cudnn_fp8_kernel", "fp8",
+                   "fp8_given", "preset", "fp8_fast", "cudnn", "cudnn_fp8"),
+           "fb": ("fp8", "fp8_given", "preset", "fp8_fast", "fp8_bwd", "preset_bwd",
+                  "fp8_fast_bwd", "cudnn", "cudnn_fp8")}
 TARGETS = {"fwd": 1.4, "fb": 1.15}   # issue 49's: FP8 forward and fwd+bwd over our bf16
 
 
@@ -447,7 +453,7 @@ def plot(markdown_path: str, png_path: str) -> None:
   shapes = list(dict.fromkeys(shape for shape, _ in ratios))
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
   for ax, which, title in ((axes[0], "fwd", "forward"), (axes[1], "fb", "forward + backward")):
-    arms = PLOTTED[which]
+    arms = [arm for arm in PLOTTED[which] if any((shape, arm) in ratios for shape in shapes)]
     width = 0.8 / len(arms)
     for i, arm in enumerate(arms):
       vals = [float(ratios.get((shape, arm), {}).get(which, "nan").replace("-", "nan"))
@@ -475,7 +481,7 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None, help="markdown path (default: benchmarks/results)")
   parser.add_argument("--sweep", action="store_true",
                       help="the FP8 forward's tilings only (with --backward: the FP8 backward's)")
-  parser.add_argument("--sweep-arm", default="fp8", choices=("fp8", "preset"),
+  parser.add_argument("--sweep-arm", default="fp8", choices=("fp8", "preset", "fp8_fast"),
                       help="with --sweep: FlashAttention-3's arithmetic or the fp8 preset")
   parser.add_argument("--sweep-variants", default=None,
                       help=f"with --sweep: a comma list of {tuple(SWEEP)}; with --backward "

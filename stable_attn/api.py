@@ -113,15 +113,16 @@ def dot_product_attention(
       raises ValueError.
     max_adjust: "off", "paper" (Qiu & Yao's rule) or "safe" (ours; see stable_attn.tile).
     beta: the paper's beta, used by max_adjust="paper".
-    numerics: "fast", "paper", "fast+fp32o", "paper+fp32o", "fp8", a preset with rounding points
-      moved (stable_attn.numerics.resolve: e.g. "fast+p=e4m3+p_scale=256", P_bar cast to FP8
-      with a pre-cast scale) or a `Numerics`. An FP8 P_bar ("fp8", "p=e4m3") runs on reference,
-      xla and in interpret mode; compiled, the Hopper kernel runs it with FP8 q, k, v too
-      ("fast+qkv=e4m3+p=e4m3", any p_scale; "fp8" with bf16 inputs) at head dim 64 or 128
-      without a bias or mask, and refuses the rest, as compiled pallas_gpu and pallas_tpu do;
-      with max_adjust="safe" use "fp8", whose top key is not rounded to e4m3; FP8 q, k, v
-      ("qkv=e4m3", in "fp8") are quantized with per-head scales before any backend
-      (stable_attn.fp8).
+    numerics: "fast", "paper", "fast+fp32o", "paper+fp32o", "fp8", "fp8_fast", a preset with
+      rounding points moved (stable_attn.numerics.resolve: e.g. "fast+p=e4m3+p_scale=256", P_bar
+      cast to FP8 with a pre-cast scale) or a `Numerics`. An FP8 P_bar ("fp8", "fp8_fast",
+      "p=e4m3") runs on reference, xla and in interpret mode; compiled, the Hopper kernel runs it
+      with FP8 q, k, v too ("fast+qkv=e4m3+p=e4m3", any p_scale; "fp8" and "fp8_fast" with bf16
+      inputs) at head dim 64 or 128 without a bias or mask, and refuses the rest, as compiled
+      pallas_gpu and pallas_tpu do; with max_adjust="safe" use "fp8_fast" (its dither on O, the
+      maximum's weight 1) or "fp8" (its top key in bf16), not a P whose top key "safe" rounds to
+      e4m3; FP8 q, k, v ("qkv=e4m3", in both) are quantized with per-head scales before any
+      backend (stable_attn.fp8).
     interpret: run Pallas implementations in interpret mode (CPU).
     config: the named implementation's tuning object (e.g. pallas_kernels.gpu.tuning.Config,
       pallas_kernels.tpu.BlockSizes); None uses its defaults. pallas_mosaic_gpu also takes a
@@ -533,16 +534,19 @@ SAFE_E4M3_TOP = (
     "the weight it gives each row's maximum (0.55-0.95) on e4m3's 1/16 grid: on peaked rows dQ is "
     "then up to 26x further from exact than with max_adjust='off', and GPT-2 124M trained with it "
     "diverged in 2 of 2 seeds where 'off' trained as bf16 attention does (docs/fp8.md, step 4). "
-    "Use max_adjust='off' with this numerics, or numerics='fp8' (p_top=input: each key block's "
-    "top key in the input dtype; the Hopper kernel computes it for bf16 inputs).")
+    "Use numerics='fp8_fast' (dither=out: the maximum's weight stays 1 and the dither moves to "
+    "O), numerics='fp8' (p_top=input: each key block's top key in the input dtype), or "
+    "max_adjust='off' with this numerics.")
 _warned_safe_e4m3 = False
 
 
 def _warn_if_safe_rounds_its_max_to_e4m3(spec: AttentionSpec) -> None:
-  """One RuntimeWarning per process for "safe" over an e4m3 P whose block-top key is e4m3 too."""
+  """One RuntimeWarning per process for "safe" over an e4m3 P whose block-top key is e4m3 too and
+  gets the dither (Numerics.dither="max")."""
   global _warned_safe_e4m3
   n = spec.numerics
-  if spec.max_adjust != "safe" or n.p != "e4m3" or n.p_top != "p" or _warned_safe_e4m3:
+  if (spec.max_adjust != "safe" or n.p != "e4m3" or n.p_top != "p" or n.dither != "max"
+      or _warned_safe_e4m3):
     return
   _warned_safe_e4m3 = True
   warnings.warn(SAFE_E4M3_TOP.format(numerics=n.name), RuntimeWarning,
@@ -599,5 +603,8 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
     elif row.counts is not None:   # lengths are always present: the full extent
       arrays[name] = jnp.full((B,), sizes[row.counts], jnp.int32)
   if spec.max_adjust == "safe":
-    arrays["offset"] = safe_offsets(N, T, tile_dtypes(spec.numerics, q.dtype).p)
+    # The dither's grid: where it rounds the max's weight (P's, or the output's for dither="out").
+    dt = tile_dtypes(spec.numerics, q.dtype)
+    grid = (dt.input if dt.input.itemsize < 4 else np.dtype(np.float32)) if dt.dither_out else dt.p
+    arrays["offset"] = safe_offsets(N, T, grid)
   return spec, OPERANDS.make(**arrays), unbatched

@@ -26,9 +26,12 @@ _QKV_CHOICES = ("input", "e4m3")
 _DTYPES = {"e4m3": np.dtype(jnp.float8_e4m3fn)}
 _BOOL_FIELDS = ("sum_of_rounded_p", "sum_keeps_max")
 _BOOLS = {"true": True, "false": False}
-# The rounding points a Numerics names, in the order the forward meets them.
+# Where max_adjust="safe" puts its per-row dither (Numerics.dither).
+_DITHER_CHOICES = ("max", "out")
+# The rounding points a Numerics names, in the order the forward meets them (and "dither", where
+# "safe" perturbs them).
 _FIELDS = ("qkv", "score", "p", "p_top", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p",
-           "sum_keeps_max", "out", "residual_o")
+           "sum_keeps_max", "out", "residual_o", "dither")
 
 
 class Dtypes(NamedTuple):
@@ -45,6 +48,7 @@ class Dtypes(NamedTuple):
   p_scale: float = 1.0  # P_bar * p_scale is what is rounded to `p`; PV is divided by it after
   sum_keeps_max: bool = False  # with sum_of_rounded_p: each block's largest P_bar adds unrounded
   p_top: Optional[np.dtype] = None  # each block's top key's P_bar for PV; None: as `p`
+  dither_out: bool = False  # "safe"'s dither multiplies O (Numerics.dither="out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,12 @@ class Numerics:
     out: dtype of the final division O / l (the result is then cast to the input dtype).
     residual_o: dtype of the O saved for the backward's delta; "float32" is the paper's
       diagnostic fix (keep O in fp32 for delta).
+    dither: where max_adjust="safe" puts its per-row dither (stable_attn.tile's docstring).
+      "max": in the exponent, the row maximum's weight w = exp(-c) < 1 rounded where P_bar is.
+      "out": the maximum's weight stays 1 (exact in every P dtype) and O is multiplied by
+      round(w) / w, w on the output dtype's grid, before O is rounded: what "max" does to a row
+      of tied maxima when P_bar is rounded to the output dtype, without an FP8 P's 1/16 grid,
+      which makes "max" an error of up to 3% in a key that may hold most of the row.
   """
   name: str = "custom"
   qkv: str = "input"
@@ -97,6 +107,7 @@ class Numerics:
   sum_keeps_max: bool = False
   out: str = "float32"
   residual_o: str = "input"
+  dither: str = "max"
 
   def __post_init__(self):
     if self.sum_keeps_max and not self.sum_of_rounded_p:
@@ -118,8 +129,8 @@ class Numerics:
                            f"p_scale must fit e4m3's largest value, 448), got {scale!r}")
         continue
       value = getattr(self, field)
-      choices = {"p": _P_CHOICES, "qkv": _QKV_CHOICES, "p_top": ("p",) + _CHOICES}.get(
-          field, _CHOICES)
+      choices = {"p": _P_CHOICES, "qkv": _QKV_CHOICES, "p_top": ("p",) + _CHOICES,
+                 "dither": _DITHER_CHOICES}.get(field, _CHOICES)
       if value not in choices:
         raise ValueError(f"Numerics.{field} must be one of {choices}, got {value!r}")
 
@@ -146,7 +157,7 @@ class Numerics:
     return Dtypes(input_dtype, pick(self.score), pick(self.p), pick(self.pv), pick(self.acc),
                   pick(self.sum), pick(self.out), pick(self.residual_o), self.sum_of_rounded_p,
                   float(self.p_scale), self.sum_keeps_max,
-                  None if self.p_top == "p" else pick(self.p_top))
+                  None if self.p_top == "p" else pick(self.p_top), self.dither == "out")
 
 
 # fp32 scores and statistics, P cast to the input dtype for PV, one final rounding of O.
@@ -161,7 +172,13 @@ PAPER = Numerics(name="paper", score="input", p="input", pv="input", acc="input"
 FP8 = FAST.replace(name="fp8", qkv="e4m3", p="e4m3", p_top="input", p_scale=256.0,
                    sum_of_rounded_p=True, sum_keeps_max=True)
 
-PRESETS = {"fast": FAST, "paper": PAPER, "fp8": FP8,
+# FP8 attention in FlashAttention-3's arithmetic (every P_bar in e4m3, one e4m3 P V product) with
+# the row sum of the rounded P_bar, and "safe"'s dither on O: the row maximum's weight stays 1,
+# exact in e4m3 (docs/fp8.md, "safe's dither on O").
+FP8_FAST = FAST.replace(name="fp8_fast", qkv="e4m3", p="e4m3", p_scale=256.0,
+                        sum_of_rounded_p=True, dither="out")
+
+PRESETS = {"fast": FAST, "paper": PAPER, "fp8": FP8, "fp8_fast": FP8_FAST,
            "fast+fp32o": FAST.with_fp32_residual(), "paper+fp32o": PAPER.with_fp32_residual()}
 
 
@@ -172,8 +189,9 @@ def resolve(numerics) -> Numerics:
   arithmetic with fp32 scores), "fast+sum=input+sum_of_rounded_p=true" or "fast+p=e4m3+p_scale=256"
   (FP8 P_bar with FlashAttention-3's pre-cast scale); VALUE is "float32" or "input" ("e4m3" too
   for p and qkv, "p" too for p_top, "true"/"false" for sum_of_rounded_p and sum_keeps_max, a
-  number for p_scale). The result is named by the string, so one spelling serves the API, the
-  CLIs and the names of result files. Anything else raises ValueError.
+  number for p_scale, "max" or "out" for dither). The result is named by the string, so one
+  spelling serves the API, the CLIs and the names of result files. Anything else raises
+  ValueError.
   """
   if isinstance(numerics, Numerics):
     return numerics

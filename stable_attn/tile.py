@@ -37,6 +37,11 @@ Max adjustment (`max_adjust`):
            rounds the same way in every row: the paper's appendix C.) In exact arithmetic nothing
            changes: softmax is shift invariant and the log-sum-exp is m + c + log l. With fp32
            scores the offset is folded into the row max (one add per row, not per element).
+           With Numerics.dither="out" (the "fp8_fast" preset) the offset stays out of the
+           exponent: the maximum's weight is 1, exact in e4m3, and `finalize` multiplies each
+           row's O by round(w) / w on the output dtype's grid instead -- what the offset does to
+           a row of tied maxima where P is rounded to bf16, without e4m3's 1/16 grid on a key
+           that may hold most of the row (`output_dither`; docs/fp8.md).
 """
 from __future__ import annotations
 
@@ -375,6 +380,8 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   """
   exp = jnp.exp2 if base2 else jnp.exp
   k_axis = 1 - q_axis
+  if dt.dither_out:   # "safe"'s dither is finalize's, on O: the row maximum's weight stays 1
+    offset = None
   singled = dt.sum_keeps_max or dt.p_top is not None   # the numerics single the top keys out
   top_score = None   # each row's largest score: raw, before the factor
   if max_adjust != "paper" or singled:
@@ -482,6 +489,10 @@ def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn
   empty = stats.l == 0.0
   l_safe = jnp.where(empty, 1.0, stats.l)
   o_exact = acc / _rows(l_safe, acc, q_axis)
+  if dt.dither_out and offset is not None:
+    o_exact = o_exact * _rows(output_dither(offset, dt, round_fn=round_fn, base2=base2), acc,
+                              q_axis)
+    offset = None   # not in the exponent (`rescale`), so not in the LSE
   m = stats.m if offset is None else stats.m + offset
   lse = m * LN2 + jnp.log(l_safe) if base2 else m + jnp.log(l_safe)
   if sink is None:
@@ -493,6 +504,17 @@ def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn
   # The fp32 residual skips the output rounding: delta then sees O before it is rounded.
   residual = o_exact if jnp.dtype(dt.residual_o) == jnp.float32 else o
   return o, residual.astype(dt.residual_o), lse
+
+
+def output_dither(offset, dt: Dtypes, *, round_fn: RoundFn = round_convert, base2: bool = False):
+  """max_adjust="safe" with Numerics.dither="out": per query, the factor (fp32) that O is
+  multiplied by before its rounding, round(w) / w with w = exp(-offset) the weight "max" would
+  give the row's maximum (`safe_offset`, computed on the output dtype's grid) and round to the
+  output dtype. A row of tied maxima then gets the multiplicative error "max" gives it where
+  P_bar is rounded to the output dtype -- up in some rows, down in others, so O's half-way cases
+  round both ways -- while every P_bar, the maximum's 1 included, keeps its own rounding."""
+  w = (jnp.exp2 if base2 else jnp.exp)(-offset)
+  return round_fn(w, dt.input) / w
 
 
 def join_sink(lse, empty, sink):

@@ -1059,7 +1059,7 @@ def _fp8_errors(implementation, numerics, case, max_adjust, inputs):
 
 @pytest.mark.gpu
 @on_hopper
-@pytest.mark.parametrize("numerics", [FP8, "fp8"])
+@pytest.mark.parametrize("numerics", [FP8, "fp8", "fp8_fast"])
 @pytest.mark.parametrize("max_adjust", ["off", "paper", "safe"])
 @pytest.mark.parametrize("case", list(FP8_CASES))
 @pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
@@ -1078,6 +1078,35 @@ def test_gpu_fp8_forward_is_as_accurate_as_the_reference(head_dim, case, max_adj
   assert all(g <= 1.25 * w + 2e-3 for g, w in zip(got, want)), (got, want)
   _, o_bf16_p = _fp8_errors(IMPL, "fast+qkv=e4m3", case, max_adjust, inputs)
   assert cases.relative_error(o, o_bf16_p.astype(np.float64)) > 5e-3
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
+def test_gpu_fp8_fast_dithers_o_and_nothing_else(head_dim):
+  """The compiled FP8 forward under "fp8_fast" (Numerics.dither="out"): "safe"'s LSE is "off"'s
+  bitwise (no offset in the exponent: the same P, row sums and maxima) and its O is "off"'s
+  times round(w) / w per row (bf16's rounding of the row's weight w = exp(-offset), computed
+  here by ml_dtypes) within one bf16 rounding, and not "off"'s O. Causal GQA with sinks."""
+  import ml_dtypes
+  rng = np.random.default_rng()
+  B, T, N, K = 2, 384, 4, 2
+  q = jnp.asarray(rng.standard_normal((B, T, N, head_dim)), bf16)
+  k, v = (jnp.asarray(rng.standard_normal((B, T, K, head_dim)), bf16) for _ in range(2))
+  sinks = jnp.asarray(rng.standard_normal(N), f32)
+  call = lambda mode: jax.jit(lambda q, k, v: stable_attn.dot_product_attention(
+      q, k, v, is_causal=True, sinks=sinks, implementation=IMPL, numerics="fp8_fast",
+      max_adjust=mode, return_residuals=True))(q, k, v)
+  (o_safe, lse_safe), (o_off, lse_off) = call("safe"), call("off")
+  np.testing.assert_array_equal(np.asarray(lse_safe), np.asarray(lse_off))
+  w = np.exp(-np.asarray(stable_attn.api.safe_offsets(N, T, bf16), np.float64))   # [N, T]
+  factor = w.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64) / w
+  as64 = lambda a: np.asarray(jnp.asarray(a, f32), np.float64)
+  want = as64(o_off) * factor.T[None, :, :, None]
+  larger = np.maximum(np.abs(want), np.abs(as64(o_safe)))
+  spacing = 2.0 ** (np.floor(np.log2(np.maximum(larger, 1e-30))) - 7)
+  assert np.all(np.abs(as64(o_safe) - want) <= spacing * 1.001 + 1e-30)
+  assert np.mean(as64(o_safe) != as64(o_off)) > 0.2
 
 
 def _fp8_grads(case, inputs, fp8_backward: bool, numerics=FP8, is_causal=True):
@@ -1197,6 +1226,9 @@ def test_gpu_fp8_preset_keeps_safe_about_as_accurate_as_off(head_dim):
     top_e4m3 = dq_error(IMPL, FP8, "safe")
   assert safe < 5 * off and top_e4m3 > 10 * off, (off, safe, top_e4m3)
   assert safe <= 1.5 * dq_error("reference", "fp8", "safe") + 1e-2, safe
+  # "fp8_fast": the maximum's weight 1 (exact in e4m3), the dither on O on bf16's grid
+  dithered = dq_error(IMPL, "fp8_fast", "safe")
+  assert dithered < 5 * off and dithered <= 1.5 * dq_error("reference", "fp8_fast", "safe") + 1e-2
 
 
 @pytest.mark.parametrize("version,fixed", [("0.12.0.1", True), ("0.12.0", True),
@@ -1976,9 +2008,9 @@ def test_entry_register_tiles_lower_for_cuda(feature):
 @pytest.mark.parametrize("feature,p_registers", [
     (feature, False) for feature in ("gqa", "segments_sinks_window", "soft_cap_paper",
                                      "qkvpacked", "head_dim_64", "preset", "preset_head_dim_64",
-                                     "rounded_sum", "rounded_sum_top_bf16")] + [
+                                     "rounded_sum", "rounded_sum_top_bf16", "fp8_fast")] + [
     (feature, True) for feature in ("gqa", "segments_sinks_window", "head_dim_64", "preset",
-                                    "preset_head_dim_64")])
+                                    "preset_head_dim_64", "fp8_fast", "fp8_fast_head_dim_64")])
 def test_fp8_forward_lowers_for_cuda(feature, p_registers):
   """The FP8 forward (e4m3 Q K^T, P cast to e4m3 through shared memory or kept in registers:
   TuningConfig.fp8_p_registers, V^T) lowers for CUDA with the features it serves, and its backward
@@ -1994,7 +2026,10 @@ def test_fp8_forward_lowers_for_cuda(feature, p_registers):
                 preset_head_dim_64=dict(numerics="fp8"),
                 # the other combinations `fp8_forward` accepts: a row sum of every rounded P_bar
                 rounded_sum=dict(numerics="fp8+p_top=p+sum_keeps_max=false"),
-                rounded_sum_top_bf16=dict(numerics="fp8+sum_keeps_max=false"))[feature]
+                rounded_sum_top_bf16=dict(numerics="fp8+sum_keeps_max=false"),
+                # "safe"'s dither on O (Numerics.dither="out"): the epilogue reads the offsets
+                fp8_fast=dict(numerics="fp8_fast", max_adjust="safe", sinks=jnp.zeros(N, f32)),
+                fp8_fast_head_dim_64=dict(numerics="fp8_fast", max_adjust="safe"))[feature]
   kwargs = dict(numerics=FP8) | kwargs
   spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=N if feature == "qkvpacked" else K,
                         is_causal=True, **kwargs)

@@ -99,3 +99,26 @@ def test_fp32_row_sum_removes_the_one_signed_lse_error(implementation):
 def test_probe_rejects_a_bad_tail():
   with pytest.raises(ValueError, match="tail"):
     measure("reference", "paper", "off", "positive", "adjacent", tail=(12.0, 9.0), **SMALL)
+
+
+def test_row_spread_gives_each_row_its_own_tail():
+  """tie_inputs(row_spread=r): the tied keys still score exactly each row's max M_i, every other
+  key M_i - f_i d_j with f_i in [1, 1 + r] per row (rows differ), and r = 0 is the shared-tail
+  inputs exactly (the spread is drawn after everything else)."""
+  import numpy as np
+  from stable_attn.diagnostics import tie_inputs
+  seed = int(np.random.default_rng().integers(1 << 16))
+  as64 = lambda x: np.asarray(x.astype("float32"), np.float64)
+  q0, k0, v0 = map(as64, tie_inputs("positive", "adjacent", batch=1, rows=64, keys=256, seed=seed))
+  q, k, v = map(as64, tie_inputs("positive", "adjacent", batch=1, rows=64, keys=256, seed=seed,
+                                 row_spread=0.25))
+  np.testing.assert_array_equal(k, k0)
+  np.testing.assert_array_equal(v, v0)
+  s = np.einsum("bqh,bkh->bqk", q[:, :, 0], k[:, :, 0]) / 8
+  m = q[0, :, 0, 0] / 8
+  np.testing.assert_array_equal(s[0, :, :2], np.stack([m, m], axis=1))   # the ties, exact
+  factor = (m[:, None] - s[0, :, 2:]) / -k[0, None, 2:, 0, 1]
+  assert np.all(factor >= 1) and np.all(factor <= 1.25) and np.ptp(factor[:, 0]) > 0.05
+  np.testing.assert_allclose(factor, factor[:, :1] * np.ones_like(factor), rtol=1e-12)
+  with pytest.raises(ValueError, match="row_spread"):
+    tie_inputs("positive", "adjacent", batch=1, rows=8, keys=16, row_spread=2.0)

@@ -14,8 +14,8 @@ block multiples (padded), a logits soft cap, attention sinks, segment ids (packe
 (with its gradient) and boolean mask operands, streamed by TMA beside K/V (their all-False blocks
 neither streamed nor computed: block ranges and a compacted block order per CTA). FP8: with
 numerics qkv="e4m3" and p="e4m3" (FlashAttention-3's arithmetic, `fp8_forward`; the "fp8"
-preset's top key in bf16 too) the forward runs e4m3 wgmma at head dims 64 and 128 (no bias or
-mask) and the backward the bf16/fp16 kernels on the
+preset's top key in bf16 and the "fp8_fast" preset's dither on O too) the forward runs e4m3
+wgmma at head dims 64 and 128 (no bias or mask) and the backward the bf16/fp16 kernels on the
 dequantized inputs, or with TuningConfig.fp8_backward e4m3 products there too (fp8_backward.py;
 docs/fp8.md). Everything else -- other numerics presets, fp32, other head
 dims, a bias or mask whose tiles do not fit shared memory even beside 32-key blocks (head dim

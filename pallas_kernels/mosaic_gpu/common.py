@@ -130,14 +130,15 @@ def as_8bit_operand(p):
 def fp8_forward(spec: AttentionSpec, dtype) -> bool:
   """Whether the call's forward runs in FP8: numerics "fast" but for e4m3 q, k and v (qkv="e4m3")
   and P cast to e4m3 (p="e4m3", any p_scale) -- FlashAttention-3's FP8 arithmetic -- with or
-  without the "fp8" preset's top key on a finer grid (p_top) and row sum of the rounded P_bar
-  (sum_of_rounded_p, sum_keeps_max). The backward then runs the bf16/fp16 kernels on the
+  without the "fp8" preset's top key on a finer grid (p_top), row sum of the rounded P_bar
+  (sum_of_rounded_p, sum_keeps_max) and "safe"'s dither on O (dither="out", "fp8_fast"). The
+  backward then runs the bf16/fp16 kernels on the
   dequantized q, k and v (exact in the input dtype), or with TuningConfig.fp8_backward the FP8
   kernels of fp8_backward.py."""
   dt = spec.numerics.dtypes(dtype)
   fast = numerics_lib.FAST.dtypes(dtype)
   free = dict(p=dt.p, p_scale=dt.p_scale, p_top=dt.p_top, sum_of_rounded_p=dt.sum_of_rounded_p,
-              sum_keeps_max=dt.sum_keeps_max)
+              sum_keeps_max=dt.sum_keeps_max, dither_out=dt.dither_out)
   return (spec.numerics.qkv == "e4m3" and jnp.dtype(dt.p) == jnp.dtype(fp8.E4M3)
           and dt == fast._replace(**free))
 

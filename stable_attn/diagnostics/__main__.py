@@ -92,6 +92,10 @@ def main(argv=None) -> int:
   parser.add_argument("--tail", default=",".join(f"{x:g}" for x in TAIL),
                       help="LO,HI: how far below the row max the other keys score (default "
                            "%(default)s; 9,12 gives a long tail that a bf16 row sum drops)")
+  parser.add_argument("--row-spread", type=float, default=0.0, metavar="R",
+                      help="give each row its own tail: its distances times a factor in [1, 1+R] "
+                           "(default 0: every row the same tail, whose rounding then errs alike "
+                           "in every row)")
   parser.add_argument("--context", metavar="N:STRATEGY",
                       help="run ours context parallel: queries and keys split over N devices, "
                            "STRATEGY allgather or ring (on a CPU, give XLA_FLAGS="
@@ -120,6 +124,8 @@ def main(argv=None) -> int:
     parser.error(f"--tail takes LO,HI (two numbers), got {args.tail!r}")
   if not 0 < lo <= hi:
     parser.error(f"--tail: need 0 < LO <= HI, got {args.tail!r}")
+  if not 0 <= args.row_spread <= 1:
+    parser.error(f"--row-spread: need 0 <= R <= 1, got {args.row_spread!r}")
   n_ours = sum(i not in PEERS for i in impls)
   total = (n_ours * len(numerics) * len(adjusts) + (len(impls) - n_ours)) * len(regimes) * len(
       PLACEMENTS)
@@ -128,14 +134,16 @@ def main(argv=None) -> int:
     results = sweep(impls, numerics, adjusts, regimes=regimes, progress=bar,
                     dtype=_DTYPES[args.dtype], batch=args.batch, rows=args.rows, keys=args.keys,
                     seed=args.seed, interpret=args.interpret, logits_soft_cap=args.logits_soft_cap,
-                    sink=args.sink, tail=(lo, hi), **({"context": context} if context else {}))
+                    sink=args.sink, tail=(lo, hi), row_spread=args.row_spread,
+                    **({"context": context} if context else {}))
   device = jax.devices()[0].device_kind
   title = (f"Tie-stress bias probe: mean signed error of O in {args.dtype} ulps (outward > 0), "
            f"{args.batch}x{args.rows} rows, {args.keys} keys, head dim 64, "
            f"{'' if args.logits_soft_cap is None else f'logits soft cap {args.logits_soft_cap:g}, '}"
            f"{'' if args.sink is None else f'attention sink {args.sink:g}, '}"
            f"{'' if context is None else 'context parallel over %d devices, %s, ' % context}"
-           f"other keys {lo:g}-{hi:g} below the max, "
+           f"other keys {lo:g}-{hi:g} below the max"
+           f"{'' if not args.row_spread else f' times [1, {1 + args.row_spread:g}] per row'}, "
            f"device: {device}, "
            f"jax {jax.__version__}, {time.time() - start:.0f} s\n\n")
   text = title + bias_table(results)

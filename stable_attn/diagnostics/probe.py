@@ -7,6 +7,12 @@ negative.
 The scores are exact in every precision: q_i = (8 M_i, 8, 0...), k_tie = (1, 0, ...),
 k_j = (1, -d_j, 0, ...), scale 1/8, so S_ij = M_i - d_j.
 
+Every row then has the same tail d_j, so a P dtype's rounding of the tail errs alike in every row
+and its mean over rows is one draw of d: with an FP8 P's 1/16 grid and a near tail that draw
+moves the figure by tenths of an ulp from seed to seed, ties or not. `row_spread` r gives each
+row its own tail, q_i = (8 M_i, 8 f_i, 0...) with f_i uniform in [1, 1 + r] (S_ij = M_i - f_i d_j,
+still exact in fp32; the ties stay exact), as a model's rows have.
+
 The figure is the mean of (O - O_true) * sign(O_true) over the negative columns, in ulps of the output
 dtype at O_true, where O_true is float64 attention of the same low-precision inputs: +0.25 means
 every half-way case rounded outward, -0.25 inward, ~0 unbiased.
@@ -73,12 +79,15 @@ def _row_max(regime: str, rng, rows: int) -> np.ndarray:
 
 
 def tie_inputs(regime: str, placement: str, *, batch=4, rows=256, keys=1024,
-               dtype=jnp.bfloat16, seed=0, tail=TAIL):
+               dtype=jnp.bfloat16, seed=0, tail=TAIL, row_spread=0.0):
   """-> (q [B,T,1,64], k [B,S,1,64], v [B,S,1,64]) in `dtype`, as described in the module doc;
-  tail: (lo, hi), how far below the row max the other keys score (uniform)."""
+  tail: (lo, hi), how far below the row max the other keys score (uniform); row_spread: each
+  row's tail distances times its own factor in [1, 1 + row_spread] (0: one tail for all rows)."""
   lo, hi = tail
   if not 0 < lo <= hi:
     raise ValueError(f"tail must be (lo, hi) with 0 < lo <= hi, got {tail!r}")
+  if not 0 <= row_spread <= 1:
+    raise ValueError(f"row_spread must be in [0, 1], got {row_spread!r}")
   if placement not in PLACEMENTS:
     raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
   rng = np.random.default_rng(seed)
@@ -87,6 +96,9 @@ def tie_inputs(regime: str, placement: str, *, batch=4, rows=256, keys=1024,
   q = np.zeros((batch, rows, 1, HEAD_DIM))
   q[:, :, 0, 0] = 8 * m
   q[:, :, 0, 1] = 8.0
+  if row_spread:   # drawn after everything else, so that row_spread=0 keeps every other draw
+    spread = np.random.default_rng([seed, 1]).uniform(1, 1 + row_spread, (batch, rows))
+    q[:, :, 0, 1] = to_dtype(8.0 * spread)
   k = np.zeros((batch, keys, 1, HEAD_DIM))
   k[:, :, 0, 0] = 1.0
   k[:, :, 0, 1] = -to_dtype(rng.uniform(lo, hi, (batch, keys)))
@@ -123,14 +135,14 @@ def signed_ulp_error(out, truth, dtype):
 def measure(implementation: str, numerics: str, max_adjust: str, regime: str, placement: str, *,
             beta: float = 2.0, dtype=jnp.bfloat16, batch=4, rows=256, keys=1024, seed=0,
             interpret: bool = False, logits_soft_cap=None, sink=None, tail=TAIL,
-            context: tuple[int, str] | None = None) -> ProbeResult:
+            row_spread: float = 0.0, context: tuple[int, str] | None = None) -> ProbeResult:
   """With logits_soft_cap, the truth is the float64 attention of the capped logits (ties stay
   ties: both tied scores map to the same capped value). With `sink` (a float), the one head gets
   that attention-sink logit, and the truth includes it. With context = (n, strategy), the call
   runs context parallel: queries and keys split over the first n devices (an Explicit mesh),
   `strategy` "allgather" or "ring" (each device then merges n key blocks' O and LSE)."""
   q, k, v = tie_inputs(regime, placement, batch=batch, rows=rows, keys=keys, dtype=dtype,
-                       seed=seed, tail=tail)
+                       seed=seed, tail=tail, row_spread=row_spread)
   sinks = None if sink is None else np.full((1,), sink, np.float32)
   fn = _attention(implementation, numerics, max_adjust, beta, interpret, logits_soft_cap, sink,
                   None if context is None else context[1])
