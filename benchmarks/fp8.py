@@ -28,7 +28,7 @@ Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu"
             a second e4m3 P V product: stable_attn.tile.rescale's split_top) and the row sum of the
             rounded P_bar, what "safe" needs under an FP8 P (docs/fp8.md)
   fp8_fast  numerics "fp8_fast": FlashAttention-3's FP8 forward with the row sum of the rounded
-            P_bar and "safe"'s dither on O (Numerics.dither="out": the row maximum's weight 1)
+            P_bar and "safe"'s dither on O (Numerics.dither="out": the row maximum's weight exact)
   fp8_bwd, preset_bwd, fp8_fast_bwd  the fp8, preset and fp8_fast arms with the FP8 backward
             (TuningConfig.fp8_backward: e4m3 products in the dQ and dK/dV kernels;
             pallas_kernels/mosaic_gpu/fp8_backward.py)

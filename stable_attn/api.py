@@ -120,7 +120,7 @@ def dot_product_attention(
       with FP8 q, k, v too ("fast+qkv=e4m3+p=e4m3", any p_scale; "fp8" and "fp8_fast" with bf16
       inputs) at head dim 64 or 128 without a bias or mask, and refuses the rest, as compiled
       pallas_gpu and pallas_tpu do; with max_adjust="safe" use "fp8_fast" (its dither on O, the
-      maximum's weight 1) or "fp8" (its top key in bf16), not a P whose top key "safe" rounds to
+      maximum's weight exact in e4m3) or "fp8" (its top key in bf16), not a P whose top key "safe" rounds to
       e4m3; FP8 q, k, v ("qkv=e4m3", in both) are quantized with per-head scales before any
       backend (stable_attn.fp8).
     interpret: run Pallas implementations in interpret mode (CPU).
@@ -534,8 +534,8 @@ SAFE_E4M3_TOP = (
     "the weight it gives each row's maximum (0.55-0.95) on e4m3's 1/16 grid: on peaked rows dQ is "
     "then up to 26x further from exact than with max_adjust='off', and GPT-2 124M trained with it "
     "diverged in 2 of 2 seeds where 'off' trained as bf16 attention does (docs/fp8.md, step 4). "
-    "Use numerics='fp8_fast' (dither=out: the maximum's weight stays 1 and the dither moves to "
-    "O), numerics='fp8' (p_top=input: each key block's top key in the input dtype), or "
+    "Use numerics='fp8_fast' (dither=out: the maximum's weight on e4m3's grid, exact, and the "
+    "dither on O), numerics='fp8' (p_top=input: each key block's top key in the input dtype), or "
     "max_adjust='off' with this numerics.")
 _warned_safe_e4m3 = False
 

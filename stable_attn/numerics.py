@@ -89,10 +89,11 @@ class Numerics:
       diagnostic fix (keep O in fp32 for delta).
     dither: where max_adjust="safe" puts its per-row dither (stable_attn.tile's docstring).
       "max": in the exponent, the row maximum's weight w = exp(-c) < 1 rounded where P_bar is.
-      "out": the maximum's weight stays 1 (exact in every P dtype) and O is multiplied by
-      round(w) / w, w on the output dtype's grid, before O is rounded: what "max" does to a row
-      of tied maxima when P_bar is rounded to the output dtype, without an FP8 P's 1/16 grid,
-      which makes "max" an error of up to 3% in a key that may hold most of the row.
+      "out": the maximum's weight is w rounded to P's grid (exact in P's dtype) and O is
+      multiplied by round(w) / w, round() the output dtype's, before O is rounded: what "max"
+      does to a row of tied maxima when P_bar is rounded to the output dtype, without an FP8
+      P's 1/16 grid, which makes "max" an error of up to 3% in a key that may hold most of the
+      row.
   """
   name: str = "custom"
   qkv: str = "input"
@@ -173,8 +174,8 @@ FP8 = FAST.replace(name="fp8", qkv="e4m3", p="e4m3", p_top="input", p_scale=256.
                    sum_of_rounded_p=True, sum_keeps_max=True)
 
 # FP8 attention in FlashAttention-3's arithmetic (every P_bar in e4m3, one e4m3 P V product) with
-# the row sum of the rounded P_bar, and "safe"'s dither on O: the row maximum's weight stays 1,
-# exact in e4m3 (docs/fp8.md, "safe's dither on O").
+# the row sum of the rounded P_bar, and "safe"'s dither on O: the row maximum's weight on e4m3's
+# grid, exact (docs/fp8.md, "safe's dither on O").
 FP8_FAST = FAST.replace(name="fp8_fast", qkv="e4m3", p="e4m3", p_scale=256.0,
                         sum_of_rounded_p=True, dither="out")
 

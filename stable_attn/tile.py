@@ -37,11 +37,12 @@ Max adjustment (`max_adjust`):
            rounds the same way in every row: the paper's appendix C.) In exact arithmetic nothing
            changes: softmax is shift invariant and the log-sum-exp is m + c + log l. With fp32
            scores the offset is folded into the row max (one add per row, not per element).
-           With Numerics.dither="out" (the "fp8_fast" preset) the offset stays out of the
-           exponent: the maximum's weight is 1, exact in e4m3, and `finalize` multiplies each
-           row's O by round(w) / w on the output dtype's grid instead -- what the offset does to
-           a row of tied maxima where P is rounded to bf16, without e4m3's 1/16 grid on a key
-           that may hold most of the row (`output_dither`; docs/fp8.md).
+           With Numerics.dither="out" (the "fp8_fast" preset) the exponent's weight is w
+           rounded to P's grid (`p_grid_offset`: the maximum's P_bar exact in e4m3, the other
+           keys still moved on that grid row to row), and `finalize` multiplies each row's O by
+           round(w) / w on the output dtype's grid -- what the offset does to a row of tied
+           maxima where P is rounded to bf16, without e4m3's 1/16 grid on a key that may hold
+           most of the row (`output_dither`; docs/fp8.md).
 """
 from __future__ import annotations
 
@@ -380,8 +381,9 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   """
   exp = jnp.exp2 if base2 else jnp.exp
   k_axis = 1 - q_axis
-  if dt.dither_out:   # "safe"'s dither is finalize's, on O: the row maximum's weight stays 1
-    offset = None
+  if dt.dither_out and offset is not None:   # the maximum's weight on P's grid: exact
+    # (per row, each block: a kernel's softmax pays it per row, not per score)
+    offset = p_grid_offset(offset, dt, round_fn=round_fn, base2=base2)
   singled = dt.sum_keeps_max or dt.p_top is not None   # the numerics single the top keys out
   top_score = None   # each row's largest score: raw, before the factor
   if max_adjust != "paper" or singled:
@@ -492,7 +494,7 @@ def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn
   if dt.dither_out and offset is not None:
     o_exact = o_exact * _rows(output_dither(offset, dt, round_fn=round_fn, base2=base2), acc,
                               q_axis)
-    offset = None   # not in the exponent (`rescale`), so not in the LSE
+    offset = p_grid_offset(offset, dt, round_fn=round_fn, base2=base2)   # `rescale`'s
   m = stats.m if offset is None else stats.m + offset
   lse = m * LN2 + jnp.log(l_safe) if base2 else m + jnp.log(l_safe)
   if sink is None:
@@ -506,13 +508,23 @@ def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn
   return o, residual.astype(dt.residual_o), lse
 
 
+def p_grid_offset(offset, dt: Dtypes, *, round_fn: RoundFn = round_convert, base2: bool = False):
+  """Numerics.dither="out": per query, the exponent offset "safe" then uses, -log(round(w)) with
+  w = exp(-offset) rounded to P's dtype: the row maximum's P_bar is that grid value, which the
+  cast keeps exactly (e4m3's 9/16..15/16 for w in [0.55, 0.95]), while every other P_bar of the
+  row sits at its own place on P's grid, row to row (without it, rows sharing their scores round
+  alike: a drift of up to -0.07 ulp in the probe with FP8 q, k, v; docs/fp8.md)."""
+  exp, log = (jnp.exp2, jnp.log2) if base2 else (jnp.exp, jnp.log)
+  return -log(round_fn(exp(-offset), dt.p))
+
+
 def output_dither(offset, dt: Dtypes, *, round_fn: RoundFn = round_convert, base2: bool = False):
   """max_adjust="safe" with Numerics.dither="out": per query, the factor (fp32) that O is
-  multiplied by before its rounding, round(w) / w with w = exp(-offset) the weight "max" would
-  give the row's maximum (`safe_offset`, computed on the output dtype's grid) and round to the
-  output dtype. A row of tied maxima then gets the multiplicative error "max" gives it where
-  P_bar is rounded to the output dtype -- up in some rows, down in others, so O's half-way cases
-  round both ways -- while every P_bar, the maximum's 1 included, keeps its own rounding."""
+  multiplied by before its rounding, round(w) / w with w = exp(-offset) (`safe_offset`, computed
+  on the output dtype's grid) and round() the output dtype's. A row of tied maxima then gets the
+  multiplicative error "max" gives it where P_bar is rounded to the output dtype -- up in some
+  rows, down in others, so O's half-way cases round both ways -- while the maximum's own P_bar
+  stays exact (`p_grid_offset`)."""
   w = (jnp.exp2 if base2 else jnp.exp)(-offset)
   return round_fn(w, dt.input) / w
 

@@ -165,7 +165,7 @@ def test_fp8_preset_keeps_safe_about_as_accurate_as_off():
     ("safe", "fast+qkv=e4m3+p=e4m3+p_scale=256", True),
     ("off", "fast+qkv=e4m3+p=e4m3+p_scale=256", False),
     ("safe", "fp8", False),                      # its top key's P_bar stays in the input dtype
-    ("safe", "fp8_fast", False),                 # the maximum's weight stays 1 (dither on O)
+    ("safe", "fp8_fast", False),                 # the maximum's weight exact (dither on O)
     ("safe", "fast+p=e4m3+p_scale=256+dither=out", False),
     ("safe", "fast+qkv=e4m3", False),            # P in bf16
 ])
@@ -446,33 +446,43 @@ def test_fp8_numerics_checks_and_refusals():
 
 @pytest.mark.parametrize("impl", ["reference", "xla", "pallas_gpu"])
 def test_safe_dither_on_o_is_o_times_the_rounded_weight_over_the_weight(impl):
-  """Numerics.dither="out": "safe" leaves every P_bar as "off" computes it (the LSE bitwise
-  "off"'s: no offset in the exponent) and multiplies each row's O by round(w) / w before O is
-  rounded, w = exp(-offset) the row's "safe" weight and round() bf16's (computed here by
-  ml_dtypes): within one bf16 rounding of "off"'s O times that factor, and not "off"'s O. With fp32
-  inputs the factor is 1: "off" bitwise."""
+  """Numerics.dither="out": "safe" is "safe" with dither="max" whose weights w = exp(-offset) are
+  first rounded to P's grid (e4m3 here: the maximum's P_bar exact; offsets moved as
+  diagnostics.accuracy.on_grid_offsets does), the same LSE, and O then multiplied per row by
+  round(w) / w before its rounding, round() bf16's (computed here by ml_dtypes): within one bf16
+  rounding of that O times the factor, and not that O. With fp32 inputs the factor is 1."""
+  from stable_attn import backends
+  from stable_attn.diagnostics.accuracy import on_grid_offsets
   rng = np.random.default_rng()
   B, T, N, H = 2, 64, 2, 32
-  x = [jnp.asarray(rng.standard_normal((B, T, N, H)) * 2, jnp.bfloat16) for _ in range(3)]
-  nx = "fast+p=e4m3+p_scale=256+dither=out"
-  call = lambda mode, *a: stable_attn.dot_product_attention(
-      *a, is_causal=True, implementation=impl, numerics=nx, max_adjust=mode,
-      interpret=impl == "pallas_gpu", return_residuals=True)
-  (o_safe, lse_safe), (o_off, lse_off) = call("safe", *x), call("off", *x)
-  np.testing.assert_array_equal(np.asarray(lse_safe), np.asarray(lse_off))
-  w = np.exp(-np.asarray(api.safe_offsets(N, T, jnp.bfloat16), np.float64))   # [N, T]
-  factor = w.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64) / w
-  assert np.abs(factor - 1).max() < 2 ** -8 and abs(np.mean(factor) - 1) < 1e-4
   as64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-  want = as64(o_off) * factor.T[None, :, :, None]
-  # two half spacings of bf16, each at most the spacing at the larger of the two values
-  larger = np.maximum(np.abs(want), np.abs(as64(o_safe)))
-  spacing = 2.0 ** (np.floor(np.log2(np.maximum(larger, 1e-30))) - 7)
-  assert np.all(np.abs(as64(o_safe) - want) <= spacing * 1.001 + 1e-30)
-  assert np.mean(as64(o_safe) != as64(o_off)) > 0.2
-  x32 = [a.astype(jnp.float32) for a in x]
-  np.testing.assert_array_equal(np.asarray(call("safe", *x32)[0]),
-                                np.asarray(call("off", *x32)[0]))
+  nx = "fast+p=e4m3+p_scale=256+sum_of_rounded_p=true"
+  for dtype in (jnp.bfloat16, jnp.float32):
+    x = [jnp.asarray(rng.standard_normal((B, T, N, H)) * 2, dtype) for _ in range(3)]
+    run = lambda numerics, offsets=None: jax.jit(lambda q, k, v: backends.run(impl, *(
+        lambda spec, ops: (spec, ops if offsets is None else ops._replace(offset=offsets)))(
+        *api.canonicalize(q, k, v, None, None, api.Options(
+            is_causal=True, implementation=impl, numerics=numerics,
+            interpret=impl == "pallas_gpu"))[:2])))(*x)
+    offsets = api.safe_offsets(N, T, jnp.bfloat16)   # dither="out" designs w on bf16's grid
+    o_out, lse_out = run(nx + "+dither=out")
+    with warnings.catch_warnings():   # "safe" rounding its weight to e4m3: what is asked here
+      warnings.simplefilter("ignore", RuntimeWarning)
+      o_grid, lse_grid = run(nx, on_grid_offsets(offsets, jnp.float8_e4m3fn))
+    np.testing.assert_allclose(np.asarray(lse_out), np.asarray(lse_grid), rtol=0, atol=2e-6)
+    w = np.exp(-np.asarray(offsets, np.float64))   # [N, T]
+    factor = w.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64) / w
+    assert np.abs(factor - 1).max() < 2 ** -8 and abs(np.mean(factor) - 1) < 1e-4
+    if dtype == jnp.float32:
+      np.testing.assert_allclose(as64(o_out), as64(o_grid), rtol=1e-5, atol=1e-6)
+      continue
+    want = as64(o_grid) * factor.T[None, :, :, None]
+    # two half spacings of bf16 (one of them times the factor), each at most the spacing at the
+    # larger of the two values
+    larger = np.maximum(np.abs(want), np.abs(as64(o_out)))
+    spacing = 2.0 ** (np.floor(np.log2(np.maximum(larger, 1e-30))) - 7)
+    assert np.all(np.abs(as64(o_out) - want) <= spacing * 1.01 + 1e-30)
+    assert np.mean(as64(o_out) != as64(o_grid)) > 0.2
 
 
 def test_safe_offsets_leave_the_rounded_fp8_weight_unbiased():

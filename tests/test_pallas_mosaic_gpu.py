@@ -1084,29 +1084,41 @@ def test_gpu_fp8_forward_is_as_accurate_as_the_reference(head_dim, case, max_adj
 @on_hopper
 @pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
 def test_gpu_fp8_fast_dithers_o_and_nothing_else(head_dim):
-  """The compiled FP8 forward under "fp8_fast" (Numerics.dither="out"): "safe"'s LSE is "off"'s
-  bitwise (no offset in the exponent: the same P, row sums and maxima) and its O is "off"'s
-  times round(w) / w per row (bf16's rounding of the row's weight w = exp(-offset), computed
-  here by ml_dtypes) within one bf16 rounding, and not "off"'s O. Causal GQA with sinks."""
+  """The compiled FP8 forward under "fp8_fast" (Numerics.dither="out") is its "safe" with
+  dither="max" on weights first rounded to e4m3's grid (offsets moved as
+  diagnostics.accuracy.on_grid_offsets does): the same LSE (within the fp32 rounding of the
+  offsets' two routes) and O times round(w) / w per row (bf16's rounding of the row's weight,
+  computed here by ml_dtypes) within one bf16 rounding, and not that O. Causal GQA with sinks."""
   import ml_dtypes
+  from stable_attn import backends
+  from stable_attn.diagnostics.accuracy import on_grid_offsets
   rng = np.random.default_rng()
   B, T, N, K = 2, 384, 4, 2
   q = jnp.asarray(rng.standard_normal((B, T, N, head_dim)), bf16)
   k, v = (jnp.asarray(rng.standard_normal((B, T, K, head_dim)), bf16) for _ in range(2))
   sinks = jnp.asarray(rng.standard_normal(N), f32)
-  call = lambda mode: jax.jit(lambda q, k, v: stable_attn.dot_product_attention(
-      q, k, v, is_causal=True, sinks=sinks, implementation=IMPL, numerics="fp8_fast",
-      max_adjust=mode, return_residuals=True))(q, k, v)
-  (o_safe, lse_safe), (o_off, lse_off) = call("safe"), call("off")
-  np.testing.assert_array_equal(np.asarray(lse_safe), np.asarray(lse_off))
-  w = np.exp(-np.asarray(stable_attn.api.safe_offsets(N, T, bf16), np.float64))   # [N, T]
+  offsets = stable_attn.api.safe_offsets(N, T, bf16)   # dither="out" designs w on bf16's grid
+
+  def run(numerics, moved=None):
+    spec, ops, _ = canonicalize(q, k, v, None, None, Options(
+        is_causal=True, sinks=sinks, implementation=IMPL, numerics=numerics))
+    ops = ops if moved is None else ops._replace(offset=moved)
+    return jax.jit(lambda ops: backends.run(IMPL, spec, ops))(ops)
+
+  nx = "fast+qkv=e4m3+p=e4m3+p_scale=256+sum_of_rounded_p=true"
+  o_out, lse_out = run("fp8_fast")
+  with warnings.catch_warnings():   # "safe" rounding its weight to e4m3: what is asked here
+    warnings.simplefilter("ignore", RuntimeWarning)
+    o_grid, lse_grid = run(nx, on_grid_offsets(offsets, jnp.float8_e4m3fn))
+  np.testing.assert_allclose(np.asarray(lse_out), np.asarray(lse_grid), rtol=2e-6, atol=2e-6)
+  w = np.exp(-np.asarray(offsets, np.float64))   # [N, T]
   factor = w.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64) / w
   as64 = lambda a: np.asarray(jnp.asarray(a, f32), np.float64)
-  want = as64(o_off) * factor.T[None, :, :, None]
-  larger = np.maximum(np.abs(want), np.abs(as64(o_safe)))
+  want = as64(o_grid) * factor.T[None, :, :, None]
+  larger = np.maximum(np.abs(want), np.abs(as64(o_out)))
   spacing = 2.0 ** (np.floor(np.log2(np.maximum(larger, 1e-30))) - 7)
-  assert np.all(np.abs(as64(o_safe) - want) <= spacing * 1.001 + 1e-30)
-  assert np.mean(as64(o_safe) != as64(o_off)) > 0.2
+  assert np.all(np.abs(as64(o_out) - want) <= spacing * 1.01 + 1e-30)
+  assert np.mean(as64(o_out) != as64(o_grid)) > 0.2
 
 
 def _fp8_grads(case, inputs, fp8_backward: bool, numerics=FP8, is_causal=True):
@@ -1226,7 +1238,7 @@ def test_gpu_fp8_preset_keeps_safe_about_as_accurate_as_off(head_dim):
     top_e4m3 = dq_error(IMPL, FP8, "safe")
   assert safe < 5 * off and top_e4m3 > 10 * off, (off, safe, top_e4m3)
   assert safe <= 1.5 * dq_error("reference", "fp8", "safe") + 1e-2, safe
-  # "fp8_fast": the maximum's weight 1 (exact in e4m3), the dither on O on bf16's grid
+  # "fp8_fast": the maximum's weight exact in e4m3, the dither on O on bf16's grid
   dithered = dq_error(IMPL, "fp8_fast", "safe")
   assert dithered < 5 * off and dithered <= 1.5 * dq_error("reference", "fp8_fast", "safe") + 1e-2
 
