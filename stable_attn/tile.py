@@ -383,7 +383,7 @@ def rescale(stats: RowStats, s: Scores, *, dt: Dtypes, max_adjust: str, beta: fl
   k_axis = 1 - q_axis
   if dt.dither_out and offset is not None:   # the maximum's weight on P's grid: exact
     # (per row, each block: a kernel's softmax pays it per row, not per score)
-    offset = p_grid_offset(offset, dt, round_fn=round_fn, base2=base2)
+    offset = p_grid_offset(offset, dt.p, round_fn=round_fn, base2=base2)
   singled = dt.sum_keeps_max or dt.p_top is not None   # the numerics single the top keys out
   top_score = None   # each row's largest score: raw, before the factor
   if max_adjust != "paper" or singled:
@@ -494,7 +494,7 @@ def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn
   if dt.dither_out and offset is not None:
     o_exact = o_exact * _rows(output_dither(offset, dt, round_fn=round_fn, base2=base2), acc,
                               q_axis)
-    offset = p_grid_offset(offset, dt, round_fn=round_fn, base2=base2)   # `rescale`'s
+    offset = p_grid_offset(offset, dt.p, round_fn=round_fn, base2=base2)   # `rescale`'s
   m = stats.m if offset is None else stats.m + offset
   lse = m * LN2 + jnp.log(l_safe) if base2 else m + jnp.log(l_safe)
   if sink is None:
@@ -508,14 +508,14 @@ def finalize(acc, stats: RowStats, *, dt: Dtypes, offset=None, round_fn: RoundFn
   return o, residual.astype(dt.residual_o), lse
 
 
-def p_grid_offset(offset, dt: Dtypes, *, round_fn: RoundFn = round_convert, base2: bool = False):
+def p_grid_offset(offset, p_dtype, *, round_fn: RoundFn = round_convert, base2: bool = False):
   """Numerics.dither="out": per query, the exponent offset "safe" then uses, -log(round(w)) with
-  w = exp(-offset) rounded to P's dtype: the row maximum's P_bar is that grid value, which the
+  w = exp(-offset) rounded to P's dtype `p_dtype`: the row maximum's P_bar is that grid value, which the
   cast keeps exactly (e4m3's 9/16..15/16 for w in [0.55, 0.95]), while every other P_bar of the
   row sits at its own place on P's grid, row to row (without it, rows sharing their scores round
   alike: a drift of up to -0.07 ulp in the probe with FP8 q, k, v; docs/fp8.md)."""
   exp, log = (jnp.exp2, jnp.log2) if base2 else (jnp.exp, jnp.log)
-  return -log(round_fn(exp(-offset), dt.p))
+  return -log(round_fn(exp(-offset), p_dtype))
 
 
 def output_dither(offset, dt: Dtypes, *, round_fn: RoundFn = round_convert, base2: bool = False):

@@ -25,6 +25,7 @@ import pytest
 import stable_attn
 from stable_attn import api, numerics, tile
 from stable_attn.diagnostics import measure
+from tests import cases
 
 e4m3 = ml_dtypes.float8_e4m3fn
 
@@ -155,7 +156,7 @@ def test_fp8_preset_keeps_safe_about_as_accurate_as_off():
                                 shapes={"one-hot": (4, 128, 128, 2, 64)})
   dq = [r.stats["dQ"].max_abs for r in results]
   assert dq[1] < 6 * dq[0] and dq[2] > 10 * dq[0], (dq, seed)
-  # "fp8_fast": the maximum's weight is 1, exact in e4m3, and O's dither is on bf16's grid: as
+  # "fp8_fast": the maximum's weight on e4m3's grid, exact, and O's dither on bf16's grid: as
   # accurate as "safe" with a bf16 P (2.3x "off" at seed 0)
   assert dq[3] < 6 * dq[0], (dq, seed)
 
@@ -449,40 +450,32 @@ def test_safe_dither_on_o_is_o_times_the_rounded_weight_over_the_weight(impl):
   """Numerics.dither="out": "safe" is "safe" with dither="max" whose weights w = exp(-offset) are
   first rounded to P's grid (e4m3 here: the maximum's P_bar exact; offsets moved as
   diagnostics.accuracy.on_grid_offsets does), the same LSE, and O then multiplied per row by
-  round(w) / w before its rounding, round() bf16's (computed here by ml_dtypes): within one bf16
-  rounding of that O times the factor, and not that O. With fp32 inputs the factor is 1."""
+  round(w) / w before its rounding, round() bf16's (tests.cases.assert_o_dithered). With fp32
+  inputs the factor is 1."""
   from stable_attn import backends
   from stable_attn.diagnostics.accuracy import on_grid_offsets
   rng = np.random.default_rng()
   B, T, N, H = 2, 64, 2, 32
-  as64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
   nx = "fast+p=e4m3+p_scale=256+sum_of_rounded_p=true"
+  offsets = api.safe_offsets(N, T, jnp.bfloat16)   # dither="out" designs w on bf16's grid
   for dtype in (jnp.bfloat16, jnp.float32):
     x = [jnp.asarray(rng.standard_normal((B, T, N, H)) * 2, dtype) for _ in range(3)]
-    run = lambda numerics, offsets=None: jax.jit(lambda q, k, v: backends.run(impl, *(
-        lambda spec, ops: (spec, ops if offsets is None else ops._replace(offset=offsets)))(
-        *api.canonicalize(q, k, v, None, None, api.Options(
-            is_causal=True, implementation=impl, numerics=numerics,
-            interpret=impl == "pallas_gpu"))[:2])))(*x)
-    offsets = api.safe_offsets(N, T, jnp.bfloat16)   # dither="out" designs w on bf16's grid
+
+    def run(numerics, moved=None):
+      spec, ops, _ = api.canonicalize(*x, None, None, api.Options(
+          is_causal=True, implementation=impl, numerics=numerics, interpret=impl == "pallas_gpu"))
+      ops = ops if moved is None else ops._replace(offset=moved)
+      return jax.jit(lambda ops: backends.run(impl, spec, ops))(ops)
+
     o_out, lse_out = run(nx + "+dither=out")
     with warnings.catch_warnings():   # "safe" rounding its weight to e4m3: what is asked here
       warnings.simplefilter("ignore", RuntimeWarning)
       o_grid, lse_grid = run(nx, on_grid_offsets(offsets, jnp.float8_e4m3fn))
     np.testing.assert_allclose(np.asarray(lse_out), np.asarray(lse_grid), rtol=0, atol=2e-6)
-    w = np.exp(-np.asarray(offsets, np.float64))   # [N, T]
-    factor = w.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64) / w
-    assert np.abs(factor - 1).max() < 2 ** -8 and abs(np.mean(factor) - 1) < 1e-4
     if dtype == jnp.float32:
-      np.testing.assert_allclose(as64(o_out), as64(o_grid), rtol=1e-5, atol=1e-6)
-      continue
-    want = as64(o_grid) * factor.T[None, :, :, None]
-    # two half spacings of bf16 (one of them times the factor), each at most the spacing at the
-    # larger of the two values
-    larger = np.maximum(np.abs(want), np.abs(as64(o_out)))
-    spacing = 2.0 ** (np.floor(np.log2(np.maximum(larger, 1e-30))) - 7)
-    assert np.all(np.abs(as64(o_out) - want) <= spacing * 1.01 + 1e-30)
-    assert np.mean(as64(o_out) != as64(o_grid)) > 0.2
+      np.testing.assert_allclose(np.asarray(o_out), np.asarray(o_grid), rtol=1e-5, atol=1e-6)
+    else:
+      cases.assert_o_dithered(o_out, o_grid, offsets)
 
 
 def test_safe_offsets_leave_the_rounded_fp8_weight_unbiased():

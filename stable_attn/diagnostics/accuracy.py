@@ -121,7 +121,7 @@ def inputs(regime: str, shape=None, *, dtype=jnp.bfloat16, seed: int = 0):
 def on_grid_offsets(offset: jax.Array, p_dtype) -> jax.Array:
   """"safe"'s per-row offsets c moved so that each row's largest weight exp(-c) is its value
   rounded to the P dtype: the same weights as fed to PV, without their rounding error."""
-  return -jnp.log(tile.round_exact(jnp.exp(-offset), p_dtype))
+  return tile.p_grid_offset(offset, p_dtype, round_fn=tile.round_exact)
 
 
 def _function(arm: Arm):
