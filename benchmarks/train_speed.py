@@ -16,7 +16,8 @@ attention; ours_cp / ours_ring / ours_alltoall = ours with each sequence split o
 traded for heads), e.g. `--config gpt2-long --batch-size 1
 --arms ours,ours_cp,ours_ring --context-parallel 4`; ours_fp8 / ours_fp8_off = ours / ours_off
 with FP8 attention (numerics fast+qkv=e4m3+p=e4m3+p_scale=256: the Hopper kernel's FP8 forward,
-issue 49); ours_fp8_preset = ours with numerics "fp8" (its top key in bf16). MFU = tokens/s
+issue 49); ours_fp8_preset = ours with numerics "fp8" (its top key in bf16); ours_fp8_fast(_bwd) =
+ours with numerics "fp8_fast" (and the FP8 backward). MFU = tokens/s
 x (6N + 12 L T d) / (devices x peak), peak = the datasheet's dense bf16 peak of the device kind
 (train.metrics.peak_tflops: measured where the kind is not in its table; --peak-tflops sets one).
 """
@@ -67,6 +68,11 @@ ARMS = {
     # the "fp8" preset: each key block's top key in bf16 (a second e4m3 P V product of its
     # residual) and the row sum of the rounded P_bar, with which "safe" trains (docs/fp8.md).
     "ours_fp8_preset": dict(attention="auto", max_adjust="safe", numerics="fp8"),
+    # "fp8_fast": FlashAttention-3's FP8 arithmetic with "safe"'s dither on O (docs/fp8.md);
+    # _bwd: with the FP8 backward's e4m3 products.
+    "ours_fp8_fast": dict(attention="auto", max_adjust="safe", numerics="fp8_fast"),
+    "ours_fp8_fast_bwd": dict(attention="auto", max_adjust="safe", numerics="fp8_fast",
+                              fp8_backward=True),
     "cudnn": dict(attention="cudnn", max_adjust="off"),
     "xla": dict(attention="jax_xla", max_adjust="off"),
 }

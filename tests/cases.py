@@ -118,18 +118,20 @@ def relative_error(x, ref) -> float:
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def assert_o_dithered(o_out, o_grid, offsets) -> None:
+def assert_o_dithered(o_out, o_grid, offsets, rows=None) -> None:
   """Numerics.dither="out" in bf16: O (o_out [B, T, N, H]) is o_grid (the same call with
   dither="max" on offsets rounded to P's grid) times round(w) / w per row, w = exp(-offsets)
   ([N, T]) and round() bf16's, computed here by ml_dtypes -- within one bf16 rounding (two half
   spacings, one of them times the factor, each at most the spacing at the larger value) -- and
-  visibly not o_grid."""
+  visibly not o_grid. rows: [B, T, N] bool, the rows compared (default all)."""
   import ml_dtypes
   w = np.exp(-np.asarray(offsets, np.float64))
   factor = w.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64) / w
   assert np.abs(factor - 1).max() < 2 ** -8 and abs(np.mean(factor) - 1) < 1e-4
   as64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
   got, want = as64(o_out), as64(o_grid) * factor.T[None, :, :, None]
+  if rows is not None:
+    got, want, o_grid = got[rows], want[rows], as64(o_grid)[rows]
   larger = np.maximum(np.abs(want), np.abs(got))
   spacing = 2.0 ** (np.floor(np.log2(np.maximum(larger, 1e-30))) - 7)
   assert np.all(np.abs(got - want) <= spacing * 1.01 + 1e-30)

