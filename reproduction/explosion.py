@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 # The explosion experiment's arms; the first is the paper's failing arithmetic. An arm is any
@@ -55,7 +56,16 @@ COLORS = {"paper/off": "tab:red", "paper/paper": "tab:blue", "paper/safe": "tab:
           "fast+qkv=e4m3+p=e4m3+p_scale=256/off": "tab:purple",
           "fast+qkv=e4m3+p=e4m3+p_scale=256/safe": "tab:brown",
           # the "fp8" preset: each key block's top key in bf16 (docs/fp8.md, step 4)
-          "fp8/off": "tab:pink", "fp8/safe": "tab:cyan"}
+          "fp8/off": "tab:pink", "fp8/safe": "tab:cyan",
+          # the "fp8_fast" preset: FlashAttention-3's arithmetic, "safe"'s dither on O (docs/fp8.md)
+          "fp8_fast/off": "tab:gray", "fp8_fast/safe": "black"}
+_SPARE_COLORS = ("gold", "navy", "teal", "darkred", "lime", "magenta")
+
+
+def arm_color(arm: str) -> str:
+    """The arm's color in every figure: COLORS', else one of _SPARE_COLORS picked by the arm's name
+    (the same in every figure and for every seed, unlike matplotlib's cycle)."""
+    return COLORS.get(arm) or _SPARE_COLORS[zlib.crc32(arm.encode()) % len(_SPARE_COLORS)]
 START_UP_S = 30.0  # a train process's seconds before its time limit starts counting, and after
 BRANCH_FILE = "branch.json"  # in a run started from a trunk: {"trunk": its directory, "step": STEP}
 EXIT_STOPPED = 3  # `python -m train` exit status when the loss went non-finite or spiked
@@ -340,7 +350,7 @@ def figure(out: Path, lrs: list[float], arms: list[str], path: Path) -> Path:
         ax_loss, ax_norm = axes[0, col], axes[1, col]
         for arm in arms:
             r = read_run(run_dir(out, lr, arm))
-            color = COLORS.get(arm)
+            color = arm_color(arm)
             ax_loss.plot(r["steps"], r["loss"], color=color, lw=1, label=f"{arm}: {outcome(r)}")
             ax_norm.plot(r["monitor_steps"], [max(v) for v in r["spec_wq"]], color=color, lw=1.2)
             if r["stop"] is not None and r["steps"]:

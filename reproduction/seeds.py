@@ -21,7 +21,7 @@ import argparse
 from pathlib import Path
 
 from reproduction.ablation import at
-from reproduction.explosion import COLORS, outcome, parse_arms, read_run, run_dir, save_figure
+from reproduction.explosion import arm_color, outcome, parse_arms, read_run, run_dir, save_figure
 
 # The seed 1 and 2 runs stop at step 2499 (--max-steps 2500): their last logged loss is at 2490 and
 # their last periodic monitor at 2450; seed 0 ran on to ~5,800.
@@ -100,7 +100,7 @@ def figure(results: dict[tuple[str, int], dict], lr: float, path: Path, *,
     seeds = sorted({seed for _, seed in results})
     fig, (full, near, logit) = plt.subplots(1, 3, figsize=(15, 5))
     for (arm, seed), r in sorted(results.items()):
-        style = dict(ls=STYLES[seeds.index(seed) % len(STYLES)], lw=1, color=COLORS.get(arm),
+        style = dict(ls=STYLES[seeds.index(seed) % len(STYLES)], lw=1, color=arm_color(arm),
                      label=f"{arm}, seed {seed}")
         full.plot(r["steps"], r["loss"], **style)
         inside = [(s, v) for s, v in zip(r["steps"], r["loss"]) if zoom[0] <= s <= zoom[1]]

@@ -254,6 +254,30 @@ def test_ablation_table_and_figure(tmp_path):
     assert (tmp_path / "a.png").stat().st_size > 10_000
 
 
+def test_seeds_figure_gives_an_arm_one_color_over_seeds(tmp_path, monkeypatch):
+    """An arm without a COLORS entry (here a numerics string) keeps its color from seed to seed
+    and does not take another arm's (matplotlib's cycle gave its second seed fast/off's)."""
+    from matplotlib.colors import to_hex
+    from reproduction import seeds
+    rng = np.random.default_rng()
+    arms = ["fast/off", "fast+p=e4m3+p_scale=16/safe", "fp8_fast/safe"]
+    for seed in (0, 1):
+        for arm in arms:
+            _write_run(explosion.run_dir(tmp_path / f"s{seed}", 3e-3, arm),
+                       list(np.linspace(8, 3, 60) + rng.uniform(-0.01, 0.01, 60)))
+    results = seeds.load(seeds.parse_runs(f"0={tmp_path / 's0'},1={tmp_path / 's1'}"), 3e-3, arms)
+    figs = []
+    monkeypatch.setattr(seeds, "save_figure", lambda fig, path: figs.append(fig) or path)
+    seeds.figure(results, 3e-3, tmp_path / "f.png")
+    colors = {}
+    for line in figs[0].axes[0].get_lines():
+        arm, _ = line.get_label().split(", seed ")
+        colors.setdefault(arm, set()).add(to_hex(line.get_color()))
+    assert sorted(colors) == sorted(arms)
+    assert all(len(c) == 1 for c in colors.values()), colors
+    assert len(set.union(*colors.values())) == len(arms), colors
+
+
 def test_seeds_table_and_figure(tmp_path, capsys, monkeypatch):
     from reproduction import seeds
     rng = np.random.default_rng()
