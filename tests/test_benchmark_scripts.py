@@ -85,6 +85,7 @@ def test_fp8_plot_renders_a_results_file(tmp_path):
   assert (tmp_path / "fp8.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow   # README test command's time (2026-12-03): CI's slow part runs it
 def test_fp8_ceiling_copies_still_cut_what_they_name():
   """benchmarks/fp8_ceilings.py: every replacement still matches the FP8 backward's source, each
   copy lowers for CUDA (dQ and dK/dV kernels, on the CPU), and a replacement that no longer
@@ -267,6 +268,7 @@ def test_config_ab_parses_arms_and_refuses_what_is_not_a_config():
       "fwd_persistent=False, fwd_producer=False")
 
 
+@pytest.mark.slow   # README test command's time (2026-12-03): CI's slow part runs it
 def test_config_ab_dry_run_and_its_errors(capsys):
   config_ab.main(["--shapes", "h64full,gqa,packed", "--arm", "x:producer=False,"
                   "fwd_persistent=False,dkv_persistent=False", "--dry-run"])
@@ -344,6 +346,7 @@ def test_config_ab_rounds_and_bitwise_column():
   assert config_ab.bitwise(outputs) == {"default": True, "same": True, "other": False}
 
 
+@pytest.mark.slow   # README test command's time (2026-12-03): CI's slow part runs it
 def test_compile_time_tiny(tmp_path, capsys):
   """The whole script on the CPU: attention programs (here, after jax.clear_caches()), the train
   step cold and then warm from the persistent cache in a second process."""

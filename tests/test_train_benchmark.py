@@ -3,6 +3,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_speed.py"
 
@@ -50,6 +52,7 @@ def test_train_profile_attributes_attention_kernels():
   assert "- loop_fusion: 3000 - 2500 = +500" in table
 
 
+@pytest.mark.slow   # README test command's time (2026-12-03): CI's slow part runs it
 def test_train_profile_runs_on_cpu(tmp_path, capsys, monkeypatch):
   from benchmarks import train_profile
   from tests.test_train_loop import micro

@@ -178,6 +178,7 @@ def test_a_resume_after_a_crash_logs_each_step_once(tmp_path, monkeypatch):
   assert [s for s, _ in read_tensorboard(tmp_path / "tb")["loss"]] == [0, 4, 5]
 
 
+@pytest.mark.slow   # README test command's time (2026-12-03): CI's slow part runs it
 def test_a_finished_run_started_again_keeps_its_sample(tmp_path):
   cfg = micro(max_steps=2, sample_tokens=4)
   run(cfg, tmp_path)
@@ -548,6 +549,7 @@ def test_deterministic_sets_xla_flags_before_jax_starts(tmp_path):
   assert proc.returncode == 0 and "DEVICES 3" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
+@pytest.mark.slow   # README test command's time (2026-12-03): CI's slow part runs it
 def test_python_m_train_without_tensorboardx_says_so_once_and_trains_on(tmp_path):
   """One `python -m train` run (one, to keep the suite fast) for the lines of issues 48 and 44:
   tensorboardX made unimportable (a package of that name that fails as a missing one does) gives

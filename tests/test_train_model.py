@@ -78,6 +78,7 @@ def test_float32_forward_matches_reference(attention):
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow   # README test command's time (2026-12-03): CI's slow part runs it
 def test_bfloat16_forward_close_to_float32_reference():
   cfg, graphdef, params = make(dtype="bfloat16", attention="jax_xla")
   idx = tokens(cfg)
