@@ -118,12 +118,6 @@ def relative_error(x, ref) -> float:
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def slow_but(values, keep):
-  """pytest parameters: `values`, each but `keep` marked slow (the README's test command runs one
-  of them; CI's slow part the rest)."""
-  return [v if v == keep else pytest.param(v, marks=pytest.mark.slow) for v in values]
-
-
 def assert_o_dithered(o_out, o_grid, offsets, rows=None) -> None:
   """Numerics.dither="out" in bf16: O (o_out [B, T, N, H]) is o_grid (the same call with
   dither="max" on offsets rounded to P's grid) times round(w) / w per row, w = exp(-offsets)

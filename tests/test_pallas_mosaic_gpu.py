@@ -2249,7 +2249,7 @@ def test_smem_needs_bounds_what_the_kernels_allocate(name, monkeypatch):
     assert 0 <= needs[key] - allocated[kernel] <= ids, (kernel, needs[key], allocated[kernel])
 
 
-@pytest.mark.parametrize("H", cases.slow_but(tuning.HEAD_DIMS, 128))
+@pytest.mark.parametrize("H", tuning.HEAD_DIMS)
 def test_without_a_producer_no_warpgroup_moves_registers(H, monkeypatch):
   """TuningConfig.producer=False: each kernel launches its compute warpgroups alone (no producer
   warpgroup) and none runs setmaxnreg, so every thread keeps its share of the register file at
@@ -2288,7 +2288,7 @@ def test_without_a_producer_no_warpgroup_moves_registers(H, monkeypatch):
     cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, lagged, o), ops)
 
 
-@pytest.mark.parametrize("H", cases.slow_but(tuning.HEAD_DIMS, 128))
+@pytest.mark.parametrize("H", tuning.HEAD_DIMS)
 def test_refill_k_early_moves_the_forwards_k_copies(H, monkeypatch):
   """TuningConfig.refill_k_early: without a producer the forward's issuer copies K, and what
   travels with it (the keys' segment ids), in the step that freed its slot (named region
