@@ -372,10 +372,11 @@ def label_axes(ax_loss, ax_norm, norm_label: str, *, legend_loc: str) -> None:
         ax.grid(alpha=0.3)
 
 
-def save_figure(fig, path: Path) -> Path:
-    """Lay out, write (creating the directory) and close a matplotlib figure."""
+def save_figure(fig, path: Path, *, bottom: float = 0.0) -> Path:
+    """Lay out (leaving the figure's lowest `bottom` fraction to a legend), write (creating the
+    directory) and close a matplotlib figure."""
     import matplotlib.pyplot as plt
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -11,8 +11,9 @@ first that has it. Prints a Markdown table (per arm and seed: outcome, loss at t
 milestones, the loss minus the --baseline arm's of the same seed at --compare-step, the lowest loss
 up to --compare-step, and the largest attention logit and W_Q spectral norm over layers at
 --monitor-step, each with its 1-based layer: the growing layer differs between seeds) and writes the
-figure (loss over the whole runs, loss from step 1000 to --compare-step, and the largest logit over
-layers: one color per arm, one line style per seed). "stable" in the outcome column is
+figure (loss over the whole runs, loss from step 1000 to --compare-step scaled to the runs within
+1.5x of the lowest loss there, and the largest logit over layers: one color per arm, one line style
+per seed, the legend below). "stable" in the outcome column is
 explosion.outcome's: no sustained rise past 1.5x the lowest loss, no spike, no non-finite loss.
 """
 from __future__ import annotations
@@ -99,6 +100,7 @@ def figure(results: dict[tuple[str, int], dict], lr: float, path: Path, *,
 
     seeds = sorted({seed for _, seed in results})
     fig, (full, near, logit) = plt.subplots(1, 3, figsize=(15, 5))
+    zoomed = {}
     for (arm, seed), r in sorted(results.items()):
         style = dict(ls=STYLES[seeds.index(seed) % len(STYLES)], lw=1, color=arm_color(arm),
                      label=f"{arm}, seed {seed}")
@@ -106,16 +108,37 @@ def figure(results: dict[tuple[str, int], dict], lr: float, path: Path, *,
         inside = [(s, v) for s, v in zip(r["steps"], r["loss"]) if zoom[0] <= s <= zoom[1]]
         if inside:
             near.plot(*zip(*inside), **style)
+            zoomed[style["label"]] = [v for _, v in inside]
         logit.plot(r["monitor_steps"], [max(m) for m in r["max_logit"]], **style)
     full.set(xlabel="step", ylabel="training loss (mean of 10 steps)", title="loss")
     near.set(xlabel="step", title=f"loss, steps {zoom[0]}-{zoom[1]}")
+    _fit_to_the_close_runs(near, zoomed)
     logit.set(xlabel="step", yscale="log", title="largest attention logit over layers")
     for ax in (full, near, logit):
         ax.grid(alpha=0.3)
-    full.legend(fontsize=7, ncol=2)
+    # Below the panels: inside the loss panel the legend covered the first steps and the y label.
+    handles, labels = full.get_legend_handles_labels()
+    rows = -(-len(labels) // 3)
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(f"GPT-2 124M, peak lr {lr:g}: each arm with {len(seeds)} seeds (initial weights and batch "
                  "order);\narms of one seed differ only in attention numerics / max_adjust", fontsize=10)
-    return save_figure(fig, path)
+    return save_figure(fig, path, bottom=0.035 * rows + 0.02)
+
+
+def _fit_to_the_close_runs(ax, zoomed: dict[str, list[float]]) -> None:
+    """The zoom panel is for runs close to each other: its y range covers the runs whose loss there
+    stays under 1.5x the lowest (explosion.outcome's line); the others run off the top, named."""
+    if not zoomed:
+        return
+    lowest = min(min(v) for v in zoomed.values())
+    close = [max(v) for v in zoomed.values() if max(v) <= 1.5 * lowest]
+    above = [label for label, v in zoomed.items() if max(v) > 1.5 * lowest]
+    if not above or not close:
+        return
+    span = max(close) - lowest or abs(lowest) * 0.1 or 1.0
+    ax.set_ylim(lowest - 0.05 * span, max(close) + 0.1 * span)
+    ax.text(0.02, 0.98, "above the panel: " + "; ".join(above), transform=ax.transAxes, va="top",
+            fontsize=7, wrap=True)
 
 
 def main(argv: list[str] | None = None) -> int:

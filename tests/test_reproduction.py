@@ -267,7 +267,7 @@ def test_seeds_figure_gives_an_arm_one_color_over_seeds(tmp_path, monkeypatch):
                        list(np.linspace(8, 3, 60) + rng.uniform(-0.01, 0.01, 60)))
     results = seeds.load(seeds.parse_runs(f"0={tmp_path / 's0'},1={tmp_path / 's1'}"), 3e-3, arms)
     figs = []
-    monkeypatch.setattr(seeds, "save_figure", lambda fig, path: figs.append(fig) or path)
+    monkeypatch.setattr(seeds, "save_figure", lambda fig, path, **_: figs.append(fig) or path)
     seeds.figure(results, 3e-3, tmp_path / "f.png")
     colors = {}
     for line in figs[0].axes[0].get_lines():
@@ -276,6 +276,34 @@ def test_seeds_figure_gives_an_arm_one_color_over_seeds(tmp_path, monkeypatch):
     assert sorted(colors) == sorted(arms)
     assert all(len(c) == 1 for c in colors.values()), colors
     assert len(set.union(*colors.values())) == len(arms), colors
+
+
+def test_seeds_figure_zooms_on_the_close_runs_and_keeps_the_legend_off_the_panels(tmp_path, monkeypatch):
+    """A diverged run (loss 9 from step 300) ran the zoom panel's y range to 9, flattening the runs
+    it is there to separate; the legend sat on the loss panel's first steps."""
+    from reproduction import seeds
+    rng = np.random.default_rng()
+    base = np.linspace(8, 3, 260) + rng.uniform(-0.01, 0.01, 260)
+    close = {"fast/off": base, "fp8_fast/safe": base + rng.uniform(0.01, 0.05)}
+    for arm, losses in close.items():
+        _write_run(explosion.run_dir(tmp_path / "s0", 3e-3, arm), list(losses))
+    _write_run(explosion.run_dir(tmp_path / "s0", 3e-3, "paper/off"), list(base[:30]) + [9.0] * 230)
+    results = seeds.load(seeds.parse_runs(f"0={tmp_path / 's0'}"), 3e-3, ["paper/off", *close])
+    figs, bottoms = [], []
+    monkeypatch.setattr(seeds, "save_figure", lambda fig, path, bottom=0.0: figs.append(fig)
+                        or bottoms.append(bottom) or path)
+    seeds.figure(results, 3e-3, tmp_path / "f.png", zoom=(1000, 2000))
+    near = figs[0].axes[1]
+    top_of_close = max(max(v[100:201]) for v in close.values())
+    low, high = near.get_ylim()
+    assert top_of_close < high < 9.0 and low < min(base[100:201]), (low, high)
+    assert "paper/off, seed 0" in " ".join(t.get_text() for t in near.texts)
+    assert figs[0].axes[0].get_legend() is None and len(figs[0].legends) == 1
+    assert bottoms[0] > 0
+    # All runs close: the range is matplotlib's own, and nothing is named above the panel.
+    del results["paper/off", 0]
+    seeds.figure(results, 3e-3, tmp_path / "g.png", zoom=(1000, 2000))
+    assert not figs[1].axes[1].texts
 
 
 def test_seeds_table_and_figure(tmp_path, capsys, monkeypatch):
@@ -316,7 +344,7 @@ def test_seeds_table_and_figure(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "seeds.png").stat().st_size > 10_000
     # the middle panel ends at --compare-step, as the module says
     zooms = []
-    monkeypatch.setattr(seeds, "save_figure", lambda fig, path: zooms.append(
+    monkeypatch.setattr(seeds, "save_figure", lambda fig, path, **_: zooms.append(
         fig.axes[1].get_title()) or path)
     seeds.main(["--runs", f"0={tmp_path / 's0'}", "--compare-step", "2000",
                 "--figure", str(tmp_path / "zoom.png")])
