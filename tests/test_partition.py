@@ -126,7 +126,7 @@ def test_vmap_with_broadcast_bias():
       return stable_attn.dot_product_attention(q, kv, kv, bias + shared_bias, is_causal=True,
                                                implementation=impl, **kw)
     f = lambda q, kv, bias: jnp.sum(jax.vmap(one)(q, kv, bias) * d_out)
-    return jax.grad(f, argnums=(0, 1, 2))(q, kv, bias)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, kv, bias)
 
   got, ref = run("pallas_gpu", interpret=True), run("reference")
   for g, r in zip(got, ref):

@@ -98,7 +98,7 @@ def test_shared_sinks_under_vmap():
   def grads(impl, **kw):
     f = lambda q, kv, sinks: jnp.sum(jax.vmap(lambda q, kv: stable_attn.dot_product_attention(
         q, kv, kv, sinks=sinks, is_causal=True, implementation=impl, **kw))(q, kv) ** 2)
-    return jax.grad(f, argnums=(0, 1, 2))(q, kv, sinks)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, kv, sinks)
 
   for g, r in zip(grads("pallas_gpu", interpret=True), grads("reference")):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-5)
