@@ -12,8 +12,8 @@ milestones, the loss minus the --baseline arm's of the same seed at --compare-st
 up to --compare-step, and the largest attention logit and W_Q spectral norm over layers at
 --monitor-step, each with its 1-based layer: the growing layer differs between seeds) and writes the
 figure (loss over the whole runs, loss from step 1000 to --compare-step scaled to the runs within
-1.5x of the lowest loss there, and the largest logit over layers: one color per arm, one line style
-per seed, the legend below). "stable" in the outcome column is
+SPIKE_FACTOR (1.5) x the lowest loss there, and the largest logit over layers: one color per arm,
+one line style per seed, the legend below). "stable" in the outcome column is
 explosion.outcome's: no sustained rise past 1.5x the lowest loss, no spike, no non-finite loss.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ import argparse
 from pathlib import Path
 
 from reproduction.ablation import at
-from reproduction.explosion import arm_color, outcome, parse_arms, read_run, run_dir, save_figure
+from reproduction.explosion import (SPIKE_FACTOR, arm_color, outcome, parse_arms, read_run, run_dir,
+                                    save_figure)
 
 # The seed 1 and 2 runs stop at step 2499 (--max-steps 2500): their last logged loss is at 2490 and
 # their last periodic monitor at 2450; seed 0 ran on to ~5,800.
@@ -127,15 +128,17 @@ def figure(results: dict[tuple[str, int], dict], lr: float, path: Path, *,
 
 def _fit_to_the_close_runs(ax, zoomed: dict[str, list[float]]) -> None:
     """The zoom panel is for runs close to each other: its y range covers the runs whose loss there
-    stays under 1.5x the lowest (explosion.outcome's line); the others run off the top, named."""
+    stays under SPIKE_FACTOR x the lowest (explosion.outcome's line); the others run off the top,
+    named."""
     if not zoomed:
         return
     lowest = min(min(v) for v in zoomed.values())
-    close = [max(v) for v in zoomed.values() if max(v) <= 1.5 * lowest]
-    above = [label for label, v in zoomed.items() if max(v) > 1.5 * lowest]
+    tops = {label: max(v) for label, v in zoomed.items()}
+    close = [top for top in tops.values() if top <= SPIKE_FACTOR * lowest]
+    above = [label for label, top in tops.items() if top > SPIKE_FACTOR * lowest]
     if not above or not close:
         return
-    span = max(close) - lowest or abs(lowest) * 0.1 or 1.0
+    span = max(close) - lowest or 1.0
     ax.set_ylim(lowest - 0.05 * span, max(close) + 0.1 * span)
     ax.text(0.02, 0.98, "above the panel: " + "; ".join(above), transform=ax.transAxes, va="top",
             fontsize=7, wrap=True)
