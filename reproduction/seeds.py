@@ -121,7 +121,8 @@ def figure(results: dict[tuple[str, int], dict], lr: float, path: Path, *,
     handles, labels = full.get_legend_handles_labels()
     rows = -(-len(labels) // 3)
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle(f"GPT-2 124M, peak lr {lr:g}: each arm with {len(seeds)} seeds (initial weights and batch "
+    seed_count = f"{len(seeds)} seed" + "s" * (len(seeds) > 1)
+    fig.suptitle(f"GPT-2 124M, peak lr {lr:g}: each arm with {seed_count} (initial weights and batch "
                  "order);\narms of one seed differ only in attention numerics / max_adjust", fontsize=10)
     return save_figure(fig, path, bottom=0.035 * rows + 0.02)
 

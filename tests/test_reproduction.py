@@ -300,6 +300,7 @@ def test_seeds_figure_zooms_on_the_close_runs_and_keeps_the_legend_off_the_panel
     assert "paper/off, seed 0" in " ".join(t.get_text() for t in near.texts)
     assert figs[0].axes[0].get_legend() is None and len(figs[0].legends) == 1
     assert bottoms[0] > 0
+    assert "each arm with 1 seed (" in figs[0]._suptitle.get_text()
     # All runs close: the range is matplotlib's own, and nothing is named above the panel.
     del results["paper/off", 0]
     seeds.figure(results, 3e-3, tmp_path / "g.png", zoom=(1000, 2000))
