@@ -7,7 +7,7 @@ The arms are `python -m reproduction.explosion run --arms ...` runs whose numeri
 points of a preset ("paper+score=float32/safe"; stable_attn.numerics.resolve). Every run directory
 under --runs is drawn solid; --reference adds earlier runs of the same seed dashed (by default the
 first session's paper/safe and fast/off). Prints a Markdown table of the layer's W_Q spectral norm,
-its tie rate, its largest logit and the loss at fixed steps, and writes the figure (loss, W_Q norm
+its tie rate, its largest logit and the loss at fixed steps, and with --figure writes the figure (loss, W_Q norm
 and largest logit against steps).
 """
 from __future__ import annotations
@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-arms", default="paper/safe,fast/off",
                         help="which arms of --reference to draw")
     parser.add_argument("--layer", type=int, default=2, help="1-based layer whose W_Q norm is drawn")
-    parser.add_argument("--figure", default="docs/figures/ablation.png")
+    # No default path: a default onto ablation.png was overwritten by the split runs' figure.
+    parser.add_argument("--figure", help="write the figure here (none without it)")
     parser.add_argument("--milestones", default=",".join(map(str, MILESTONES)),
                         help="comma list of the steps the table shows")
     args = parser.parse_args(argv)
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     milestones = [int(x) for x in args.milestones.split(",") if x]
     print(table(runs | {f"{k} (first session)": v for k, v in references.items()}, args.layer,
                 milestones))
-    print(f"figure: {figure(runs, references, args.layer, Path(args.figure))}")
+    if args.figure:
+        print(f"figure: {figure(runs, references, args.layer, Path(args.figure))}")
     return 0
 
 

@@ -10,8 +10,8 @@ checkpoint of another seed); a seed may be named with several directories, each 
 first that has it. Prints a Markdown table (per arm and seed: outcome, loss at the
 milestones, the loss minus the --baseline arm's of the same seed at --compare-step, the lowest loss
 up to --compare-step, and the largest attention logit and W_Q spectral norm over layers at
---monitor-step, each with its 1-based layer: the growing layer differs between seeds) and writes the
-figure (loss over the whole runs, loss from step 1000 to --compare-step scaled to the runs within
+--monitor-step, each with its 1-based layer: the growing layer differs between seeds) and with --figure
+writes the figure (loss over the whole runs, loss from step 1000 to --compare-step scaled to the runs within
 SPIKE_FACTOR (1.5) x the lowest loss there, and the largest logit over layers: one color per arm,
 one line style per seed, the legend below). "stable" in the outcome column is
 explosion.outcome's: no sustained rise past 1.5x the lowest loss, no spike, no non-finite loss.
@@ -155,14 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default="fast/off", help="the arm every arm's loss is compared with")
     parser.add_argument("--compare-step", type=int, default=COMPARE_STEP)
     parser.add_argument("--monitor-step", type=int, default=MONITOR_STEP)
-    parser.add_argument("--figure", default="docs/figures/seeds.png")
+    # No default path: the runs compared differ from one figure to the next, and a default onto a
+    # committed figure overwrote it whenever only the table was wanted.
+    parser.add_argument("--figure", help="write the figure here (none without it)")
     args = parser.parse_args(argv)
     results = load(args.runs, args.lr, args.arms)
     if not results:
         parser.error(f"no run with metrics for lr {args.lr:g} and arms {args.arms} under --runs")
     print(table(results, [int(x) for x in args.milestones.split(",") if x], baseline=args.baseline,
                 compare_step=args.compare_step, monitor_step=args.monitor_step))
-    print(f"figure: {figure(results, args.lr, Path(args.figure), zoom=(1000, args.compare_step))}")
+    if args.figure:
+        print(f"figure: {figure(results, args.lr, Path(args.figure), zoom=(1000, args.compare_step))}")
     return 0
 
 

@@ -232,7 +232,7 @@ def test_arm_settings_accept_moved_rounding_points():
     assert cmd[cmd.index("--numerics") + 1] == "fast+score=input"
 
 
-def test_ablation_table_and_figure(tmp_path):
+def test_ablation_table_and_figure(tmp_path, monkeypatch):
     from reproduction import ablation
     rng = np.random.default_rng()
     for arm in ("paper/safe", "paper+score=float32/safe"):
@@ -252,6 +252,9 @@ def test_ablation_table_and_figure(tmp_path):
     assert ablation.main(["--runs", str(tmp_path / "runs" / "lr0.001"), "--milestones", "500,1000",
                           "--figure", str(tmp_path / "a.png")]) == 0
     assert (tmp_path / "a.png").stat().st_size > 10_000
+    monkeypatch.chdir(tmp_path)  # without --figure only the table
+    assert ablation.main(["--runs", str(tmp_path / "runs" / "lr0.001")]) == 0
+    assert sorted(tmp_path.rglob("*.png")) == [tmp_path / "a.png"]
 
 
 def test_seeds_figure_gives_an_arm_one_color_over_seeds(tmp_path, monkeypatch):
@@ -343,6 +346,11 @@ def test_seeds_table_and_figure(tmp_path, capsys, monkeypatch):
     assert seeds.main(["--runs", f"0={tmp_path / 's0'},1={tmp_path / 's1'}",
                        "--figure", str(tmp_path / "seeds.png")]) == 0
     assert (tmp_path / "seeds.png").stat().st_size > 10_000
+    # Without --figure only the table: a default path once overwrote a committed figure.
+    monkeypatch.chdir(tmp_path)
+    before, _ = sorted(tmp_path.rglob("*.png")), capsys.readouterr()
+    assert seeds.main(["--runs", f"0={tmp_path / 's0'}"]) == 0
+    assert sorted(tmp_path.rglob("*.png")) == before and "figure:" not in capsys.readouterr().out
     # the middle panel ends at --compare-step, as the module says
     zooms = []
     monkeypatch.setattr(seeds, "save_figure", lambda fig, path, **_: zooms.append(
