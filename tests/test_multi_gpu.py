@@ -282,21 +282,24 @@ FP8_SPLITS = {"batch": P("data"), "heads": P(None, None, "model"), "both": P("da
 
 @pytest.mark.parametrize("split", sorted(FP8_SPLITS))
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
-@pytest.mark.parametrize("numerics", [FP8, "fp8"])
-def test_sharded_fp8_forward_equals_one_device(numerics, mesh_kind, split):
-  """The FP8 forward sharded over the batch, the heads, both, or the sequence (alltoall): the api
+@pytest.mark.parametrize("numerics,config", [(FP8, None), ("fp8", None),
+                                             ("fp8_fast", {"fp8_backward": True})])
+def test_sharded_fp8_equals_one_device(numerics, config, mesh_kind, split):
+  """The FP8 call sharded over the batch, the heads, both, or the sequence (alltoall): the api
   quantizes q, k and v under per-head scales of the whole arrays, before any partitioning, and
-  the scales travel to each device as operands (q_scale, k_scale, v_scale) by their table rows,
-  so every device makes the one-device call's e4m3 payloads: O, dQ, dK and dV bitwise, with GQA,
-  segment ids and sinks; under FlashAttention-3's P arithmetic and the "fp8" preset's (the top
-  keys' residual tile)."""
+  the scales and e4m3 payloads travel to each device as operands (q_scale, ..., v_e4m3) by their
+  table rows, so every device reads the one-device call's payloads: O, dQ, dK and dV bitwise,
+  with GQA, segment ids and sinks; under FlashAttention-3's P arithmetic, the "fp8" preset's (the
+  top keys' residual tile) and "fp8_fast" with the FP8 backward (dO's amax per batch row and kv
+  head, which a batch or head split keeps whole on one device)."""
   seed = int(np.random.default_rng().integers(1 << 16))
   x = _inputs(seed, "split")
 
   def vjp(q, k, v, sinks, ids, d_out):
     o, pullback = jax.vjp(lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, is_causal=True, sinks=sinks, q_segment_ids=ids, kv_segment_ids=ids,
-        implementation=IMPL, numerics=numerics, context_strategy="alltoall"), q, k, v)
+        implementation=IMPL, numerics=numerics, config=config, context_strategy="alltoall"),
+        q, k, v)
     return o, pullback(d_out)
 
   args = [x[name] for name in ("q", "k", "v", "sinks", "ids", "d_out")]
