@@ -7,8 +7,8 @@ The arms are `python -m reproduction.explosion run --arms ...` runs whose numeri
 points of a preset ("paper+score=float32/safe"; stable_attn.numerics.resolve). Every run directory
 under --runs is drawn solid; --reference adds earlier runs of the same seed dashed (by default the
 first session's paper/safe and fast/off). Prints a Markdown table of the layer's W_Q spectral norm,
-its tie rate, its largest logit and the loss at fixed steps, and with --figure writes the figure (loss, W_Q norm
-and largest logit against steps).
+its tie rate, its largest logit and the loss at fixed steps, and with --figure writes the figure
+(loss, W_Q norm and largest logit against steps).
 """
 from __future__ import annotations
 

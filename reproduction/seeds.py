@@ -10,10 +10,10 @@ checkpoint of another seed); a seed may be named with several directories, each 
 first that has it. Prints a Markdown table (per arm and seed: outcome, loss at the
 milestones, the loss minus the --baseline arm's of the same seed at --compare-step, the lowest loss
 up to --compare-step, and the largest attention logit and W_Q spectral norm over layers at
---monitor-step, each with its 1-based layer: the growing layer differs between seeds) and with --figure
-writes the figure (loss over the whole runs, loss from step 1000 to --compare-step scaled to the runs within
-SPIKE_FACTOR (1.5) x the lowest loss there, and the largest logit over layers: one color per arm,
-one line style per seed, the legend below). "stable" in the outcome column is
+--monitor-step, each with its 1-based layer: the growing layer differs between seeds) and, with
+--figure, writes the figure (loss over the whole runs, loss from step 1000 to --compare-step scaled
+to the runs within SPIKE_FACTOR (1.5) x the lowest loss there, and the largest logit over layers:
+one color per arm, one line style per seed, the legend below). "stable" in the outcome column is
 explosion.outcome's: no sustained rise past 1.5x the lowest loss, no spike, no non-finite loss.
 """
 from __future__ import annotations
