@@ -587,3 +587,64 @@ def test_mosaic_sweep_variants_are_configs_of_every_table(entry_registers):
       for variant in variants:
         config = base.replace(**variant)
         assert config.dkv_split == (kernel == "dkvs") or kernel in ("fwd", "dq"), (h, variant)
+
+
+def test_fp8_mma_model_truncates_as_described():
+  """benchmarks/fp8_mma_model.truncating_accumulate against float64 by hand: with bits to spare
+  it is the exact sum; with 3 bits below the accumulator's exponent (1024: unit 128) a group's
+  products lose what lies below 128, toward zero (+100 and +50 vanish, -200 counts -128); a
+  fresh accumulator every 32 keys (promote) aligns the second group to its own products; and
+  promote must be a multiple of 32 keys that divides the block's."""
+  from benchmarks import fp8_mma_model as mm
+  rng = np.random.default_rng()
+  e4m3 = lambda x: jnp.asarray(x, jnp.float8_e4m3fn).astype(jnp.float32)
+  p = e4m3(rng.uniform(0, 256, (8, 96)))
+  v = e4m3(rng.standard_normal((96, 16)) * 3)
+  c = jnp.asarray(rng.standard_normal((8, 16)) * 100, jnp.float32)
+  exact = np.asarray(c, np.float64) + np.asarray(p, np.float64) @ np.asarray(v, np.float64)
+  # (fp32's own rounding of sums near 7,000: a few 4.9e-4 spacings)
+  np.testing.assert_allclose(mm.truncating_accumulate(c, p, v, bits=40), exact, rtol=1e-6,
+                             atol=0.02)
+  one = jnp.ones((1, 1), jnp.float32)
+  group = jnp.zeros((1, 32), jnp.float32).at[0, :3].set(jnp.asarray([100.0, 50.0, -200.0]))
+  out = mm.truncating_accumulate(1024 * one, group, one.repeat(32, axis=0), bits=3)
+  assert float(out[0, 0]) == 1024 - 128
+  # two groups of one product each: 4096 then 9 (lost below 4096's unit 512) ...
+  two = jnp.zeros((1, 64), jnp.float32).at[0, 0].set(4096.0).at[0, 32].set(9.0)
+  ones = jnp.ones((64, 1), jnp.float32)
+  assert float(mm.truncating_accumulate(0 * one, two, ones, bits=3)[0, 0]) == 4096
+  # ... unless the second group starts a fresh accumulator, added in fp32
+  assert float(mm.truncating_accumulate(0 * one, two, ones, bits=3, promote=32)[0, 0]) == 4105
+  for bad in (48, 64):   # not a multiple of 32; not dividing the 96 keys
+    with pytest.raises(ValueError, match="multiple of 32 keys dividing"):
+      mm.truncating_accumulate(c, p, v, promote=bad)
+
+
+def test_fp8_mma_model_probe_changes_only_the_fp8_pv(capsys):
+  """benchmarks/fp8_mma_model.py runs the bias probe on the reference with the model swapped in
+  and restores tile's functions after; with bits to spare its tables are the plain probe's, and
+  with 3 bits (a coarse accumulator) its FP8 O moves while the bf16 numerics' does not, nor the
+  row sums (l stays the exact sum of the rounded P, as in the kernel)."""
+  from benchmarks import fp8_mma_model as mm
+  from stable_attn import tile
+  from stable_attn.diagnostics import __main__ as probe_cli
+  args = ["--numerics", "fast,fp8_fast", "--max-adjust", "off", "--regimes", "positive",
+          "--batch", "1", "--rows", "16", "--keys", "256", "--tail", "4,8"]
+  rows = lambda text: [line for line in text.split("Row sum")[0].splitlines()
+                       if line.startswith("| reference")]
+  sums = lambda text: [line for line in text.split("Row sum")[1].splitlines()
+                       if line.startswith("| reference")]
+  before = (tile.pv_product, tile.accumulate)
+  probe_cli.main(args)
+  text = capsys.readouterr().out
+  plain, plain_sums = rows(text), sums(text)
+  assert mm.main(["--bits", "40", *args]) == 0
+  assert rows(capsys.readouterr().out) == plain
+  assert (tile.pv_product, tile.accumulate) == before
+  mm.main(["--bits", "3", *args])
+  text = capsys.readouterr().out
+  coarse = rows(text)
+  assert sums(text) == plain_sums
+  changed = [a != b for a, b in zip(plain, coarse)]
+  labels = [line.split("|")[2].strip() for line in plain]
+  assert changed == [label == "fp8_fast" for label in labels] and any(changed), (plain, coarse)

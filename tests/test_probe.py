@@ -101,6 +101,19 @@ def test_probe_rejects_a_bad_tail():
     measure("reference", "paper", "off", "positive", "adjacent", tail=(12.0, 9.0), **SMALL)
 
 
+def test_probe_rejects_too_few_keys_for_the_split_ties(capsys):
+  """The split placement ties keys 127 and 128: fewer keys is a ValueError naming keys (it was an
+  IndexError from inside the input builder), and the CLI, which runs every placement, says so."""
+  from stable_attn.diagnostics import tie_inputs
+  from stable_attn.diagnostics.__main__ import main
+  with pytest.raises(ValueError, match="keys must be more than 128"):
+    tie_inputs("positive", "split", batch=1, rows=8, keys=128)
+  tie_inputs("positive", "random", batch=1, rows=8, keys=128)   # other placements need no more
+  with pytest.raises(SystemExit):
+    main(["--keys", "128", "--implementations", "reference"])
+  assert "--keys: need more than 128" in capsys.readouterr().err
+
+
 def test_row_spread_gives_each_row_its_own_tail():
   """tie_inputs(row_spread=r): the tied keys still score exactly each row's max M_i, every other
   key M_i - f_i d_j with f_i in [1, 1 + r] per row (rows differ), and r = 0 is the shared-tail

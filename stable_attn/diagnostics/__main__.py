@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from stable_attn.diagnostics.probe import PEERS, PLACEMENTS, REGIMES, TAIL, measure_gradients, sweep
+from stable_attn.diagnostics.probe import (PEERS, PLACEMENTS, REGIMES, SPLIT_AT, TAIL,
+                                          measure_gradients, sweep)
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
     parser.error(f"--tail takes LO,HI (two numbers), got {args.tail!r}")
   if not 0 < lo <= hi:
     parser.error(f"--tail: need 0 < LO <= HI, got {args.tail!r}")
+  if args.keys <= SPLIT_AT:
+    parser.error(f"--keys: need more than {SPLIT_AT} (the split placement's tie), got {args.keys}")
   if not 0 <= args.row_spread <= 1:
     parser.error(f"--row-spread: need 0 <= R <= 1, got {args.row_spread!r}")
   n_ours = sum(i not in PEERS for i in impls)

@@ -90,6 +90,8 @@ def tie_inputs(regime: str, placement: str, *, batch=4, rows=256, keys=1024,
     raise ValueError(f"row_spread must be in [0, 1], got {row_spread!r}")
   if placement not in PLACEMENTS:
     raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+  if placement == "split" and keys <= SPLIT_AT:   # its ties: keys SPLIT_AT - 1 and SPLIT_AT
+    raise ValueError(f"keys must be more than {SPLIT_AT} for the split placement, got {keys}")
   rng = np.random.default_rng(seed)
   to_dtype = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
   m = to_dtype(_row_max(regime, rng, batch * rows)).reshape(batch, rows)

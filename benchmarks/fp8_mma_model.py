@@ -1,0 +1,125 @@
+"""The bias probe with the reference's P V accumulated as a model of Hopper's FP8 tensor cores
+(issue 49; docs/fp8.md, "Hopper's FP8 accumulation, modelled").
+
+    PYTHONPATH=. python benchmarks/fp8_mma_model.py --numerics fp8_fast --max-adjust off,safe \\
+        [--bits 13] [--promote KEYS] [--tail 4,8] [any other probe option]
+
+The model: one FP8 wgmma adds the products of 32 keys (its K) to the accumulator in fixed
+point, aligned to the largest of their exponents and the accumulator's, keeping `bits` bits
+below it and truncating toward zero. 13 bits reproduced two measurements on an H200: the row sum
+of the rounded P taken as a product with ones came out low by what the model gives (2026-12-04,
+benchmarks/results/fp8_row_sum_product_nvidia_h200.md), and the compiled fp8_fast forward's bias
+probe (far tail), cell for cell to 0.001 ulp where the exact-sum reference is up to 0.006 away.
+--promote KEYS (32 or 64: the reference adds P V per 64-key block) models a kernel that
+accumulates every KEYS keys into a fresh accumulator and adds that to O in fp32 (DeepSeek-V3's
+"promotion"); 0, the default, one accumulator along the row,
+as the Hopper kernel (and FlashAttention-3's) runs now. Only the reference's FP8 P V changes (l
+stays the exact sum of the rounded P, as the kernel's); every other probe option passes through.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from stable_attn import tile  # noqa: E402
+from stable_attn.reference import DEFAULT_BLOCK_K  # noqa: E402
+from stable_attn.diagnostics import __main__ as probe_cli  # noqa: E402
+
+GROUP = 32   # keys per FP8 wgmma instruction (its K for 8-bit operands)
+
+
+def _unit(x, bits: int):
+  """2^(floor(log2 x) - bits) for x > 0 (the model's last kept bit), elementwise."""
+  _, e = jnp.frexp(x)   # x = m 2^e, m in [0.5, 1)
+  return jnp.where(x > 0, jnp.ldexp(jnp.ones_like(x), e - 1 - bits), jnp.float32(2.0 ** -140))
+
+
+def truncating_accumulate(c, p, v, *, bits: int = 13, promote: int = 0):
+  """c [rows, H] fp32 plus p [rows, keys] times v [keys, H] (fp32 holding FP8 values, so every
+  product is exact), the keys in groups of GROUP: each group's products and the accumulator
+  truncated toward zero to `_unit` of the largest magnitude among them, then added (exactly: all
+  are multiples of that unit). promote: every `promote` keys (a multiple of GROUP) the
+  accumulator starts again from 0 and what it held joins c in fp32, as at the start of each
+  call (a call is a kernel's product of one key block; promote must divide its keys)."""
+  if promote % GROUP or (promote and p.shape[1] % promote):
+    raise ValueError(f"promote must be a multiple of {GROUP} keys dividing the block's "
+                     f"{p.shape[1]}, got {promote}")
+  total, acc = (c, jnp.zeros_like(c)) if promote else (None, c)
+  for g in range(0, p.shape[1], GROUP):
+    if promote and g and g % promote == 0:
+      total, acc = total + acc, jnp.zeros_like(acc)
+    t = p[:, g:g + GROUP, None] * v[None, g:g + GROUP, :]   # [rows, GROUP, H]
+    u = _unit(jnp.maximum(jnp.abs(acc), jnp.max(jnp.abs(t), axis=1)), bits)
+    acc = jnp.trunc(acc / u) * u + jnp.sum(jnp.trunc(t / u[:, None]) * u[:, None], axis=1)
+  return acc if total is None else total + acc
+
+
+@contextlib.contextmanager
+def modelled_pv(bits: int = 13, promote: int = 0):
+  """Within: stable_attn.reference's FP8 P V (P in an 8-bit dtype) accumulates as
+  `truncating_accumulate` models it, one call per key block, the block's rescaled accumulator
+  taking part (the reference computes P V and adds it through tile.pv_product and
+  tile.accumulate; both are swapped here and restored after). Other numerics are untouched.
+  Not thread-safe, and jit's caches are cleared on entry and exit."""
+  pv_product, accumulate = tile.pv_product, tile.accumulate
+
+  def products(p, v, dt):
+    if jnp.dtype(dt.p).itemsize != 1:
+      return pv_product(p, v, dt)
+    return _Products(p.astype(jnp.float32), v.astype(jnp.float32))
+
+  def added(acc, alpha, pv, *, dt, round_fn=tile.round_convert, q_axis=0):
+    if not isinstance(pv, _Products):
+      return accumulate(acc, alpha, pv, dt=dt, round_fn=round_fn, q_axis=q_axis)
+    scaled = tile.scale_acc(acc, alpha, dt=dt, round_fn=round_fn, q_axis=q_axis)
+    # in P_bar * p_scale units, as the kernel's accumulator (a power of two: the same truncation)
+    return truncating_accumulate(scaled * dt.p_scale, pv.p, pv.v, bits=bits,
+                                 promote=promote) * (1.0 / dt.p_scale)
+
+  # jit caches the reference's traces: dropped on the way in and out, so that neither side of
+  # the swap reuses the other's
+  jax.clear_caches()
+  tile.pv_product, tile.accumulate = products, added
+  try:
+    yield
+  finally:
+    tile.pv_product, tile.accumulate = pv_product, accumulate
+    jax.clear_caches()
+
+
+class _Products:
+  """One key block's FP8 P and V, handed from `modelled_pv`'s pv_product to its accumulate."""
+  def __init__(self, p, v):
+    self.p, self.v = p, v
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+  parser.add_argument("--bits", type=int, default=13)
+  parser.add_argument("--promote", type=int, default=0, metavar="KEYS")
+  args, rest = parser.parse_known_args(argv)
+  if "-h" in rest or "--help" in rest:   # this script's options, then the probe's
+    print(__doc__)
+    return probe_cli.main(["--help"])
+  if "--implementations" not in " ".join(rest):
+    rest = ["--implementations", "reference", *rest]
+  if args.promote < 0 or args.promote % GROUP or DEFAULT_BLOCK_K % max(args.promote, 1):
+    # the reference adds P V per key block of DEFAULT_BLOCK_K keys: a longer promotion would
+    # need its accumulator to outlive the block
+    parser.error(f"--promote takes a multiple of {GROUP} keys dividing the reference's key "
+                 f"blocks of {DEFAULT_BLOCK_K}, got {args.promote}")
+  print(f"P V accumulated as Hopper's FP8 wgmma, modelled: {args.bits} bits below the largest "
+        f"exponent per {GROUP} keys, truncated"
+        + (f"; a fresh accumulator every {args.promote} keys" if args.promote else "") + "\n")
+  with modelled_pv(args.bits, args.promote):
+    return probe_cli.main(rest)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
