@@ -8,13 +8,14 @@ The model: one FP8 wgmma adds the products of 32 keys (its K) to the accumulator
 point, aligned to the largest of their exponents and the accumulator's, keeping `bits` bits
 below it and truncating toward zero. 13 bits reproduced two measurements on an H200: the row sum
 of the rounded P taken as a product with ones came out low by what the model gives (2026-12-04,
-benchmarks/results/fp8_row_sum_product_nvidia_h200.md), and the compiled fp8_fast forward's bias
-probe (far tail), cell for cell to 0.001 ulp where the exact-sum reference is up to 0.006 away.
+benchmarks/results/fp8_row_sum_product_nvidia_h200.md), and the compiled FP8 forward's bias probe
+(far tail, fp8_fast and FlashAttention-3's arithmetic), cell for cell to 0.001 ulp where the
+exact-sum reference is up to 0.008 away (benchmarks/results/fp8_mma_model_cpu.md).
 --promote KEYS (32 or 64: the reference adds P V per 64-key block) models a kernel that
 accumulates every KEYS keys into a fresh accumulator and adds that to O in fp32 (DeepSeek-V3's
-"promotion"); 0, the default, one accumulator along the row,
-as the Hopper kernel (and FlashAttention-3's) runs now. Only the reference's FP8 P V changes (l
-stays the exact sum of the rounded P, as the kernel's); every other probe option passes through.
+"promotion"); 0, the default, is one accumulator along the row, as the Hopper kernel (and
+FlashAttention-3's) runs now. Only the reference's FP8 P V changes (l stays the exact sum of the
+rounded P, as the kernel's); every other probe option passes through.
 """
 from __future__ import annotations
 
