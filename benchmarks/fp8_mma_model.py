@@ -2,7 +2,7 @@
 (issue 49; docs/fp8.md, "Hopper's FP8 accumulation, modelled").
 
     PYTHONPATH=. python benchmarks/fp8_mma_model.py --numerics fp8_fast --max-adjust off,safe \\
-        [--bits 13] [--promote KEYS] [--tail 4,8] [any other probe option]
+        [--bits 13] [--promote KEYS] [--tail 4,8] [--against GPU.md] [any other probe option]
 
 The model: one FP8 wgmma adds the products of 32 keys (its K) to the accumulator in fixed
 point, aligned to the largest of their exponents and the accumulator's, keeping `bits` bits
@@ -15,12 +15,16 @@ exact-sum reference is up to 0.008 away (benchmarks/results/fp8_mma_model_cpu.md
 accumulates every KEYS keys into a fresh accumulator and adds that to O in fp32 (DeepSeek-V3's
 "promotion"); 0, the default, is one accumulator along the row, as the Hopper kernel (and
 FlashAttention-3's) runs now. Only the reference's FP8 P V changes (l stays the exact sum of the
-rounded P, as the kernel's); every other probe option passes through.
+rounded P, as the kernel's); every other probe option passes through. --against FILE compares
+the model's bias table, cell by cell, with a probe's output written elsewhere (the compiled
+kernel's: `python -m stable_attn.diagnostics --implementations pallas_mosaic_gpu ... --out FILE`
+on a GPU, with the same options), and prints the largest difference.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import sys
 
@@ -100,10 +104,44 @@ class _Products:
     self.p, self.v = p, v
 
 
+def bias_cells(text: str) -> dict:
+  """A probe's bias table (its first) -> {(numerics, max_adjust, regime): (4 cells, ulps)}, the
+  first implementation's rows where several are listed."""
+  cells, impl = {}, None
+  for line in text.split("Row sum")[0].splitlines():
+    f = [x.strip() for x in line.strip().strip("|").split("|")]
+    if len(f) != 9 or not f[4][-1:].isdigit():
+      continue
+    impl = impl or f[0]
+    if f[0] == impl:
+      cells[(f[1], f[2], f[3])] = tuple(float(x) for x in f[4:8])
+  return cells
+
+
+def comparison(model: dict, other: dict, label: str) -> str:
+  """Markdown: per row of `other` also in `model`, the largest |model - other| of its cells,
+  then the largest over all; a ValueError where they share no row."""
+  shared = [key for key in other if key in model]
+  if not shared:
+    raise ValueError(f"{label}: no (numerics, max_adjust, regime) row in common with the model")
+  lines = [f"\nModel against {label}: largest |model - measured| per row, ulps\n",
+           "| numerics | max_adjust | regime | measured | model | largest difference |",
+           "|---|---|---|---|---|---:|"]
+  worst = 0.0
+  for key in shared:
+    d = max(abs(a - b) for a, b in zip(model[key], other[key]))
+    worst = max(worst, d)
+    show = lambda cells: " ".join(f"{x:+.3f}" for x in cells)
+    lines.append(f"| {' | '.join(key)} | {show(other[key])} | {show(model[key])} | {d:.3f} |")
+  lines.append(f"\nLargest difference over {len(shared)} rows: {worst:.3f} ulp")
+  return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
   parser.add_argument("--bits", type=int, default=13)
   parser.add_argument("--promote", type=int, default=0, metavar="KEYS")
+  parser.add_argument("--against", metavar="FILE")
   args, rest = parser.parse_known_args(argv)
   if "-h" in rest or "--help" in rest:   # this script's options, then the probe's
     print(__doc__)
@@ -118,8 +156,17 @@ def main(argv=None) -> int:
   print(f"P V accumulated as Hopper's FP8 wgmma, modelled: {args.bits} bits below the largest "
         f"exponent per {GROUP} keys, truncated"
         + (f"; a fresh accumulator every {args.promote} keys" if args.promote else "") + "\n")
-  with modelled_pv(args.bits, args.promote):
-    return probe_cli.main(rest)
+  against = None
+  if args.against:
+    with open(args.against) as f:
+      against = bias_cells(f.read())
+  with modelled_pv(args.bits, args.promote), contextlib.redirect_stdout(io.StringIO()) as out:
+    code = probe_cli.main(rest)
+  text = out.getvalue()
+  print(text)
+  if against is not None:
+    print(comparison(bias_cells(text), against, args.against))
+  return code
 
 
 if __name__ == "__main__":

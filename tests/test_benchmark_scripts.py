@@ -648,3 +648,28 @@ def test_fp8_mma_model_probe_changes_only_the_fp8_pv(capsys):
   changed = [a != b for a, b in zip(plain, coarse)]
   labels = [line.split("|")[2].strip() for line in plain]
   assert changed == [label == "fp8_fast" for label in labels] and any(changed), (plain, coarse)
+
+
+def test_fp8_mma_model_compares_with_a_measured_probe(tmp_path, capsys):
+  """--against FILE: the model's bias cells beside a probe's written output, row by row. The plain
+  probe's own file against the model with bits to spare differs by 0; against a coarse model
+  (3 bits) the FP8 rows differ; a file with no row in common is a ValueError naming it."""
+  from benchmarks import fp8_mma_model as mm
+  from stable_attn.diagnostics import __main__ as probe_cli
+  args = ["--numerics", "fp8_fast", "--max-adjust", "off", "--regimes", "positive,zero",
+          "--batch", "1", "--rows", "16", "--keys", "256", "--tail", "4,8"]
+  measured = tmp_path / "measured.md"
+  probe_cli.main([*args, "--out", str(measured)])
+  cells = mm.bias_cells(measured.read_text())
+  assert set(cells) == {("fp8_fast", "off", "positive"), ("fp8_fast", "off", "zero")}
+  assert all(len(v) == 4 for v in cells.values())
+  capsys.readouterr()
+  mm.main(["--bits", "40", *args, "--against", str(measured)])
+  assert "Largest difference over 2 rows: 0.000 ulp" in capsys.readouterr().out
+  mm.main(["--bits", "3", *args, "--against", str(measured)])
+  worst = re.search(r"Largest difference over 2 rows: ([0-9.]+) ulp", capsys.readouterr().out)
+  assert float(worst.group(1)) > 0.01
+  other = tmp_path / "other.md"
+  other.write_text(measured.read_text().replace("fp8_fast", "fast"))
+  with pytest.raises(ValueError, match="other.md: no .* row in common"):
+    mm.main(["--bits", "40", *args, "--against", str(other)])
