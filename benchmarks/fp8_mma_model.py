@@ -27,6 +27,7 @@ import contextlib
 import io
 import os
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,10 +99,10 @@ def modelled_pv(bits: int = 13, promote: int = 0):
     jax.clear_caches()
 
 
-class _Products:
+class _Products(NamedTuple):
   """One key block's FP8 P and V, handed from `modelled_pv`'s pv_product to its accumulate."""
-  def __init__(self, p, v):
-    self.p, self.v = p, v
+  p: jax.Array
+  v: jax.Array
 
 
 def bias_cells(text: str) -> dict:
