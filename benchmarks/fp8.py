@@ -132,7 +132,14 @@ SWEEP = {"table": {}, "2 warpgroups": dict(fwd_wgs=2), "3 warpgroups": dict(fwd_
          # one CTA per SM taking the query tiles in rounds (Q is e4m3: its second buffer fits)
          "persistent": dict(fwd_persistent=True),
          "persistent in grid order": dict(fwd_persistent=True, persistent_order="grid"),
-         "grid order": dict(heaviest_first=())}
+         "grid order": dict(heaviest_first=()),
+         # P V into a fresh accumulator per 64 or 32 keys (the table's: per 128-key block), or
+         # one accumulator along the row, as FlashAttention-3 (TuningConfig.fp8_pv_promote)
+         "P V promoted per 64 keys": dict(fp8_pv_promote=64),
+         "P V promoted per 32 keys": dict(fp8_pv_promote=32),
+         "P V promoted per 64 keys + 2 warpgroups": dict(fp8_pv_promote=64, fwd_wgs=2),
+         "P V promoted per 32 keys + 2 warpgroups": dict(fp8_pv_promote=32, fwd_wgs=2),
+         "P V along the row": dict(fp8_pv_promote=0)}
 
 # --backward --sweep: the FP8 backward kernels' tilings (changes to the call's default config)
 BACKWARD_SWEEP = {

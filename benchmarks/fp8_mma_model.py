@@ -2,7 +2,8 @@
 (issue 49; docs/fp8.md, "Hopper's FP8 accumulation, modelled").
 
     PYTHONPATH=. python benchmarks/fp8_mma_model.py --numerics fp8_fast --max-adjust off,safe \\
-        [--bits 13] [--promote KEYS] [--tail 4,8] [--against GPU.md] [any other probe option]
+        [--bits 13] [--promote KEYS] [--block-k KEYS] [--tail 4,8] [--against GPU.md] \\
+        [any other probe option]
 
 The model: one FP8 wgmma adds the products of 32 keys (its K) to the accumulator in fixed
 point, aligned to the largest of their exponents and the accumulator's, keeping `bits` bits
@@ -11,10 +12,12 @@ of the rounded P taken as a product with ones came out low by what the model giv
 benchmarks/results/fp8_row_sum_product_nvidia_h200.md), and the compiled FP8 forward's bias probe
 (far tail, fp8_fast and FlashAttention-3's arithmetic), cell for cell to 0.001 ulp where the
 exact-sum reference is up to 0.008 away (benchmarks/results/fp8_mma_model_cpu.md).
---promote KEYS (32 or 64: the reference adds P V per 64-key block) models a kernel that
-accumulates every KEYS keys into a fresh accumulator and adds that to O in fp32 (DeepSeek-V3's
-"promotion"); 0, the default, is one accumulator along the row, as the Hopper kernel (and
-FlashAttention-3's) runs now. Only the reference's FP8 P V changes (l stays the exact sum of the
+--promote KEYS (a multiple of 32 dividing --block-k) models a kernel that accumulates every
+KEYS keys into a fresh accumulator and adds that to O in fp32 (DeepSeek-V3's "promotion"); 0, the
+default, is one accumulator along the row, as FlashAttention-3's kernel runs and ours did until
+2026-12-04 (TuningConfig.fp8_pv_promote=0). --block-k KEYS: the reference's key block (64 by
+default; 128 is the Hopper FP8 forward's, whose P V the kernel now promotes per block: --block-k
+128 --promote 128 models it). Only the reference's FP8 P V changes (l stays the exact sum of the
 rounded P, as the kernel's); every other probe option passes through. --against FILE compares
 the model's bias table, cell by cell, with a probe's output written elsewhere (the compiled
 kernel's: `python -m stable_attn.diagnostics --implementations pallas_mosaic_gpu ... --out FILE`
@@ -33,8 +36,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from stable_attn import tile  # noqa: E402
-from stable_attn.reference import DEFAULT_BLOCK_K  # noqa: E402
+from stable_attn import reference, tile  # noqa: E402
 from stable_attn.diagnostics import __main__ as probe_cli  # noqa: E402
 
 GROUP = 32   # keys per FP8 wgmma instruction (its K for 8-bit operands)
@@ -67,13 +69,15 @@ def truncating_accumulate(c, p, v, *, bits: int = 13, promote: int = 0):
 
 
 @contextlib.contextmanager
-def modelled_pv(bits: int = 13, promote: int = 0):
+def modelled_pv(bits: int = 13, promote: int = 0, block_k: int | None = None):
   """Within: stable_attn.reference's FP8 P V (P in an 8-bit dtype) accumulates as
   `truncating_accumulate` models it, one call per key block, the block's rescaled accumulator
   taking part (the reference computes P V and adds it through tile.pv_product and
-  tile.accumulate; both are swapped here and restored after). Other numerics are untouched.
-  Not thread-safe, and jit's caches are cleared on entry and exit."""
-  pv_product, accumulate = tile.pv_product, tile.accumulate
+  tile.accumulate; both are swapped here and restored after), its key blocks `block_k` keys
+  (None: reference.DEFAULT_BLOCK_K, which is set here and restored after). Other numerics are
+  untouched. Not thread-safe, and jit's caches are cleared on entry and exit."""
+  pv_product, accumulate, default_block_k = (tile.pv_product, tile.accumulate,
+                                             reference.DEFAULT_BLOCK_K)
 
   def products(p, v, dt):
     if jnp.dtype(dt.p).itemsize != 1:
@@ -92,10 +96,12 @@ def modelled_pv(bits: int = 13, promote: int = 0):
   # the swap reuses the other's
   jax.clear_caches()
   tile.pv_product, tile.accumulate = products, added
+  reference.DEFAULT_BLOCK_K = block_k or default_block_k
   try:
     yield
   finally:
     tile.pv_product, tile.accumulate = pv_product, accumulate
+    reference.DEFAULT_BLOCK_K = default_block_k
     jax.clear_caches()
 
 
@@ -142,6 +148,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
   parser.add_argument("--bits", type=int, default=13)
   parser.add_argument("--promote", type=int, default=0, metavar="KEYS")
+  parser.add_argument("--block-k", type=int, default=reference.DEFAULT_BLOCK_K, metavar="KEYS")
   parser.add_argument("--against", metavar="FILE")
   args, rest = parser.parse_known_args(argv)
   if "-h" in rest or "--help" in rest:   # this script's options, then the probe's
@@ -149,19 +156,23 @@ def main(argv=None) -> int:
     return probe_cli.main(["--help"])
   if "--implementations" not in " ".join(rest):
     rest = ["--implementations", "reference", *rest]
-  if args.promote < 0 or args.promote % GROUP or DEFAULT_BLOCK_K % max(args.promote, 1):
-    # the reference adds P V per key block of DEFAULT_BLOCK_K keys: a longer promotion would
-    # need its accumulator to outlive the block
+  if args.block_k < GROUP or args.block_k % GROUP:
+    parser.error(f"--block-k takes a positive multiple of {GROUP} keys, got {args.block_k}")
+  if args.promote < 0 or args.promote % GROUP or args.block_k % max(args.promote, 1):
+    # the reference adds P V per key block: a longer promotion would need its accumulator to
+    # outlive the block
     parser.error(f"--promote takes a multiple of {GROUP} keys dividing the reference's key "
-                 f"blocks of {DEFAULT_BLOCK_K}, got {args.promote}")
+                 f"blocks of {args.block_k} (--block-k), got {args.promote}")
   print(f"P V accumulated as Hopper's FP8 wgmma, modelled: {args.bits} bits below the largest "
         f"exponent per {GROUP} keys, truncated"
-        + (f"; a fresh accumulator every {args.promote} keys" if args.promote else "") + "\n")
+        + (f"; a fresh accumulator every {args.promote} keys" if args.promote else "")
+        + f"; the reference's key blocks of {args.block_k}\n")
   against = None
   if args.against:
     with open(args.against) as f:
       against = bias_cells(f.read())
-  with modelled_pv(args.bits, args.promote), contextlib.redirect_stdout(io.StringIO()) as out:
+  with (modelled_pv(args.bits, args.promote, args.block_k),
+        contextlib.redirect_stdout(io.StringIO()) as out):
     code = probe_cli.main(rest)
   text = out.getvalue()
   print(text)

@@ -673,3 +673,46 @@ def test_fp8_mma_model_compares_with_a_measured_probe(tmp_path, capsys):
   other.write_text(measured.read_text().replace("fp8_fast", "fast"))
   with pytest.raises(ValueError, match="other.md: no .* row in common"):
     mm.main(["--bits", "40", *args, "--against", str(other)])
+
+
+def test_fp8_mma_model_takes_the_kernels_key_blocks(capsys):
+  """--block-k 128: the reference's key blocks as the Hopper FP8 forward's (restored after), so
+  --promote 128 models the kernel's promotion per block; a coarse accumulator then moves O less
+  promoted than along the row; --promote must divide --block-k, and --block-k be a multiple of
+  32 keys."""
+  from benchmarks import fp8_mma_model as mm
+  from stable_attn import reference
+  default = reference.DEFAULT_BLOCK_K
+  with mm.modelled_pv(13, 128, 128):
+    assert reference.DEFAULT_BLOCK_K == 128
+  assert reference.DEFAULT_BLOCK_K == default == 64
+  args = ["--numerics", "fp8_fast", "--max-adjust", "off", "--regimes", "positive",
+          "--batch", "1", "--rows", "16", "--keys", "512", "--tail", "4,8", "--block-k", "128"]
+  cells = {}
+  for promote in ("0", "128"):
+    assert mm.main(["--bits", "6", "--promote", promote, *args]) == 0
+    cells[promote] = mm.bias_cells(capsys.readouterr().out)[("fp8_fast", "off", "positive")]
+  assert reference.DEFAULT_BLOCK_K == 64
+  assert max(abs(x) for x in cells["128"]) < min(abs(x) for x in cells["0"]), cells
+  for bad in (["--promote", "128"], ["--block-k", "48"]):
+    with pytest.raises(SystemExit):
+      mm.main(bad)
+    assert "--promote takes" in capsys.readouterr().err or bad[0] == "--block-k"
+
+
+def test_fp8_accumulation_measures_signed_ulps_and_needs_a_hopper(capsys):
+  """benchmarks/fp8_accumulation.py: its signed error in bf16 ulps by hand (outward > 0, zeros
+  left out, the late half of the rows apart), and on a host without a Hopper GPU a usage error
+  naming the kernel, not a traceback."""
+  from benchmarks import fp8_accumulation as acc
+  want = np.zeros((1, 4, 1, 2))
+  want[0, :, 0, 0] = [1.0, -1.0, 2.0, -2.0]   # bf16 ulps 2^-7 at 1, 2^-6 at 2
+  got = want.copy()
+  got[0, :, 0, 0] += [2 ** -7, 2 ** -7, -2 ** -6, 3 * 2 ** -6]   # +1, -1, -1, -3 ulps
+  all_rows, late = acc.signed_ulps(got, want)
+  assert (all_rows, late) == (-1.0, -2.0)
+  if acc.mosaic.is_available():
+    pytest.skip("a Hopper GPU is present: the script would run")
+  with pytest.raises(SystemExit):
+    acc.main(["--seq", "256"])
+  assert "needs a Hopper" in capsys.readouterr().err

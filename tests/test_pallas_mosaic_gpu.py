@@ -207,6 +207,11 @@ def test_tuning_config_validates():
   assert tuning.table_config(64).persistent_order == "heaviest"
   with pytest.raises(ValueError, match="persistent_order must be one of"):
     tuning.table_config(64).replace(persistent_order="rows")
+  # the FP8 forward's P V promotion: keys per fresh accumulator, the 128-key block by default
+  assert tuning.table_config(128).fp8_pv_promote == 128
+  for bad in (True, 1, 48, 256):
+    with pytest.raises(ValueError, match="fp8_pv_promote must be one of"):
+      tuning.table_config(128).replace(fp8_pv_promote=bad)
   q = jnp.ones((1, 64, 2, 64), bf16)
   for name, refused in (("fwd_wgs", "mask"), ("dq_wgs", "bias or mask"),
                         ("dkv_wgs", "bias or mask")):
@@ -1536,6 +1541,43 @@ def test_gpu_fp8_p_in_registers_matches_p_through_shared_memory(head_dim, case, 
   np.testing.assert_array_less(np.abs(a - b), 2.0 ** -7 * np.maximum(np.abs(a), np.abs(b)) + 1e-30)
 
 
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("group,p_registers", [(128, True), (64, True), (32, True), (32, False)])
+@pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
+def test_gpu_fp8_pv_promoted_keeps_o_unbiased_at_a_near_tail(head_dim, group, p_registers):
+  """TuningConfig.fp8_pv_promote: each group of keys' P V into a fresh accumulator, added to O
+  in fp32 (groups under the 128-key block slice P, in registers or shared memory, and V^T). The
+  bias probe's rows with a near tail (two keys tied for the max, 1,022 keys 4-8 below it; head
+  dim 64's columns, zeros beyond) under "fp8_fast" "safe": O's mean signed error against float64
+  of the quantized inputs within 0.35 bf16 ulp (benchmarks/fp8_mma_model.py's 13-bit model of
+  Hopper's FP8 accumulation: -0.10..-0.24 per 128 keys, -0.002..-0.034 per 32) and under a third
+  of the one accumulator's along the row (modelled -3..-4 ulp: each 32-key instruction truncates
+  the small products to ~13 bits below O's running sum). A group's slice of P paired with other
+  keys' rows of V would put O off by ~100%."""
+  from stable_attn import fp8, numerics
+  from stable_attn.diagnostics.probe import signed_ulp_error
+  seed = int(np.random.default_rng().integers(1 << 30))
+  widen = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, head_dim - x.shape[-1])))
+  q, k, v = (widen(x) for x in tie_inputs("positive", "random", batch=2, keys=1024, seed=seed,
+                                          tail=(4.0, 8.0)))
+  spec, ops = _spec_ops(shape=q.shape, kv_heads=1, numerics="fp8_fast", scale=0.125)
+  config = mosaic.default_config(spec, ops)
+  exact = exact_attention(*fp8.quantize_inputs(q, k, v, numerics.resolve("fp8_fast").qkv)[:3],
+                          scale=0.125)
+
+  def bias(promote):
+    o = stable_attn.dot_product_attention(
+        q, k, v, scale=0.125, implementation=IMPL, numerics="fp8_fast", max_adjust="safe",
+        config=config.replace(fp8_pv_promote=promote, fp8_p_registers=p_registers))
+    err = signed_ulp_error(jax.device_get(o), exact, bf16)
+    assert np.isfinite(err).all()
+    return float(err.mean())
+  promoted, along_the_row = bias(group), bias(0)
+  assert abs(promoted) < 0.35, (seed, promoted, along_the_row)
+  assert abs(promoted) < abs(along_the_row) / 3, (seed, promoted, along_the_row)
+
+
 # A bias without a mask: the forward's three warpgroups (grid and persistent) take its tiles of
 # all their rows; the last CTA's first warpgroups idle (T not a multiple of 192), its bias tile
 # starting above row 0 (TMA fills the rows before it with zeros, which no warpgroup reads).
@@ -2017,16 +2059,21 @@ def test_entry_register_tiles_lower_for_cuda(feature):
   assert len(kernels) == 3, (feature, len(kernels))
 
 
-@pytest.mark.parametrize("feature,p_registers", [
-    (feature, False) for feature in ("gqa", "segments_sinks_window", "soft_cap_paper",
-                                     "qkvpacked", "head_dim_64", "preset", "preset_head_dim_64",
-                                     "rounded_sum", "rounded_sum_top_bf16", "fp8_fast")] + [
-    (feature, True) for feature in ("gqa", "segments_sinks_window", "head_dim_64", "preset",
-                                    "preset_head_dim_64", "fp8_fast", "fp8_fast_head_dim_64")])
-def test_fp8_forward_lowers_for_cuda(feature, p_registers):
+@pytest.mark.parametrize("feature,p_registers,promote", [
+    (feature, False, 128) for feature in (
+        "gqa", "segments_sinks_window", "soft_cap_paper", "qkvpacked", "head_dim_64", "preset",
+        "preset_head_dim_64", "rounded_sum", "rounded_sum_top_bf16", "fp8_fast")] + [
+    (feature, True, 128) for feature in ("gqa", "segments_sinks_window", "head_dim_64",
+                                         "preset", "preset_head_dim_64", "fp8_fast",
+                                         "fp8_fast_head_dim_64")] + [
+    (feature, p_registers, group) for feature in ("preset", "fp8_fast", "fp8_fast_head_dim_64")
+    for p_registers in (False, True) for group in (0, 32)])
+def test_fp8_forward_lowers_for_cuda(feature, p_registers, promote):
   """The FP8 forward (e4m3 Q K^T, P cast to e4m3 through shared memory or kept in registers:
-  TuningConfig.fp8_p_registers, V^T) lowers for CUDA with the features it serves, and its backward
-  is the bf16 kernels' (dQ, dK/dV) on the dequantized q, k, v; on a CPU host."""
+  TuningConfig.fp8_p_registers, V^T; P V into a fresh accumulator per block, per 32 keys (P and
+  V^T sliced) or one along the row: fp8_pv_promote) lowers for CUDA with the features it
+  serves, and its backward is the bf16 kernels' (dQ, dK/dV) on the dequantized q, k, v; on a
+  CPU host."""
   B, T, N, K, H = 1, 384, 4, 2, 64 if feature.endswith("head_dim_64") else 128
   ids = jnp.asarray(np.repeat(np.arange(3), T // 3)[None], jnp.int32)
   kwargs = dict(gqa={}, qkvpacked={}, head_dim_64={},
@@ -2046,7 +2093,8 @@ def test_fp8_forward_lowers_for_cuda(feature, p_registers):
   spec, ops = _spec_ops(shape=(B, T, N, H), kv_heads=N if feature == "qkvpacked" else K,
                         is_causal=True, **kwargs)
   assert mosaic.covers(spec, ops) is None and mosaic.fp8_forward(spec, bf16)
-  config = mosaic.default_config(spec, ops).replace(fp8_p_registers=p_registers)
+  config = mosaic.default_config(spec, ops).replace(fp8_p_registers=p_registers,
+                                                    fp8_pv_promote=promote)
   if feature == "qkvpacked":   # the forward reads split copies; the backward writes in place
     ops = pack(jnp.stack([ops.q, ops.k, ops.v], axis=2), ops)
   text = cases.lower_vjp_for_cuda(lambda o: mosaic._flash(spec, config, o), ops)

@@ -208,19 +208,44 @@ def _kernel(refs: Operands, ranges: common.Ranges, o_ref, lse_ref, scratch, *, c
           if wgs == 2:
             plgpu.barrier_wait(schedule)
 
-        def pv_product(acc_ref):
+        def pv_product(acc_ref, keys=None):
+          """P V of the block's keys (all, or the pl.ds `keys` of one promotion group) into
+          acc_ref."""
           if fp8:   # V^T in SMEM viewed transposed: K-major, as 8-bit wgmma operands must be
-            v_t = v_smem.at[slot].transpose((1, 0))
-            head, residual = probs if in_registers else (p_smem.at[wg], r_smem)
+            head, residual = probs if in_registers else (
+                p_smem.at[wg], None if r_smem is None else r_smem.at[wg])
+            v_t = v_smem.at[slot]
+            if keys is not None:
+              cut = lambda x: (None if x is None else x[:, keys.start:keys.start + keys.size]
+                               if in_registers else x.at[:, keys])
+              head, residual, v_t = cut(head), cut(residual), v_t.at[:, keys]
+            v_t = v_t.transpose((1, 0))
             plgpu.wgmma(acc_ref, head, v_t)
             if residual is not None:   # the top keys' residual (tile.rescale's split_top)
-              plgpu.wgmma(acc_ref, residual if in_registers else residual.at[wg], v_t)
+              plgpu.wgmma(acc_ref, residual, v_t)
           else:
             plgpu.wgmma(acc_ref, probs, v_smem.at[slot])
+
+        def promoted(keys):
+          """The P V of `keys` (None: the block's) alone, in a fresh accumulator."""
+          def product(acc_ref):
+            pv_product(acc_ref, keys)
+            if keys is None or keys.start == 0:   # the next K's wait while the product runs
+              wait_k(p + 1)
+            return acc_ref[...]
+          return pl.run_scoped(product, plgpu.ACC((bq, call.pad.H), f32))
+
+        def along(acc_ref):
+          pv_product(acc_ref)
           wait_k(p + 1)
 
         with jax.named_scope("pv"):
-          acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+          group = call.config.fp8_pv_promote if fp8 else 0
+          if group:   # each group of keys' P V alone, added to O in fp32 (each waited for)
+            for start in range(0, bk, group):
+              acc = acc + promoted(None if group == bk else pl.ds(start, group))
+          else:
+            acc = pl.run_state(along)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_free.at[slot])
         return acc, stats
 
@@ -325,7 +350,9 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   x.q, x.k e4m3, x.v e4m3 V^T [B, K, H, Sp] (keys in common.relabelled_keys order with
   config.fp8_p_registers), x.qk_descale and x.v_descale [N] fp32; P goes through a
   per-warpgroup e4m3 tile in shared memory (or stays in registers: config.fp8_p_registers), and
-  where the top key is finer (tile.has_top_residual: the "fp8" preset) its residual too."""
+  where the top key is finer (tile.has_top_residual: the "fp8" preset) its residual too. P V runs
+  in groups of config.fp8_pv_promote keys (the key block by default), each into a fresh
+  accumulator added to O in fp32, or (0) into O's accumulator along the row."""
   tiles, wgs, fp8 = call.config.fwd, call.config.fwd_wgs, call.fp8
   bq, bk, stages = tiles.block_q, tiles.block_kv, tiles.stages
   B, N, H, Tp = call.geo.B, call.geo.N, call.pad.H, call.pad.T
@@ -334,6 +361,10 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
   # Q K^T reduces over the head dim: 8-bit rows of H bytes take a swizzle that wide (64 at H64).
   qk_mma = common.mma_transforms(dtype, H) if fp8 else mma
   p_tiles = fp8 and not call.config.fp8_p_registers   # P through shared memory
+  # V^T's (and P's tiles') keys sliced into promotion groups narrower than the block: tiles (and
+  # swizzle) that wide
+  group = call.config.fp8_pv_promote
+  key_mma = common.mma_transforms(dtype, group) if fp8 and 0 < group < bk else mma
 
   # Persistent CTAs (TuningConfig.fwd_persistent): as many as the device has SMs, each with two
   # Q buffers (the next tile's rows load during this one) and O staged apart from them.
@@ -346,7 +377,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
                            transforms=common.tile_transforms(bk, x.bias.dtype))
   smem = (plgpu.SMEM((q_bufs, wgs, bq, H), dtype, transforms=qk_mma),
           plgpu.SMEM((stages, bk, H), dtype, transforms=qk_mma),
-          plgpu.SMEM((stages, H, bk) if fp8 else (stages, bk, H), dtype, transforms=mma),
+          plgpu.SMEM((stages, H, bk) if fp8 else (stages, bk, H), dtype, transforms=key_mma),
           plgpu.SMEM((q_bufs, wgs, bq), f32) if call.safe else None,
           plgpu.SMEM((wgs, bq), f32),
           plgpu.SMEM((q_bufs, wgs, bq), jnp.int32) if call.packed else None,
@@ -355,7 +386,7 @@ def forward_call(call: Call, x: Operands, ranges: common.Ranges):
           plgpu.SMEM((wgs, bq, H), out_dtype, transforms=common.mma_transforms(out_dtype, bk))
           if ctas or fp8 else None,
           # P's e4m3 tile, and the "fp8" preset's top keys' residual (tile.rescale's split_top)
-          *(plgpu.SMEM((wgs, bq, bk), dtype, transforms=mma) if needed else None
+          *(plgpu.SMEM((wgs, bq, bk), dtype, transforms=key_mma) if needed else None
             for needed in (p_tiles, p_tiles and tile.has_top_residual(call.dt))))
   with_k = 1 + call.packed + (x.bias is not None and not apart) + (x.mask is not None)
   bias_ring = plgpu.Barrier(num_barriers=wgs) if apart else None   # one per warpgroup

@@ -24,6 +24,7 @@ SMEM_BYTES = 227 * 1024
 SMEM_RESERVE = 4 * 1024   # barriers and alignment, beyond the tiles counted in check_smem
 HEAD_DIMS = (64, 128, 256)  # head dims the kernels cover (rows tiled 128 bytes wide)
 PERSISTENT_ORDERS = ("heaviest", "grid")   # TuningConfig.persistent_order
+FP8_PROMOTE_GROUPS = (0, 32, 64, 128)   # TuningConfig.fp8_pv_promote: keys per accumulator
 KERNELS = ("fwd", "dq", "dkv")   # the kernels a TuningConfig tiles
 
 
@@ -150,6 +151,17 @@ class TuningConfig:
   # (common.relabelled_keys); 1.10-1.21x the kernel that stores P to a shared-memory tile and
   # fences it every step (False; H200, docs/fp8.md). No effect outside the FP8 forward.
   fp8_p_registers: bool = True
+  # The FP8 forward's P V product in groups of this many keys (32, 64 or 128: its key block),
+  # each into a fresh (zeroed) wgmma accumulator added to O in fp32 registers ("promotion"); 0:
+  # one accumulator along the row, as FlashAttention-3. Hopper's FP8 wgmma adds each 32-key
+  # instruction's products to its accumulator in fixed point, truncated toward zero ~13 bits
+  # below the largest of them and the accumulator, so along the row the small products lose
+  # their low bits against O's growing sum: at the bias probe's near tail (keys 4-8 below the
+  # max) O came out 2.9-4.4 bf16 ulps inward, 0.10-0.24 promoted per block ("fp8_fast" "safe"),
+  # whose forward kernel ran 0.92-0.96x as fast (a second [block_q, head_dim] fp32 accumulator a
+  # warpgroup). Groups under the block slice V^T's (and P's) tiles at that width. H200, JAX
+  # 0.11.2 (benchmarks/results/fp8_promotion_nvidia_h200.md). No effect outside the FP8 forward.
+  fp8_pv_promote: int = 128
   # The FP8 forward's backward in FP8 too (fp8_backward.py: e4m3 products in the dQ and dK/dV
   # kernels, dS under online row scales; docs/fp8.md), on the dq and dkv tiles and warpgroups
   # (one grid CTA per tile: the persistent, fused-dQ, split and two-pass fields are the bf16
@@ -160,6 +172,9 @@ class TuningConfig:
     self.fwd.check_owned("block_q", "fwd")
     self.dkv.check_owned("block_kv", "dkv")
     self.dq.check_owned("block_q", "dq")
+    if self.fp8_pv_promote not in FP8_PROMOTE_GROUPS or isinstance(self.fp8_pv_promote, bool):
+      raise ValueError(f"fp8_pv_promote must be one of {FP8_PROMOTE_GROUPS} (keys per fresh "
+                       f"accumulator; 0: one along the row), got {self.fp8_pv_promote!r}")
     if self.persistent_order not in PERSISTENT_ORDERS:
       raise ValueError(f"persistent_order must be one of {PERSISTENT_ORDERS}, got "
                        f"{self.persistent_order!r}")

@@ -1,0 +1,113 @@
+"""The compiled FP8 forward's O on random causal attention, its P V accumulated along the row or
+promoted as the table's config does (TuningConfig.fp8_pv_promote; issue 49, docs/fp8.md).
+
+    PYTHONPATH=. python benchmarks/fp8_accumulation.py [--seq 2048] [--head-dim 64] [--out FILE]
+
+For each row of ROWS (q's scale: 3 makes rows peaked; v's mean: nonzero makes every product of a
+column one sign, so truncated low bits all err one way), one draw of q, k, v (standard normal,
+bf16, seeded) and "fp8_fast" "off": the mean signed error of O (outward > 0) in bf16 ulps at
+O, over all rows and over the rows with T/2 keys or more, of
+  - the kernel with one accumulator along the row, and with its P V promoted (a fresh
+    accumulator per TuningConfig.fp8_pv_promote keys), against the reference in the same
+    numerics on the CPU (exact fp32 accumulation: the difference is the tensor cores'
+    accumulation, and the key blocks' P rounding, 128 keys in the kernel and 64 in the
+    reference);
+  - the same two and the reference against float64 attention of the quantized inputs.
+Needs a Hopper GPU (the kernel); the reference and float64 run on the host's CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import stable_attn  # noqa: E402
+from stable_attn import fp8, numerics  # noqa: E402
+from stable_attn.api import Options, canonicalize  # noqa: E402
+from stable_attn.diagnostics.probe import ulp  # noqa: E402
+from stable_attn.reference import exact_attention  # noqa: E402
+from pallas_kernels import mosaic_gpu as mosaic  # noqa: E402
+
+ROWS = ((1.0, 0.0), (3.0, 0.0), (1.0, 1.0), (3.0, 1.0))   # (q scale, v mean)
+NUMERICS = "fp8_fast"
+
+
+def draw(seq: int, head_dim: int, q_scale: float, v_mean: float, seed: int):
+  """q, k, v [1, seq, 2, head_dim] bf16: standard normal, q times q_scale, v plus v_mean."""
+  rng = np.random.default_rng(seed)
+  x = lambda scale=1.0, mean=0.0: jnp.asarray(
+      rng.standard_normal((1, seq, 2, head_dim)) * scale + mean, jnp.bfloat16)
+  return x(q_scale), x(), x(mean=v_mean)
+
+
+def signed_ulps(o, want) -> tuple[float, float]:
+  """(O - want) * sign(want) in bf16 ulps at want, mean over all rows and over the late half
+  (entries where want is 0 left out)."""
+  o, want = np.asarray(jnp.asarray(o, jnp.float32), np.float64), np.asarray(want, np.float64)
+  safe = np.where(want != 0, want, 1.0)
+  err = np.where(want != 0, (o - want) * np.sign(want) / ulp(safe, jnp.bfloat16), np.nan)
+  return float(np.nanmean(err)), float(np.nanmean(err[:, err.shape[1] // 2:]))
+
+
+def measure(seq: int, head_dim: int, q_scale: float, v_mean: float, seed: int) -> dict:
+  """{arm: (all rows, late rows) against the reference, against float64} for one draw."""
+  q, k, v = draw(seq, head_dim, q_scale, v_mean, seed)
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    reference = stable_attn.dot_product_attention(
+        *(jax.device_put(x, cpu) for x in (q, k, v)), is_causal=True,
+        implementation="reference", numerics=NUMERICS)
+  truth = exact_attention(*fp8.quantize_inputs(q, k, v, numerics.resolve(NUMERICS).qkv)[:3],
+                          is_causal=True)
+  spec, ops, _ = canonicalize(q, k, v, None, None, Options(is_causal=True, numerics=NUMERICS))
+  config = mosaic.default_config(spec, ops)
+  out = {"reference (CPU)": (None, signed_ulps(reference, truth))}
+  group = config.fp8_pv_promote
+  arms = (("kernel, along the row", 0), (f"kernel, promoted per {group} keys", group))
+  for name, promote in arms:
+    o = stable_attn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="pallas_mosaic_gpu", numerics=NUMERICS,
+        config=config.replace(fp8_pv_promote=promote))
+    out[name] = (signed_ulps(o, reference), signed_ulps(o, truth))
+  return out
+
+
+def table(seq: int, head_dim: int, seed: int) -> str:
+  fmt = lambda pair: "-" if pair is None else f"{pair[0]:+.3f} / {pair[1]:+.3f}"
+  lines = [f"B1 T{seq} N2 H{head_dim} causal, {NUMERICS} \"off\", bf16 ulps of O (outward > 0), "
+           f"all rows / rows with {seq // 2} keys or more; device: {jax.devices()[0].device_kind},"
+           f" jax {jax.__version__}, seed {seed}", "",
+           "| q scale | v mean | arm | against the reference | against float64 |",
+           "|---:|---:|---|---:|---:|"]
+  for i, (q_scale, v_mean) in enumerate(ROWS):
+    for arm, (ref, f64) in measure(seq, head_dim, q_scale, v_mean, seed + i).items():
+      lines.append(f"| {q_scale:g} | {v_mean:g} | {arm} | {fmt(ref)} | {fmt(f64)} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--seq", type=int, default=2048)
+  parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out", help="also write the table (Markdown) to this file")
+  args = parser.parse_args(argv)
+  if args.seq < 256 or args.seq % 128:
+    parser.error(f"--seq must be a multiple of 128 of at least 256, got {args.seq}")
+  if not mosaic.is_available():
+    parser.error("the FP8 forward's kernel needs a Hopper (sm_90) GPU")
+  text = table(args.seq, args.head_dim, args.seed)
+  if args.out:
+    pathlib.Path(args.out).write_text(text)
+  print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
