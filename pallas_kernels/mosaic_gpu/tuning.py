@@ -159,7 +159,8 @@ class TuningConfig:
   # their low bits against O's growing sum: at the bias probe's near tail (keys 4-8 below the
   # max) O came out 2.9-4.4 bf16 ulps inward, 0.10-0.24 promoted per block ("fp8_fast" "safe"),
   # whose forward kernel ran 0.92-0.96x as fast (a second [block_q, head_dim] fp32 accumulator a
-  # warpgroup). Groups under the block slice V^T's (and P's) tiles at that width. H200, JAX
+  # warpgroup). Groups under the block slice V^T's (and P's) tiles at that width; at head dim
+  # 64 two accumulators take the groups in turn (the next issued before the last is read). H200, JAX
   # 0.11.2 (benchmarks/results/fp8_promotion_nvidia_h200.md). No effect outside the FP8 forward.
   fp8_pv_promote: int = 128
   # The FP8 forward's backward in FP8 too (fp8_backward.py: e4m3 products in the dQ and dK/dV
