@@ -133,8 +133,10 @@ SWEEP = {"table": {}, "2 warpgroups": dict(fwd_wgs=2), "3 warpgroups": dict(fwd_
          "persistent": dict(fwd_persistent=True),
          "persistent in grid order": dict(fwd_persistent=True, persistent_order="grid"),
          "grid order": dict(heaviest_first=()),
-         # P V into a fresh accumulator per 64 or 32 keys (the table's: per 128-key block), or
-         # one accumulator along the row, as FlashAttention-3 (TuningConfig.fp8_pv_promote)
+         # P V into a fresh accumulator per 128-key block, 64 or 32 keys (the table's: per 64
+         # keys at head dim 64, per block at 128), or one accumulator along the row, as
+         # FlashAttention-3 (TuningConfig.fp8_pv_promote)
+         "P V promoted per block": dict(fp8_pv_promote=128),
          "P V promoted per 64 keys": dict(fp8_pv_promote=64),
          "P V promoted per 32 keys": dict(fp8_pv_promote=32),
          "P V promoted per 64 keys + 2 warpgroups": dict(fp8_pv_promote=64, fwd_wgs=2),
@@ -150,7 +152,9 @@ BACKWARD_SWEEP = {
     "dkv: 3 stages": dict(dkv=mosaic.tuning.Tiles(64, 64, 3)),
     "dkv: 128-query blocks": dict(dkv=mosaic.tuning.Tiles(128, 64, 2)),
     "dkv: 3 warpgroups": dict(dkv_wgs=3),
-    "dkv: heaviest first": dict(heaviest_first=("fwd", "dkv"))}
+    "dkv: heaviest first": dict(heaviest_first=("fwd", "dkv")),
+    # dV's accumulator along the whole column (the table's: a fresh one per query block)
+    "dkv: dV along the column": dict(fp8_dv_promote=False)}
 
 
 def sweep(shapes, calls, blocks, arm="fp8", variants=tuple(SWEEP)) -> str:
@@ -437,7 +441,8 @@ def markdown(device, results, errs, calls, blocks) -> str:
 
 # --plot: the latest run's ratios to our bf16 attention (the first table of a results file).
 PLOTTED = {"fwd": ("fp8_kernel", "preset_kernel", "fp8_fast_kernel", "cudnn_fp8_kernel", "fp8",
-                   "fp8_given", "preset", "fp8_fast", "cudnn", "cudnn_fp8"),
+                   "fp8_given", "preset", "fp8_fast", "fp8_bwd", "preset_bwd", "fp8_fast_bwd",
+                   "cudnn", "cudnn_fp8"),
            "fb": ("fp8", "fp8_given", "preset", "fp8_fast", "fp8_bwd", "preset_bwd",
                   "fp8_fast_bwd", "cudnn", "cudnn_fp8")}
 TARGETS = {"fwd": 1.4, "fb": 1.15}   # issue 49's: FP8 forward and fwd+bwd over our bf16
@@ -461,6 +466,9 @@ def plot(markdown_path: str, png_path: str) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
   for ax, which, title in ((axes[0], "fwd", "forward"), (axes[1], "fb", "forward + backward")):
     arms = [arm for arm in PLOTTED[which] if any((shape, arm) in ratios for shape in shapes)]
+    if not arms:   # e.g. a table of the bf16 arm alone
+      ax.set_title(f"{title}: no FP8 arm in the table", fontsize=9)
+      continue
     width = 0.8 / len(arms)
     for i, arm in enumerate(arms):
       vals = [float(ratios.get((shape, arm), {}).get(which, "nan").replace("-", "nan"))

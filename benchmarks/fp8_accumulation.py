@@ -1,7 +1,9 @@
 """The compiled FP8 forward's O on random causal attention, its P V accumulated along the row or
-promoted as the table's config does (TuningConfig.fp8_pv_promote; issue 49, docs/fp8.md).
+promoted as the table's config does (TuningConfig.fp8_pv_promote; issue 49, docs/fp8.md); with
+--backward, the FP8 backward's dQ, dK and dV instead.
 
-    PYTHONPATH=. python benchmarks/fp8_accumulation.py [--seq 2048] [--head-dim 64] [--out FILE]
+    PYTHONPATH=. python benchmarks/fp8_accumulation.py [--seq 2048] [--head-dim 64] [--backward]
+        [--out FILE]
 
 For each row of ROWS (q's scale: 3 makes rows peaked; v's mean: nonzero makes every product of a
 column one sign, so truncated low bits all err one way), one draw of q, k, v (standard normal,
@@ -13,6 +15,15 @@ O, over all rows and over the rows with T/2 keys or more, of
     accumulation, and the key blocks' P rounding, 128 keys in the kernel and 64 in the
     reference);
   - the same two and the reference against float64 attention of the quantized inputs.
+
+--backward: for each row of BACKWARD_ROWS (q's scale, dO's mean: nonzero makes each column of
+dV = P^T dO one sign), the FP8 backward (TuningConfig.fp8_backward: e4m3 products; dV promoted
+per query block, or along the whole column: fp8_dv_promote) and the bf16 backward of the same
+forward ("fp8_fast" "off"), each against stable_attn.diagnostics.fp8_backward's float64
+emulation of its own arithmetic (exact accumulation): the relative Frobenius error, and the mean
+error in bf16 ulps at the tensor's RMS, signed toward +inf and outward (sign of the emulation),
+over all rows and over the half with the longest sums (dQ's late queries, dK's and dV's early
+keys).
 Needs a Hopper GPU (the kernel); the reference and float64 run on the host's CPU.
 """
 from __future__ import annotations
@@ -30,12 +41,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stable_attn  # noqa: E402
 from stable_attn import fp8, numerics  # noqa: E402
 from stable_attn.api import Options, canonicalize  # noqa: E402
+from stable_attn.diagnostics import fp8_backward as emulation  # noqa: E402
 from stable_attn.diagnostics.probe import ulp  # noqa: E402
 from stable_attn.reference import exact_attention  # noqa: E402
 from pallas_kernels import mosaic_gpu as mosaic  # noqa: E402
 
 ROWS = ((1.0, 0.0), (3.0, 0.0), (1.0, 1.0), (3.0, 1.0))   # (q scale, v mean)
 NUMERICS = "fp8_fast"
+BACKWARD_ROWS = ((1.0, 0.0), (1.0, 1.0), (3.0, 0.0), (3.0, 1.0))   # (q scale, dO mean)
+_FP8_BACKWARD = emulation.Variant("the FP8 kernels", p="e4m3", do="e4m3", ds="e4m3",
+                                  delta_of_cast=True, ds_scale="online")
+# backward -> (its config's changes, its arithmetic as the emulation names it)
+BACKWARDS = {"FP8": (dict(fp8_backward=True), _FP8_BACKWARD),
+             "FP8, dV along the column": (dict(fp8_backward=True, fp8_dv_promote=False),
+                                          _FP8_BACKWARD),
+             "bf16": (dict(fp8_backward=False), emulation.VARIANTS[0])}
 
 
 def draw(seq: int, head_dim: int, q_scale: float, v_mean: float, seed: int):
@@ -78,6 +98,54 @@ def measure(seq: int, head_dim: int, q_scale: float, v_mean: float, seed: int) -
   return out
 
 
+def rms_ulps(g, want, long_rows: slice) -> tuple[float, float, float, float]:
+  """(relative Frobenius error, mean error toward +inf, mean outward error over all rows, the
+  same over `long_rows` of axis 1), errors in bf16 ulps at want's RMS; g, want [B, T, N, H]."""
+  g, want = np.asarray(jnp.asarray(g, jnp.float32), np.float64), np.asarray(want, np.float64)
+  err = g - want
+  unit = float(ulp(np.sqrt(np.mean(want ** 2)), jnp.bfloat16))
+  outward = err * np.sign(want) / unit
+  return (float(np.linalg.norm(err) / np.linalg.norm(want)), float(np.mean(err)) / unit,
+          float(np.mean(outward)), float(np.mean(outward[:, long_rows])))
+
+
+def measure_backward(seq: int, head_dim: int, q_scale: float, do_mean: float, seed: int) -> dict:
+  """{(backward, tensor): rms_ulps against the emulation of that backward} for one draw."""
+  q, k, v = draw(seq, head_dim, q_scale, 0.0, seed)
+  do = draw(seq, head_dim, 1.0, do_mean, seed + 1000)[2]
+  spec, ops, _ = canonicalize(q, k, v, None, None,
+                              Options(is_causal=True, numerics=NUMERICS, max_adjust="off"))
+  config = mosaic.default_config(spec, ops)
+  as64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  quantized = [as64(x) for x in fp8.quantize_inputs(q, k, v, numerics.resolve(NUMERICS).qkv)[:3]]
+  causal = np.where(np.tril(np.ones((seq, seq), bool)), 0.0, -np.inf)[None, None]
+  half = slice(seq // 2, None), slice(None, seq // 2)   # dQ's late queries, dK/dV's early keys
+  out = {}
+  for name, (changes, variant) in BACKWARDS.items():
+    call = lambda q, k, v: stable_attn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="pallas_mosaic_gpu", numerics=NUMERICS,
+        max_adjust="off", config=config.replace(**changes))
+    got = jax.vjp(call, q, k, v)[1](do)
+    want = emulation.gradients(*quantized, causal, as64(do), variant)
+    for tensor, g in zip(emulation.TENSORS, got):
+      out[name, tensor] = rms_ulps(g, want[tensor], half[tensor != "dQ"])
+  return out
+
+
+def backward_table(seq: int, head_dim: int, seed: int) -> str:
+  lines = [f"B1 T{seq} N2 H{head_dim} causal, {NUMERICS} \"off\", each backward against the "
+           "float64 emulation of its own arithmetic; errors in bf16 ulps at the tensor's RMS; "
+           f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, seed {seed}", "",
+           "| q scale | dO mean | backward | tensor | rel. error | mean error | mean outward "
+           "| mean outward, longest half |", "|---:|---:|---|---|---:|---:|---:|---:|"]
+  for i, (q_scale, do_mean) in enumerate(BACKWARD_ROWS):
+    for (name, tensor), (rel, mean, outward, long) in measure_backward(
+        seq, head_dim, q_scale, do_mean, seed + i).items():
+      lines.append(f"| {q_scale:g} | {do_mean:g} | {name} | {tensor} | {rel:.2e} | {mean:+.3f} "
+                   f"| {outward:+.3f} | {long:+.3f} |")
+  return "\n".join(lines) + "\n"
+
+
 def table(seq: int, head_dim: int, seed: int) -> str:
   fmt = lambda pair: "-" if pair is None else f"{pair[0]:+.3f} / {pair[1]:+.3f}"
   lines = [f"B1 T{seq} N2 H{head_dim} causal, {NUMERICS} \"off\", bf16 ulps of O (outward > 0), "
@@ -96,13 +164,15 @@ def main(argv=None) -> int:
   parser.add_argument("--seq", type=int, default=2048)
   parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--backward", action="store_true",
+                      help="measure the FP8 and bf16 backwards' dQ, dK, dV instead of O")
   parser.add_argument("--out", help="also write the table (Markdown) to this file")
   args = parser.parse_args(argv)
   if args.seq < 256 or args.seq % 128:
     parser.error(f"--seq must be a multiple of 128 of at least 256, got {args.seq}")
   if not mosaic.is_available():
     parser.error("the FP8 forward's kernel needs a Hopper (sm_90) GPU")
-  text = table(args.seq, args.head_dim, args.seed)
+  text = (backward_table if args.backward else table)(args.seq, args.head_dim, args.seed)
   if args.out:
     pathlib.Path(args.out).write_text(text)
   print(text)

@@ -75,12 +75,13 @@ def test_fp8_sweep_variants_are_configs_of_the_table(H):
     fp8.main(["--backward", "--sweep", "--sweep-variants", "dq: 4 warpgroups"])
 
 
-def test_fp8_plot_renders_a_results_file(tmp_path):
-  """benchmarks/fp8.py --plot: a results file's first table to a PNG beside it."""
+@pytest.mark.parametrize("name", ["fp8_nvidia_h200.md", "fp8_dv_promoted_nvidia_h200.md"])
+def test_fp8_plot_renders_a_results_file(tmp_path, name):
+  """benchmarks/fp8.py --plot: a results file's first table to a PNG beside it (the second file:
+  the bf16 arm and one with the FP8 backward only)."""
   import shutil
   md = tmp_path / "fp8.md"
-  shutil.copy(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
-                           "fp8_nvidia_h200.md"), md)
+  shutil.copy(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", name), md)
   assert fp8.main(["--plot", str(md)]) == 0
   assert (tmp_path / "fp8.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -702,8 +703,8 @@ def test_fp8_mma_model_takes_the_kernels_key_blocks(capsys):
 
 def test_fp8_accumulation_measures_signed_ulps_and_needs_a_hopper(capsys):
   """benchmarks/fp8_accumulation.py: its signed error in bf16 ulps by hand (outward > 0, zeros
-  left out, the late half of the rows apart), and on a host without a Hopper GPU a usage error
-  naming the kernel, not a traceback."""
+  left out, the late half of the rows apart), --backward's in ulps at the RMS, and on a host
+  without a Hopper GPU a usage error naming the kernel, not a traceback."""
   from benchmarks import fp8_accumulation as acc
   want = np.zeros((1, 4, 1, 2))
   want[0, :, 0, 0] = [1.0, -1.0, 2.0, -2.0]   # bf16 ulps 2^-7 at 1, 2^-6 at 2
@@ -711,6 +712,12 @@ def test_fp8_accumulation_measures_signed_ulps_and_needs_a_hopper(capsys):
   got[0, :, 0, 0] += [2 ** -7, 2 ** -7, -2 ** -6, 3 * 2 ** -6]   # +1, -1, -1, -3 ulps
   all_rows, late = acc.signed_ulps(got, want)
   assert (all_rows, late) == (-1.0, -2.0)
+  # --backward's: errors in bf16 ulps at want's RMS (1 here: 2^-7), toward +inf and outward
+  want = np.array([1.0, -1.0, 1.0, -1.0]).reshape(1, 2, 1, 2)
+  got = want + np.array([1, 1, -1, -3]).reshape(1, 2, 1, 2) * 2 ** -7
+  rel, toward_inf, outward, long = acc.rms_ulps(got, want, slice(1, None))
+  assert (toward_inf, outward, long) == (-0.5, 0.5, 1.0)
+  assert rel == pytest.approx(2 ** -7 * np.sqrt(12) / 2)
   if acc.mosaic.is_available():
     pytest.skip("a Hopper GPU is present: the script would run")
   with pytest.raises(SystemExit):

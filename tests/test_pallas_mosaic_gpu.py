@@ -207,11 +207,16 @@ def test_tuning_config_validates():
   assert tuning.table_config(64).persistent_order == "heaviest"
   with pytest.raises(ValueError, match="persistent_order must be one of"):
     tuning.table_config(64).replace(persistent_order="rows")
-  # the FP8 forward's P V promotion: keys per fresh accumulator, the 128-key block by default
+  # the FP8 forward's P V promotion: keys per fresh accumulator, the 128-key block by default,
+  # 64 keys (two accumulators in turn) in the table at head dim 64; the backward's dV per block
   assert tuning.table_config(128).fp8_pv_promote == 128
+  assert tuning.table_config(64).fp8_pv_promote == 64
   for bad in (True, 1, 48, 256):
     with pytest.raises(ValueError, match="fp8_pv_promote must be one of"):
       tuning.table_config(128).replace(fp8_pv_promote=bad)
+  assert tuning.table_config(64).fp8_dv_promote is True
+  with pytest.raises(ValueError, match="fp8_dv_promote must be a bool"):
+    tuning.table_config(64).replace(fp8_dv_promote=1)
   q = jnp.ones((1, 64, 2, 64), bf16)
   for name, refused in (("fwd_wgs", "mask"), ("dq_wgs", "bias or mask"),
                         ("dkv_wgs", "bias or mask")):
@@ -1174,6 +1179,42 @@ def test_gpu_fp8_backward_computes_its_emulation(head_dim, is_causal):
 
 @pytest.mark.gpu
 @on_hopper
+@pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
+def test_gpu_fp8_backward_keeps_dv_unbiased_where_do_leans_one_way(head_dim):
+  """TuningConfig.fp8_dv_promote: the FP8 backward's dV += P^T dO with each query block's
+  product in a fresh accumulator. B1 T2048 N2 causal, random normal inputs, dO's mean 1 (each of
+  dV's sums one sign, so the low bits Hopper's FP8 accumulation truncates all err one way): dV's
+  mean outward error against the float64 emulation of the kernels' arithmetic, in bf16 ulps at
+  dV's RMS, within 0.4 promoted and under a third of the accumulator's along the column (-2.9 at
+  head dim 64 on an H200; the test needs it under -1, so that it can tell the two apart)."""
+  from stable_attn.diagnostics import fp8_backward as emulation
+  from stable_attn.diagnostics.probe import ulp
+  rng, T = np.random.default_rng(), 2048
+  q, k, v = (jnp.asarray(rng.standard_normal((1, T, 2, head_dim)), bf16) for _ in range(3))
+  d_out = jnp.asarray(rng.standard_normal((1, T, 2, head_dim)) + 1.0, bf16)
+  spec, ops, _ = canonicalize(q, k, v, None, None, Options(
+      is_causal=True, implementation=IMPL, numerics=FP8, max_adjust="off"))
+  as64 = lambda a: np.asarray(jnp.asarray(a, f32), np.float64)
+  variant = emulation.Variant("the kernels", p="e4m3", do="e4m3", ds="e4m3", delta_of_cast=True,
+                              ds_scale="online")
+  causal = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf)[None, None]
+  want = emulation.gradients(*map(as64, (ops.q, ops.k, ops.v)), causal, as64(d_out),
+                             variant)["dV"]
+  unit = ulp(np.sqrt(np.mean(want ** 2)), bf16)
+
+  def outward(promote):
+    config = mosaic.default_config(spec, ops).replace(fp8_backward=True, fp8_dv_promote=promote)
+    (_, lse), pullback = jax.vjp(jax.jit(lambda o: mosaic.attention(spec, o, config)), ops)
+    dv = as64(pullback((d_out, jnp.zeros_like(lse)))[0].v)
+    assert np.isfinite(dv).all()
+    return float(np.mean((dv - want) * np.sign(want)) / unit)
+  promoted, along = outward(True), outward(False)
+  assert along < -1.0 and abs(promoted) < 0.4 and abs(promoted) < abs(along) / 3, (
+      promoted, along)
+
+
+@pytest.mark.gpu
+@on_hopper
 @pytest.mark.parametrize("case", list(FP8_CASES))
 @pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
 def test_gpu_fp8_backward_serves_the_fp8_forwards_features(head_dim, case):
@@ -2067,7 +2108,8 @@ def test_entry_register_tiles_lower_for_cuda(feature):
                                          "preset", "preset_head_dim_64", "fp8_fast",
                                          "fp8_fast_head_dim_64")] + [
     (feature, p_registers, group) for feature in ("preset", "fp8_fast", "fp8_fast_head_dim_64")
-    for p_registers in (False, True) for group in (0, 32)])
+    for p_registers in (False, True) for group in (0, 32)] + [
+    ("fp8_fast_head_dim_64", p_registers, 64) for p_registers in (False, True)])
 def test_fp8_forward_lowers_for_cuda(feature, p_registers, promote):
   """The FP8 forward (e4m3 Q K^T, P cast to e4m3 through shared memory or kept in registers:
   TuningConfig.fp8_p_registers, V^T; P V into a fresh accumulator per block, per 32 keys (P and
@@ -2107,12 +2149,13 @@ def test_fp8_forward_lowers_for_cuda(feature, p_registers, promote):
 
 
 @pytest.mark.parametrize("feature", ["plain", "head_dim_64", "segments_window", "no_producer",
-                                     "mha_soft_cap"])
+                                     "mha_soft_cap", "dv_along_the_column"])
 def test_fp8_backward_lowers_for_cuda(feature):
   """The FP8 backward's kernels (pallas_kernels/mosaic_gpu/fp8_backward.py: dQ and dK/dV, e4m3
   products only, dS and P relabelled in registers) lower for CUDA, two kernels with e4m3
-  operands, with GQA, segment ids and a window, a soft cap, and without a producer warpgroup
-  (JAX 0.12's tables), on a CPU host."""
+  operands, with GQA, segment ids and a window, a soft cap, without a producer warpgroup
+  (JAX 0.12's tables), and with dV's accumulator along the column (fp8_dv_promote=False), on a
+  CPU host."""
   from pallas_kernels.mosaic_gpu import fp8_backward
   B, T, N, H = 1, 384, 4, 64 if feature == "head_dim_64" else 128
   K = N if feature.startswith("mha") else 2
@@ -2124,6 +2167,9 @@ def test_fp8_backward_lowers_for_cuda(feature):
   config = mosaic.default_config(spec, ops)
   if feature == "no_producer":
     config = config.replace(producer=False, fwd_persistent=False, dkv_persistent=False)
+  assert config.fp8_dv_promote
+  if feature == "dv_along_the_column":
+    config = config.replace(fp8_dv_promote=False)
   o, lse = jnp.zeros((B, T, N, H), bf16), jnp.zeros((B, N, T), f32)
   grads = lambda ops, o, lse, do: fp8_backward.fp8_backward(spec, config, ops, o, lse, do)
   with cases.abstract_gpu():

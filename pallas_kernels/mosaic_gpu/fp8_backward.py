@@ -13,7 +13,8 @@ dQ     per key block of a CTA's query rows:
            scale's ratio (exact) where the running max grows, each row divided by its last scale
            at the end.
 dK/dV  per query block of every query head of a CTA's kv head, the tile transposed (S^T = K Q^T,
-       dP^T = V dO^T): dV += P^T dO (P^T times 2^8 cast to e4m3, against dO^T) and dK += dS^T Q
+       dP^T = V dO^T): dV += P^T dO (P^T times 2^8 cast to e4m3, against dO^T; each block's
+       product in a fresh accumulator: TuningConfig.fp8_dv_promote) and dK += dS^T Q
        (dS^T under its key rows' running scale, against Q^T), both from relabelled registers,
        Q^T and dO^T stored with their queries relabelled.
 dO is e4m3 under one power of two per batch row and kv head; dP's descale d (dO's and V's) is
@@ -194,8 +195,9 @@ def _dkv_kernel(refs: Operands, grads: Fp8Grads, ranges: common.Ranges, dk_ref, 
   """One CTA per (batch row, kv head, wgs * block_kv keys), each compute warpgroup a key tile of
   its own (K and V resident, e4m3), the producer streaming Q, dO, Q^T, dO^T, LSE and delta blocks
   of every query head of the group (backward._dkv_kernel's grid and streams). Per block, with the
-  tile transposed (S^T = K Q^T, dP^T = V dO^T):
-    dV += P^T dO: P^T times P_SCALE cast to e4m3, relabelled, against dO^T (queries relabelled);
+  tile transposed (S^T = K Q^T, dP^T = V dO^T), dS^T first:
+    dV += P^T dO: P^T times P_SCALE cast to e4m3, relabelled, against dO^T (queries relabelled),
+      into a fresh accumulator added to dV in fp32 (TuningConfig.fp8_dv_promote) or into dV's;
     dK += dS^T Q: dS^T (over the group's query heads: times 1 / q_scale of the head where that
       differs within the group) under its key rows' running scale, cast, relabelled, against
       Q^T, the accumulator rescaled where the scale falls, as in the dQ kernel."""
@@ -275,8 +277,8 @@ def _dkv_kernel(refs: Operands, grads: Fp8Grads, ranges: common.Ranges, dk_ref, 
         # P for dV: with a soft cap p_t is P times its dtanh, so P's input-dtype operand
         p = p_op.astype(f32) if soft_cap else p_t
         p8 = common.as_8bit_operand((p * P_SCALE).astype(E4M3))
-        dv = pl.run_state(lambda acc: plgpu.wgmma(acc, p8, dot_smem.at[slot].transpose(
-            (1, 0))))(plgpu.ACC.init(dv))
+        # dS before dV's product: P^T's and dP^T's fp32 tiles are dead by then, which leaves
+        # room for the promoted product's fresh accumulator beside dK's and dV's
         with jax.named_scope("ds"):
           ds = tile.backward_ds(p_t, dp_t, common.load_tile(delta_smem.at[slot], COLS),
                                 in_dtype=call.dt.input, q_axis=1)[0]
@@ -284,6 +286,18 @@ def _dkv_kernel(refs: Operands, grads: Fp8Grads, ranges: common.Ranges, dk_ref, 
             ds = ds * q_descale
           scaled = tile.fp8_row_scale(running, ds)
           ds8 = common.as_8bit_operand((ds * _rows(scaled.scale, bq)).astype(E4M3))
+
+        def dv_product(acc):
+          plgpu.wgmma(acc, p8, dot_smem.at[slot].transpose((1, 0)))
+
+        def dv_alone(acc):
+          dv_product(acc)
+          return acc[...]
+        with jax.named_scope("dv"):
+          if call.config.fp8_dv_promote:   # this block's P^T dO alone, added to dV in fp32
+            dv = dv + pl.run_scoped(dv_alone, plgpu.ACC((bk, H), f32))
+          else:
+            dv = pl.run_state(dv_product)(plgpu.ACC.init(dv))
         dk = dk * _rows(scaled.ratio, H)
         with jax.named_scope("dk"):
           dk = pl.run_state(lambda acc: plgpu.wgmma(acc, ds8, qt_smem.at[slot].transpose(

@@ -160,14 +160,24 @@ class TuningConfig:
   # max) O came out 2.9-4.4 bf16 ulps inward, 0.10-0.24 promoted per block ("fp8_fast" "safe"),
   # whose forward kernel ran 0.92-0.96x as fast (a second [block_q, head_dim] fp32 accumulator a
   # warpgroup). Groups under the block slice V^T's (and P's) tiles at that width; at head dim
-  # 64 two accumulators take the groups in turn (the next issued before the last is read). H200, JAX
-  # 0.11.2 (benchmarks/results/fp8_promotion_nvidia_h200.md). No effect outside the FP8 forward.
+  # 64 two accumulators take the groups in turn (the next issued before the last is read), where
+  # the table takes 64. H200, JAX 0.11.2 (benchmarks/results/fp8_promotion_nvidia_h200.md). No
+  # effect outside the FP8 forward.
   fp8_pv_promote: int = 128
   # The FP8 forward's backward in FP8 too (fp8_backward.py: e4m3 products in the dQ and dK/dV
   # kernels, dS under online row scales; docs/fp8.md), on the dq and dkv tiles and warpgroups
   # (one grid CTA per tile: the persistent, fused-dQ, split and two-pass fields are the bf16
   # kernels'). False: the bf16 kernels on the dequantized inputs. Only with the FP8 forward.
   fp8_backward: bool = False
+  # The FP8 backward's dV += P^T dO with each query block's product in a fresh wgmma accumulator,
+  # added to dV in fp32 (fp8_pv_promote's fix, in the dK/dV kernel); False: dV's accumulator
+  # along the whole column, as the forward's along the row. Along the column dV came out 2.9
+  # bf16 ulps (at its RMS) inward where dO's columns lean one way (mean 1; 5.5 on the keys with
+  # the longest sums; relative error 3.1e-2), promoted +0.07 (2.6e-3), against the float64
+  # emulation of the same arithmetic (B1 T2048 N2 causal, head dims 64 and 128); the dK/dV
+  # kernel 0.975x as fast (H200, benchmarks/results/fp8_dv_promoted_nvidia_h200.md). dS's
+  # products (dQ, dK), of both signs, showed no such bias.
+  fp8_dv_promote: bool = True
 
   def __post_init__(self):
     self.fwd.check_owned("block_q", "fwd")
@@ -176,6 +186,8 @@ class TuningConfig:
     if self.fp8_pv_promote not in FP8_PROMOTE_GROUPS or isinstance(self.fp8_pv_promote, bool):
       raise ValueError(f"fp8_pv_promote must be one of {FP8_PROMOTE_GROUPS} (keys per fresh "
                        f"accumulator; 0: one along the row), got {self.fp8_pv_promote!r}")
+    if not isinstance(self.fp8_dv_promote, bool):
+      raise ValueError(f"fp8_dv_promote must be a bool, got {self.fp8_dv_promote!r}")
     if self.persistent_order not in PERSISTENT_ORDERS:
       raise ValueError(f"persistent_order must be one of {PERSISTENT_ORDERS}, got "
                        f"{self.persistent_order!r}")
@@ -326,8 +338,12 @@ TABLE = {
     # bitwise equal to the grid's; H200, one process, fwd+bwd time): 0.96-0.97x at B16 T1024 N12
     # causal, 0.89x at B2 T1000 N12 causal, 1.00x at B4 T4096 N16 causal, packed B1 T8192 N12
     # 0.95x (8 documents) and 0.88x (64); where every query sees every key 1.02-1.05x (_FULL).
+    # The FP8 forward's P V promoted per 64 keys, two accumulators in turn (fp8_pv_promote): its
+    # kernel 0.97-1.01x per block's (B4 T4096 N16 causal, four runs), O's bias at a near tail
+    # ~3x smaller (H200, benchmarks/results/fp8_dv_promoted_nvidia_h200.md).
     64: TuningConfig(fwd=_T(64, 128, 2), dkv=_T(64, 64, 2), dq=_T(64, 64, 2), fwd_wgs=3,
-                     dq_wgs=3, fwd_persistent=True, dq_delta=True, dkv_persistent=True),
+                     dq_wgs=3, fwd_persistent=True, dq_delta=True, dkv_persistent=True,
+                     fp8_pv_promote=64),
     # Two Q/dO stages in the dK/dV kernel at 128, not the H100 sweep's four: fwd+bwd time 0.96x
     # at B1 T16384 N16 causal, 0.96-0.98x packed (B1 T8192, 8 documents) and at B4 T1024 N16
     # causal, 0.98-1.00x at B4 T4096 N16 causal and GQA B2 T8192 N32 K8 (same-process A/Bs on an
