@@ -49,12 +49,10 @@ from pallas_kernels import mosaic_gpu as mosaic  # noqa: E402
 ROWS = ((1.0, 0.0), (3.0, 0.0), (1.0, 1.0), (3.0, 1.0))   # (q scale, v mean)
 NUMERICS = "fp8_fast"
 BACKWARD_ROWS = ((1.0, 0.0), (1.0, 1.0), (3.0, 0.0), (3.0, 1.0))   # (q scale, dO mean)
-_FP8_BACKWARD = emulation.Variant("the FP8 kernels", p="e4m3", do="e4m3", ds="e4m3",
-                                  delta_of_cast=True, ds_scale="online")
 # backward -> (its config's changes, its arithmetic as the emulation names it)
-BACKWARDS = {"FP8": (dict(fp8_backward=True), _FP8_BACKWARD),
+BACKWARDS = {"FP8": (dict(fp8_backward=True), emulation.KERNELS),
              "FP8, dV along the column": (dict(fp8_backward=True, fp8_dv_promote=False),
-                                          _FP8_BACKWARD),
+                                          emulation.KERNELS),
              "bf16": (dict(fp8_backward=False), emulation.VARIANTS[0])}
 
 

@@ -1164,9 +1164,8 @@ def test_gpu_fp8_backward_computes_its_emulation(head_dim, is_causal):
   visible = np.tril(np.ones((384, 384), bool)) if is_causal else np.ones((384, 384), bool)
   mask_bias = np.where(visible, 0.0, -np.inf)[None, None]
   as64 = lambda a: np.asarray(jnp.asarray(a, f32), np.float64)
-  variant = emulation.Variant("the kernels", p="e4m3", do="e4m3", ds="e4m3", delta_of_cast=True,
-                              ds_scale="online")
-  emulated = emulation.gradients(*map(as64, (q, k, v)), mask_bias, as64(inputs[3]), variant)
+  emulated = emulation.gradients(*map(as64, (q, k, v)), mask_bias, as64(inputs[3]),
+                                 emulation.KERNELS)
   for name, g, want in zip(emulation.TENSORS, got, exact):
     floor = cases.relative_error(emulated[name], want)
     assert 5e-3 < floor < 0.08, (name, floor)   # e4m3's P, dO and dS: ~3% (docs/fp8.md)
@@ -1195,11 +1194,9 @@ def test_gpu_fp8_backward_keeps_dv_unbiased_where_do_leans_one_way(head_dim):
   spec, ops, _ = canonicalize(q, k, v, None, None, Options(
       is_causal=True, implementation=IMPL, numerics=FP8, max_adjust="off"))
   as64 = lambda a: np.asarray(jnp.asarray(a, f32), np.float64)
-  variant = emulation.Variant("the kernels", p="e4m3", do="e4m3", ds="e4m3", delta_of_cast=True,
-                              ds_scale="online")
   causal = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf)[None, None]
   want = emulation.gradients(*map(as64, (ops.q, ops.k, ops.v)), causal, as64(d_out),
-                             variant)["dV"]
+                             emulation.KERNELS)["dV"]
   unit = ulp(np.sqrt(np.mean(want ** 2)), bf16)
 
   def outward(promote):

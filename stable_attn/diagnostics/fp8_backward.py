@@ -104,6 +104,11 @@ VARIANTS = (
             ds="e4m3", p_top=True, delta_of_cast=True, ds_scale="online"),
 )
 
+# What the Hopper FP8 backward's kernels compute (pallas_kernels/mosaic_gpu/fp8_backward.py), up
+# to fp32 sums: the online-scaled variant above with every P in e4m3 (no bf16 top key)
+KERNELS = Variant("the FP8 kernels", p="e4m3", do="e4m3", ds="e4m3", delta_of_cast=True,
+                  ds_scale="online")
+
 
 def cast(x: np.ndarray, fmt: str, axes: tuple) -> np.ndarray:
   """float64 x rounded to `fmt`, FP8 under the largest power-of-two scale per slice (the axes
