@@ -24,6 +24,12 @@ emulation of its own arithmetic (exact accumulation): the relative Frobenius err
 error in bf16 ulps at the tensor's RMS, signed toward +inf and outward (sign of the emulation),
 over all rows and over the half with the longest sums (dQ's late queries, dK's and dV's early
 keys).
+
+--backward --gpt2 RUN [--layers 1,6,12]: the same backwards on what a GPT-2 run's attention sees
+instead of random draws: from RUN's latest checkpoint (python -m train ... --grad-accum 1), one
+training step's q, k, v and dO (the gradient arriving at the attention output) of each layer,
+batch row 0; beside them each layer's lean of dO: |mean over positions| / RMS per column (head,
+feature), the median over columns (random draws: 0.71 with dO's mean 1, ~T^-1/2 with mean 0).
 Needs a Hopper GPU (the kernel); the reference and float64 run on the host's CPU.
 """
 from __future__ import annotations
@@ -110,7 +116,13 @@ def rms_ulps(g, want, long_rows: slice) -> tuple[float, float, float, float]:
 def measure_backward(seq: int, head_dim: int, q_scale: float, do_mean: float, seed: int) -> dict:
   """{(backward, tensor): rms_ulps against the emulation of that backward} for one draw."""
   q, k, v = draw(seq, head_dim, q_scale, 0.0, seed)
-  do = draw(seq, head_dim, 1.0, do_mean, seed + 1000)[2]
+  return backward_errors(q, k, v, draw(seq, head_dim, 1.0, do_mean, seed + 1000)[2])
+
+
+def backward_errors(q, k, v, do) -> dict:
+  """{(backward, tensor): rms_ulps against the emulation of that backward}; q, k, v, do
+  [B, T, N, H] bf16, causal."""
+  seq = q.shape[1]
   spec, ops, _ = canonicalize(q, k, v, None, None,
                               Options(is_causal=True, numerics=NUMERICS, max_adjust="off"))
   config = mosaic.default_config(spec, ops)
@@ -118,16 +130,25 @@ def measure_backward(seq: int, head_dim: int, q_scale: float, do_mean: float, se
   quantized = [as64(x) for x in fp8.quantize_inputs(q, k, v, numerics.resolve(NUMERICS).qkv)[:3]]
   causal = np.where(np.tril(np.ones((seq, seq), bool)), 0.0, -np.inf)[None, None]
   half = slice(seq // 2, None), slice(None, seq // 2)   # dQ's late queries, dK/dV's early keys
-  out = {}
+  out, wanted = {}, {}
   for name, (changes, variant) in BACKWARDS.items():
     call = lambda q, k, v: stable_attn.dot_product_attention(
         q, k, v, is_causal=True, implementation="pallas_mosaic_gpu", numerics=NUMERICS,
         max_adjust="off", config=config.replace(**changes))
     got = jax.vjp(call, q, k, v)[1](do)
-    want = emulation.gradients(*quantized, causal, as64(do), variant)
+    if variant not in wanted:   # the two FP8 backwards share their arithmetic's emulation
+      wanted[variant] = emulation.gradients(*quantized, causal, as64(do), variant)
     for tensor, g in zip(emulation.TENSORS, got):
-      out[name, tensor] = rms_ulps(g, want[tensor], half[tensor != "dQ"])
+      out[name, tensor] = rms_ulps(g, wanted[variant][tensor], half[tensor != "dQ"])
   return out
+
+
+def lean(do) -> float:
+  """Median over columns (batch row, head, feature) of |mean over positions| / RMS of do
+  [B, T, N, H]: how far dO's columns lean one way (0.71 for standard normal plus 1)."""
+  d = np.asarray(jnp.asarray(do, jnp.float32), np.float64)
+  rms = np.sqrt(np.mean(d ** 2, axis=1))
+  return float(np.median(np.abs(d.mean(axis=1)) / np.where(rms > 0, rms, 1.0)))
 
 
 def backward_table(seq: int, head_dim: int, seed: int) -> str:
@@ -141,6 +162,52 @@ def backward_table(seq: int, head_dim: int, seed: int) -> str:
         seq, head_dim, q_scale, do_mean, seed + i).items():
       lines.append(f"| {q_scale:g} | {do_mean:g} | {name} | {tensor} | {rel:.2e} | {mean:+.3f} "
                    f"| {outward:+.3f} | {long:+.3f} |")
+  return "\n".join(lines) + "\n"
+
+
+def gpt2_captures(run: str, data: str | None = None):
+  """-> (description, [(q, k, v, dO)] per layer, each [1, T, N, H] bf16: batch row 0): one
+  training step of RUN's latest checkpoint with its own attention, on the batch its data order
+  gives that step (data: as python -m train's --data; default ./data/<the run's corpus>)."""
+  from flax import nnx
+  from reproduction import gradients
+  from train import data as data_lib
+  from train.loop import abstract_model
+  from train.optim import make_optimizer
+  cfg, params, opt_state, start = gradients.restore(pathlib.Path(run), None)
+  if cfg.grad_accum != 1:
+    raise ValueError(f"--gpt2 {run}: captures one micro-batch; grad_accum is {cfg.grad_accum}, "
+                     "need 1")
+  graphdef, _ = nnx.split(abstract_model(cfg.model), nnx.Param)
+  step = jax.jit(gradients.make_capture_step(graphdef, make_optimizer(cfg), cfg.model))
+  tokens = data_lib.load_data(data, corpus=cfg.corpus, progress=False, log=lambda _: None)
+  x, y = data_lib.train_batch(tokens, start, seed=cfg.seed, batch_size=cfg.batch_size,
+                              grad_accum=1, block_size=cfg.model.block_size)
+  _, _, loss, captured, d_out = step(params, opt_state, jnp.asarray(x[0]), jnp.asarray(y[0]))
+  layers = [tuple(a[:1] for a in (c["q"], c["k"], c["v"], do)) for c, do in zip(captured, d_out)]
+  m = cfg.model
+  return (f"GPT-2 run {run} at step {start} (trained with {m.numerics}/{m.max_adjust}"
+          f"{', FP8 backward' if m.fp8_backward else ''}, loss {float(loss):.3f}), "
+          f"T{m.block_size} N{m.n_head} H{m.head_dim}, batch row 0"), layers
+
+
+def gpt2_table(run: str, data: str | None = None, layers: list[int] | None = None) -> str:
+  """layers: 1-based, default all (each takes ~30 s of float64 emulation at T1024 N12)."""
+  what, captured = gpt2_captures(run, data)
+  layers = layers or list(range(1, len(captured) + 1))
+  if not all(1 <= i <= len(captured) for i in layers):
+    raise ValueError(f"--layers must lie in 1..{len(captured)}, got {layers}")
+  lines = [f"{what}; {NUMERICS} \"off\" backwards, each against the float64 emulation of its "
+           f"own arithmetic; bf16 ulps at the tensor's RMS; device: {jax.devices()[0].device_kind},"
+           f" jax {jax.__version__}", "",
+           "| layer | dO lean | backward | tensor | rel. error | mean error | mean outward "
+           "| mean outward, longest half |", "|---:|---:|---|---|---:|---:|---:|---:|"]
+  for i in layers:
+    q, k, v, do = captured[i - 1]
+    for (name, tensor), (rel, mean, outward, long) in backward_errors(q, k, v, do).items():
+      lines.append(f"| {i} | {lean(do):.3f} | {name} | {tensor} | {rel:.2e} | {mean:+.3f} "
+                   f"| {outward:+.3f} | {long:+.3f} |")
+    print("\n".join(lines[-len(BACKWARDS) * len(emulation.TENSORS):]), flush=True)  # progress
   return "\n".join(lines) + "\n"
 
 
@@ -164,13 +231,23 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--backward", action="store_true",
                       help="measure the FP8 and bf16 backwards' dQ, dK, dV instead of O")
+  parser.add_argument("--gpt2", metavar="RUN",
+                      help="with --backward: a GPT-2 run's q, k, v and dO instead of random draws")
+  parser.add_argument("--layers", help="with --gpt2: comma list of layers (1-based; default all)")
+  parser.add_argument("--data", help="with --gpt2: the run's token data (default ./data/<corpus>)")
   parser.add_argument("--out", help="also write the table (Markdown) to this file")
   args = parser.parse_args(argv)
+  if args.gpt2 and not args.backward:
+    parser.error("--gpt2 measures the backwards: add --backward")
   if args.seq < 256 or args.seq % 128:
     parser.error(f"--seq must be a multiple of 128 of at least 256, got {args.seq}")
   if not mosaic.is_available():
     parser.error("the FP8 forward's kernel needs a Hopper (sm_90) GPU")
-  text = (backward_table if args.backward else table)(args.seq, args.head_dim, args.seed)
+  if args.gpt2:
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    text = gpt2_table(args.gpt2, args.data, layers)
+  else:
+    text = (backward_table if args.backward else table)(args.seq, args.head_dim, args.seed)
   if args.out:
     pathlib.Path(args.out).write_text(text)
   print(text)

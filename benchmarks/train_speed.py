@@ -83,17 +83,19 @@ CONTEXT_ARMS = {"ours_cp": "allgather", "ours_ring": "ring", "ours_alltoall": "a
 
 def arm_config(base, arm: str, *, batch_size: int | None = None, seq: int | None = None,
                numerics: str = "fast", fsdp: bool = False, remat: bool = False,
-               context_parallel: int = 1):
+               context_parallel: int = 1, n_head: int | None = None):
   """The config an arm trains: `base` with the arm's attention, one micro-batch per step and a
   global batch of batch_size sequences per device (default 16 for contexts of 1024 and more, else
-  the config's) of seq tokens (default the config's context); the context arms split each
+  the config's) of seq tokens (default the config's context), n_head heads (default the
+  config's; the width stays, so the head dim is n_embd / n_head); the context arms split each
   sequence over context_parallel devices."""
   seq = seq or base.model.block_size
+  heads = {"n_head": n_head} if n_head else {}
   per_dev = batch_size or (16 if seq >= 1024 else base.batch_size)
   context = dict(context_parallel=context_parallel, context_strategy=CONTEXT_ARMS[arm]) if (
       arm in CONTEXT_ARMS) else {}
   return base.replace(batch_size=per_dev * jax.device_count(), grad_accum=1, fsdp=fsdp, **context,
-                      model={"block_size": seq,
+                      model={"block_size": seq, **heads,
                              "numerics": numerics if ARMS[arm]["attention"] == "auto" else "fast",
                              "remat": remat, **ARMS[arm]})
 
@@ -159,7 +161,8 @@ def _gib(value) -> str:
 def markdown(rows: list[dict], header: dict) -> str:
   lines = [f"# GPT-2 training throughput: {header['device']} x{header['devices']}", "",
            f"config {header['config']} ({header['params_m']:.1f}M params), batch "
-           f"{header['batch']} x seq {header['seq']} (global), {header['steps']} timed steps after "
+           f"{header['batch']} x seq {header['seq']} (global), heads {header['heads']}, "
+           f"{header['steps']} timed steps after "
            f"{header['warmup']} warm-up, bf16 compute / fp32 master weights, AdamW + clip. "
            f"jax {header['jax']}. "
            f"MFU peak: {header['peak_note']}. Step memory: XLA's plan for one compiled step "
@@ -190,6 +193,9 @@ def main(argv=None) -> int:
                       "config's)")
   p.add_argument("--seq", type=int, default=None,
                  help="sequence length (default: the config's context)")
+  p.add_argument("--n-head", type=int, default=None,
+                 help="heads (default: the config's); the width stays, so e.g. 6 gives GPT-2 "
+                      "124M heads of 128, where the FP8 kernels pay (docs/fp8.md)")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--arms", default="ours,cudnn,xla",
@@ -211,6 +217,9 @@ def main(argv=None) -> int:
   if args.steps < 1 or args.warmup < 0:
     raise ValueError(f"need --steps >= 1 and --warmup >= 0, got {args.steps}, {args.warmup}")
   base = get_config(args.config)
+  if args.n_head is not None and (args.n_head < 1 or base.model.n_embd % args.n_head):
+    raise ValueError(f"--n-head must divide the config's width {base.model.n_embd}, got "
+                     f"{args.n_head}")
   arms = [a.strip() for a in args.arms.split(",") if a.strip()]
   for a in arms:
     if a not in ARMS:
@@ -218,10 +227,10 @@ def main(argv=None) -> int:
   n_dev = jax.device_count()
   peak, peak_note = peak_tflops(args.peak_tflops)
   device = jax.devices()[0].device_kind
-  abstract = nnx.state(abstract_model(base.model), nnx.Param)
+  abstract = nnx.state(abstract_model(base.model), nnx.Param)  # heads do not change the count
   config_of = lambda arm: arm_config(base, arm, batch_size=args.batch_size, seq=args.seq,
                                      numerics=args.numerics, fsdp=args.fsdp, remat=args.remat,
-                                     context_parallel=args.context_parallel)
+                                     context_parallel=args.context_parallel, n_head=args.n_head)
   shape = config_of("ours")   # every arm trains the same batch shape on the same tokens
   batch, seq, tokens = shape.batch_size, shape.model.block_size, tokens_for(shape)
   rows = []
@@ -250,7 +259,8 @@ def main(argv=None) -> int:
 
   header = {"device": device, "devices": n_dev, "backend": jax.default_backend(),
             "config": args.config, "params_m": count_params(abstract) / 1e6, "batch": batch,
-            "seq": seq, "steps": args.steps, "warmup": args.warmup, "jax": jax.__version__,
+            "seq": seq, "heads": f"{shape.model.n_head} x {shape.model.head_dim}",
+            "steps": args.steps, "warmup": args.warmup, "jax": jax.__version__,
             "peak_tflops": peak, "peak_note": peak_note, "peak_memory_gb": peak_memory_gb(),
             "numerics": args.numerics, "fsdp": args.fsdp, "remat": args.remat}
   out = Path(args.out)

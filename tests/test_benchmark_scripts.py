@@ -718,8 +718,37 @@ def test_fp8_accumulation_measures_signed_ulps_and_needs_a_hopper(capsys):
   rel, toward_inf, outward, long = acc.rms_ulps(got, want, slice(1, None))
   assert (toward_inf, outward, long) == (-0.5, 0.5, 1.0)
   assert rel == pytest.approx(2 ** -7 * np.sqrt(12) / 2)
+  # dO's lean: per column |mean| / RMS over positions, the median over columns
+  do = np.zeros((1, 4, 1, 3))
+  do[0, :, 0, 0] = [1, 1, 1, 1]      # 1
+  do[0, :, 0, 1] = [1, -1, 1, -1]    # 0
+  do[0, :, 0, 2] = [3, 1, 3, 1]      # 2 / sqrt(5)
+  assert acc.lean(do) == pytest.approx(2 / np.sqrt(5))
+  with pytest.raises(SystemExit):
+    acc.main(["--gpt2", "somewhere"])
+  assert "add --backward" in capsys.readouterr().err
   if acc.mosaic.is_available():
     pytest.skip("a Hopper GPU is present: the script would run")
   with pytest.raises(SystemExit):
     acc.main(["--seq", "256"])
   assert "needs a Hopper" in capsys.readouterr().err
+
+
+def test_fp8_accumulation_captures_a_gpt2_runs_attention(tmp_path):
+  """--gpt2: one step of a checkpointed run gives every layer's q, k, v and dO (batch row 0, the
+  capture of reproduction.gradients, tested there); a run with grad_accum > 1 is refused."""
+  from benchmarks import fp8_accumulation as acc
+  from tests.test_train_loop import ALICE, micro, run
+  cfg = micro(max_steps=2, model=dict(n_layer=2, n_head=2, n_embd=32, block_size=32,
+                                      attention="jax_xla", max_adjust="off", dtype="float32"))
+  run(cfg, tmp_path / "run")
+  what, layers = acc.gpt2_captures(str(tmp_path / "run"), data=ALICE)
+  assert "at step 2" in what and "T32 N2 H16" in what
+  assert len(layers) == 2
+  for q, k, v, do in layers:
+    for a in (q, k, v, do):
+      assert a.shape == (1, 32, 2, 16) and np.all(np.isfinite(np.asarray(a)))
+    assert float(np.abs(np.asarray(do)).max()) > 0
+  run(micro(max_steps=1, grad_accum=2), tmp_path / "accum")
+  with pytest.raises(ValueError, match="grad_accum is 2, need 1"):
+    acc.gpt2_captures(str(tmp_path / "accum"), data=ALICE)

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_speed.py"
 
@@ -30,12 +32,15 @@ def test_train_speed_runs_on_cpu(tmp_path, capsys, monkeypatch):
   # --config tiny made smaller still: the script's own path in a fraction of the compile time.
   monkeypatch.setattr(train_speed, "get_config", lambda name: micro())
   rc = train_speed.main(["--config", "tiny", "--seq", "16", "--batch-size", "2", "--steps", "1",
-                         "--warmup", "0", "--arms", "xla", "--out", str(tmp_path),
+                         "--warmup", "0", "--arms", "xla", "--out", str(tmp_path), "--n-head", "4",
                          "--no-compilation-cache"])
   assert rc == 0
   table = capsys.readouterr().out
   assert "| xla | jax.nn xla |" in table
+  assert "heads 4 x 8," in table  # micro()'s 2 heads of 16 made 4 of 8: the width kept
   assert (tmp_path / "train_speed_tiny_cpu.md").exists(), sorted(tmp_path.iterdir())
+  with pytest.raises(ValueError, match="--n-head must divide the config's width 32, got 5"):
+    train_speed.main(["--config", "tiny", "--n-head", "5", "--out", str(tmp_path)])
 
 
 def test_train_profile_attributes_attention_kernels():
