@@ -178,6 +178,56 @@ def check_case(implementation, case, dtype, max_adjust, numerics, *, interpret=F
   return errors
 
 
+FP8_HAZARDS = ("huge logits", "a head of zeros in each of q, k, v", "v near bf16's edges",
+               "rows with no key")
+
+
+def fp8_hazard(hazard: str, seed: int, shape=(2, 48, 2, 32)):
+  """(q, k, v, call kwargs) for one of FP8_HAZARDS: bf16 inputs of `shape` [B, T, N, H] (B >= 2),
+  causal. "rows with no key": batch row 1 sees no key (key length 0), row 0's queries from 3T/4
+  on are past its query length."""
+  rng = np.random.default_rng(seed)
+  B, T = shape[:2]
+  q, k, v = (rng.standard_normal(shape) for _ in range(3))
+  kw = dict(is_causal=True)
+  if hazard == "huge logits":
+    kw["scale"] = 1e3
+  elif hazard == "a head of zeros in each of q, k, v":
+    q[:, :, 0], k[:, :, 1], v[:, :, 0] = 0.0, 0.0, 0.0
+  elif hazard == "v near bf16's edges":
+    v[:, :, 0] *= 2.0 ** 60
+    v[:, :, 1] *= 2.0 ** -60
+  elif hazard == "rows with no key":
+    kw.update(query_seq_lengths=jnp.array([3 * T // 4] + [T] * (B - 1), jnp.int32),
+              key_value_seq_lengths=jnp.array([T, 0] + [T] * (B - 2), jnp.int32))
+  else:
+    raise ValueError(f"hazard {hazard!r} is not one of {FP8_HAZARDS}")
+  return (*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)), kw)
+
+
+def check_fp8_hazard(hazard: str, q, k, v, kw, out, grads) -> None:
+  """Finite values and gradients, O within FP8's error of float64 attention of the e4m3-quantized
+  inputs (each head against its own largest |O|: the scales are per head), and the rows and
+  heads that must be 0 exactly 0."""
+  from stable_attn import fp8
+  from stable_attn.reference import exact_attention
+  chex.assert_tree_all_finite((out, grads))
+  want = exact_attention(*fp8.quantize_inputs(q, k, v, "e4m3")[:3], **kw)
+  got = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  head_max = np.abs(want).max(axis=(0, 1, 3))
+  err = np.abs(got - want).max(axis=(0, 1, 3))
+  # an e4m3 P (3 mantissa bits) errs by up to ~6% of a key's weight; over a row's keys that
+  # averages out to 1-3% of a head's largest |O| (2.5% at most in the CPU cases)
+  assert np.all(err <= 0.06 * head_max), (err, head_max)
+  if hazard == "rows with no key":
+    T = q.shape[1]
+    np.testing.assert_array_equal(got[1], 0.0)
+    np.testing.assert_array_equal(got[0, 3 * T // 4:], 0.0)
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(grads[0][1], jnp.float32)), 0.0)
+  if hazard == "a head of zeros in each of q, k, v":
+    np.testing.assert_array_equal(got[..., 0, :], 0.0)   # v's head 0 is zero
+
+
 def abstract_mesh(device_kind: str, cores: int, platform: str):
   """A one-device abstract mesh naming a device this host does not have (lowering for it here),
   or None where this JAX cannot describe one."""

@@ -1,4 +1,7 @@
-"""Numerical hazards never produce NaN: huge logits, fully masked rows, -inf bias, exact ties."""
+"""Numerical hazards never produce NaN: huge logits, fully masked rows, -inf bias, exact ties;
+under FP8 numerics too."""
+import zlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,6 +11,7 @@ import pytest
 import stable_attn
 from stable_attn.diagnostics import REGIMES, tie_inputs
 from stable_attn.reference import exact_attention
+from tests import cases
 
 IMPLS = ("reference", "xla")
 
@@ -60,3 +64,19 @@ def test_exact_ties_never_nan(impl, regime, numerics):
   for mode in modes:  # the paper's rule at large maxima is the documented hole (test_probe)
     out, grads = _value_and_grads(impl, mode, q, k, v, numerics=numerics)
     chex.assert_tree_all_finite((out, grads))
+
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("numerics", ["fp8", "fp8_fast"])
+@pytest.mark.parametrize("mode", ["off", "safe"])
+@pytest.mark.parametrize("hazard", cases.FP8_HAZARDS)
+def test_fp8_hazards_never_nan_nor_wrong(impl, numerics, mode, hazard):
+  """Under FP8 numerics (e4m3 q, k, v under per-head scales, e4m3 P) each hazard gives finite
+  values and gradients within FP8's error of float64 attention of the quantized inputs, and
+  zeros where no key is seen (tests.cases.check_fp8_hazard)."""
+  q, k, v, kw = cases.fp8_hazard(hazard, seed=zlib.crc32(f"{numerics}{mode}{hazard}".encode()))
+  f = lambda q, k, v: stable_attn.dot_product_attention(q, k, v, implementation=impl,
+                                                        max_adjust=mode, numerics=numerics, **kw)
+  out, vjp = jax.vjp(jax.jit(f), q, k, v)
+  cases.check_fp8_hazard(hazard, q, k, v, kw, out, vjp(jnp.ones_like(out)))

@@ -1996,6 +1996,22 @@ def test_gpu_fully_masked_rows_are_zero():
 
 @pytest.mark.gpu
 @on_hopper
+@pytest.mark.parametrize("fp8_backward", [False, True], ids=["bf16_backward", "fp8_backward"])
+@pytest.mark.parametrize("hazard", cases.FP8_HAZARDS)
+def test_gpu_fp8_hazards_never_nan_nor_wrong(hazard, fp8_backward):
+  """The compiled FP8 forward ("fp8_fast", "safe") and either backward on the hazards of
+  tests/test_adversarial.py's CPU twin: finite values and gradients, O within FP8's error of
+  float64 attention of the quantized inputs, zeros where no key is seen."""
+  q, k, v, kw = cases.fp8_hazard(hazard, seed=7, shape=(2, 256, 2, 64))
+  f = lambda q, k, v: stable_attn.dot_product_attention(
+      q, k, v, implementation=IMPL, numerics="fp8_fast", max_adjust="safe",
+      config={"fp8_backward": fp8_backward}, **kw)
+  out, vjp = jax.vjp(jax.jit(f), q, k, v)
+  cases.check_fp8_hazard(hazard, q, k, v, kw, out, vjp(jnp.ones_like(out)))
+
+
+@pytest.mark.gpu
+@on_hopper
 @pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused_dq"])
 def test_gpu_vmap_matches_each_slice(fused):
   """jax.vmap folds the vmapped axis into the kernels' batch (stable_attn.partition): the output
