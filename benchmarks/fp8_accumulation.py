@@ -25,11 +25,12 @@ error in bf16 ulps at the tensor's RMS, signed toward +inf and outward (sign of 
 over all rows and over the half with the longest sums (dQ's late queries, dK's and dV's early
 keys).
 
---backward --gpt2 RUN [--layers 1,6,12]: the same backwards on what a GPT-2 run's attention sees
+--backward --gpt2 RUN [--layers 1,6,12] [--lean-only]: the same backwards on what a GPT-2 run's attention sees
 instead of random draws: from RUN's latest checkpoint (python -m train ... --grad-accum 1), one
 training step's q, k, v and dO (the gradient arriving at the attention output) of each layer,
 batch row 0; beside them each layer's lean of dO: |mean over positions| / RMS per column (head,
-feature), the median over columns (random draws: 0.71 with dO's mean 1, ~T^-1/2 with mean 0).
+feature), the median over columns (random draws: 0.71 with dO's mean 1, ~T^-1/2 with mean 0);
+--lean-only: that lean alone, per layer, on any host.
 Needs a Hopper GPU (the kernel); the reference and float64 run on the host's CPU.
 """
 from __future__ import annotations
@@ -211,6 +212,20 @@ def gpt2_table(run: str, data: str | None = None, layers: list[int] | None = Non
   return "\n".join(lines) + "\n"
 
 
+def lean_table(run: str, data: str | None = None) -> str:
+  """Each layer's lean of dO alone (no kernel: runs on any host)."""
+  what, captured = gpt2_captures(run, data)
+  T = captured[0][3].shape[1]
+  lines = [f"{what}; dO's lean per column (head, feature): |mean over positions| / RMS "
+           f"(mean-0 noise: ~T^-1/2 = {T ** -0.5:.3f})", "",
+           "| layer | median | 90th percentile | largest |", "|---:|---:|---:|---:|"]
+  for i, (*_, do) in enumerate(captured):
+    d = np.asarray(jnp.asarray(do, jnp.float32), np.float64)
+    r = np.abs(d.mean(axis=1)) / np.maximum(np.sqrt(np.mean(d ** 2, axis=1)), 1e-300)
+    lines.append(f"| {i + 1} | {lean(do):.3f} | {np.quantile(r, 0.9):.3f} | {r.max():.3f} |")
+  return "\n".join(lines) + "\n"
+
+
 def table(seq: int, head_dim: int, seed: int) -> str:
   fmt = lambda pair: "-" if pair is None else f"{pair[0]:+.3f} / {pair[1]:+.3f}"
   lines = [f"B1 T{seq} N2 H{head_dim} causal, {NUMERICS} \"off\", bf16 ulps of O (outward > 0), "
@@ -233,6 +248,8 @@ def main(argv=None) -> int:
                       help="measure the FP8 and bf16 backwards' dQ, dK, dV instead of O")
   parser.add_argument("--gpt2", metavar="RUN",
                       help="with --backward: a GPT-2 run's q, k, v and dO instead of random draws")
+  parser.add_argument("--lean-only", action="store_true",
+                      help="with --gpt2: only dO's lean per layer (no kernel; any host)")
   parser.add_argument("--layers", help="with --gpt2: comma list of layers (1-based; default all)")
   parser.add_argument("--data", help="with --gpt2: the run's token data (default ./data/<corpus>)")
   parser.add_argument("--out", help="also write the table (Markdown) to this file")
@@ -241,6 +258,12 @@ def main(argv=None) -> int:
     parser.error("--gpt2 measures the backwards: add --backward")
   if args.seq < 256 or args.seq % 128:
     parser.error(f"--seq must be a multiple of 128 of at least 256, got {args.seq}")
+  if args.gpt2 and args.lean_only:
+    text = lean_table(args.gpt2, args.data)
+    if args.out:
+      pathlib.Path(args.out).write_text(text)
+    print(text)
+    return 0
   if not mosaic.is_available():
     parser.error("the FP8 forward's kernel needs a Hopper (sm_90) GPU")
   if args.gpt2:

@@ -749,6 +749,12 @@ def test_fp8_accumulation_captures_a_gpt2_runs_attention(tmp_path):
     for a in (q, k, v, do):
       assert a.shape == (1, 32, 2, 16) and np.all(np.isfinite(np.asarray(a)))
     assert float(np.abs(np.asarray(do)).max()) > 0
+  # --lean-only: no kernel, any host; one row per layer, each the lean of that layer's dO
+  assert acc.main(["--backward", "--gpt2", str(tmp_path / "run"), "--data", ALICE, "--lean-only",
+                   "--out", str(tmp_path / "lean.md")]) == 0
+  rows = [r for r in (tmp_path / "lean.md").read_text().splitlines() if r[:3] in ("| 1", "| 2")]
+  assert [float(r.split("|")[2]) for r in rows] == pytest.approx(
+      [acc.lean(layer[3]) for layer in layers], abs=5e-4)
   run(micro(max_steps=1, grad_accum=2), tmp_path / "accum")
   with pytest.raises(ValueError, match="grad_accum is 2, need 1"):
     acc.gpt2_captures(str(tmp_path / "accum"), data=ALICE)
