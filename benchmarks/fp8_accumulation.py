@@ -25,12 +25,12 @@ error in bf16 ulps at the tensor's RMS, signed toward +inf and outward (sign of 
 over all rows and over the half with the longest sums (dQ's late queries, dK's and dV's early
 keys).
 
---backward --gpt2 RUN [--layers 1,6,12] [--lean-only]: the same backwards on what a GPT-2 run's attention sees
-instead of random draws: from RUN's latest checkpoint (python -m train ... --grad-accum 1), one
-training step's q, k, v and dO (the gradient arriving at the attention output) of each layer,
-batch row 0; beside them each layer's lean of dO: |mean over positions| / RMS per column (head,
-feature), the median over columns (random draws: 0.71 with dO's mean 1, ~T^-1/2 with mean 0);
---lean-only: that lean alone, per layer, on any host.
+--backward --gpt2 RUN [--layers 1,6,12] [--lean-only]: the same backwards on what a GPT-2 run's
+attention sees instead of random draws: from RUN's latest checkpoint (python -m train ...
+--grad-accum 1), one training step's q, k, v and dO (the gradient arriving at the attention
+output) of each layer, batch row 0; beside them each layer's lean of dO: |mean over positions| /
+RMS per column (head, feature), the median over columns (random draws: 0.71 with dO's mean 1,
+~T^-1/2 with mean 0); --lean-only: that lean alone, per layer, on any host.
 Needs a Hopper GPU (the kernel); the reference and float64 run on the host's CPU.
 """
 from __future__ import annotations
@@ -144,12 +144,18 @@ def backward_errors(q, k, v, do) -> dict:
   return out
 
 
-def lean(do) -> float:
-  """Median over columns (batch row, head, feature) of |mean over positions| / RMS of do
-  [B, T, N, H]: how far dO's columns lean one way (0.71 for standard normal plus 1)."""
+def column_leans(do) -> np.ndarray:
+  """|mean over positions| / RMS of each column (batch row, head, feature) of do [B, T, N, H]
+  -> [B, N, H]; an all-zero column leans 0."""
   d = np.asarray(jnp.asarray(do, jnp.float32), np.float64)
   rms = np.sqrt(np.mean(d ** 2, axis=1))
-  return float(np.median(np.abs(d.mean(axis=1)) / np.where(rms > 0, rms, 1.0)))
+  return np.abs(d.mean(axis=1)) / np.where(rms > 0, rms, 1.0)
+
+
+def lean(do) -> float:
+  """The median of column_leans: how far dO's columns lean one way (0.71 for standard normal
+  plus 1, ~T^-1/2 for mean 0)."""
+  return float(np.median(column_leans(do)))
 
 
 def backward_table(seq: int, head_dim: int, seed: int) -> str:
@@ -193,7 +199,8 @@ def gpt2_captures(run: str, data: str | None = None):
 
 
 def gpt2_table(run: str, data: str | None = None, layers: list[int] | None = None) -> str:
-  """layers: 1-based, default all (each takes ~30 s of float64 emulation at T1024 N12)."""
+  """layers: 1-based, default all (at T1024 N12 each layer's float64 emulations take tens of
+  seconds: all twelve did not finish in 200 s on an H200's host)."""
   what, captured = gpt2_captures(run, data)
   layers = layers or list(range(1, len(captured) + 1))
   if not all(1 <= i <= len(captured) for i in layers):
@@ -220,8 +227,7 @@ def lean_table(run: str, data: str | None = None) -> str:
            f"(mean-0 noise: ~T^-1/2 = {T ** -0.5:.3f})", "",
            "| layer | median | 90th percentile | largest |", "|---:|---:|---:|---:|"]
   for i, (*_, do) in enumerate(captured):
-    d = np.asarray(jnp.asarray(do, jnp.float32), np.float64)
-    r = np.abs(d.mean(axis=1)) / np.maximum(np.sqrt(np.mean(d ** 2, axis=1)), 1e-300)
+    r = column_leans(do)
     lines.append(f"| {i + 1} | {lean(do):.3f} | {np.quantile(r, 0.9):.3f} | {r.max():.3f} |")
   return "\n".join(lines) + "\n"
 
@@ -256,6 +262,14 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.gpt2 and not args.backward:
     parser.error("--gpt2 measures the backwards: add --backward")
+  given = [f for f, v in (("--lean-only", args.lean_only), ("--layers", args.layers),
+                          ("--data", args.data)) if v]
+  if given and not args.gpt2:
+    parser.error(f"{', '.join(given)} go with --gpt2 RUN")
+  try:
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+  except ValueError:
+    parser.error(f"--layers takes a comma list of layer numbers, got {args.layers!r}")
   if args.seq < 256 or args.seq % 128:
     parser.error(f"--seq must be a multiple of 128 of at least 256, got {args.seq}")
   if args.gpt2 and args.lean_only:
@@ -267,7 +281,6 @@ def main(argv=None) -> int:
   if not mosaic.is_available():
     parser.error("the FP8 forward's kernel needs a Hopper (sm_90) GPU")
   if args.gpt2:
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     text = gpt2_table(args.gpt2, args.data, layers)
   else:
     text = (backward_table if args.backward else table)(args.seq, args.head_dim, args.seed)

@@ -727,6 +727,12 @@ def test_fp8_accumulation_measures_signed_ulps_and_needs_a_hopper(capsys):
   with pytest.raises(SystemExit):
     acc.main(["--gpt2", "somewhere"])
   assert "add --backward" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    acc.main(["--backward", "--lean-only"])
+  assert "--lean-only go with --gpt2 RUN" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    acc.main(["--backward", "--gpt2", "somewhere", "--layers", "1,six"])
+  assert "--layers takes a comma list" in capsys.readouterr().err
   if acc.mosaic.is_available():
     pytest.skip("a Hopper GPU is present: the script would run")
   with pytest.raises(SystemExit):
