@@ -252,13 +252,13 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--backward", action="store_true",
                       help="measure the FP8 and bf16 backwards' dQ, dK, dV instead of O")
-  parser.add_argument("--gpt2", metavar="RUN",
-                      help="with --backward: a GPT-2 run's q, k, v and dO instead of random draws")
-  parser.add_argument("--lean-only", action="store_true",
-                      help="with --gpt2: only dO's lean per layer (no kernel; any host)")
-  parser.add_argument("--layers", help="with --gpt2: comma list of layers (1-based; default all)")
-  parser.add_argument("--data", help="with --gpt2: the run's token data (default ./data/<corpus>)")
   parser.add_argument("--out", help="also write the table (Markdown) to this file")
+  run = parser.add_argument_group("a GPT-2 run's attention instead of random draws")
+  run.add_argument("--gpt2", metavar="RUN", help="with --backward: RUN's latest checkpoint")
+  run.add_argument("--lean-only", action="store_true",
+                   help="only dO's lean per layer (no kernel; any host)")
+  run.add_argument("--layers", help="comma list of layers (1-based; default all)")
+  run.add_argument("--data", help="the run's token data (default ./data/<its corpus>)")
   args = parser.parse_args(argv)
   if args.gpt2 and not args.backward:
     parser.error("--gpt2 measures the backwards: add --backward")
