@@ -174,27 +174,15 @@ def backward_table(seq: int, head_dim: int, seed: int) -> str:
 
 def gpt2_captures(run: str, data: str | None = None):
   """-> (description, [(q, k, v, dO)] per layer, each [1, T, N, H] bf16: batch row 0): one
-  training step of RUN's latest checkpoint with its own attention, on the batch its data order
-  gives that step (data: as python -m train's --data; default ./data/<the run's corpus>)."""
-  from flax import nnx
+  training step of RUN's latest checkpoint with its own attention (reproduction.gradients'
+  capture; data: as python -m train's --data, default ./data/<the run's corpus>)."""
   from reproduction import gradients
-  from train import data as data_lib
-  from train.loop import abstract_model
-  from train.optim import make_optimizer
-  cfg, params, opt_state, start = gradients.restore(pathlib.Path(run), None)
-  if cfg.grad_accum != 1:
-    raise ValueError(f"--gpt2 {run}: captures one micro-batch; grad_accum is {cfg.grad_accum}, "
-                     "need 1")
-  graphdef, _ = nnx.split(abstract_model(cfg.model), nnx.Param)
-  step = jax.jit(gradients.make_capture_step(graphdef, make_optimizer(cfg), cfg.model))
-  tokens = data_lib.load_data(data, corpus=cfg.corpus, progress=False, log=lambda _: None)
-  x, y = data_lib.train_batch(tokens, start, seed=cfg.seed, batch_size=cfg.batch_size,
-                              grad_accum=1, block_size=cfg.model.block_size)
-  _, _, loss, captured, d_out = step(params, opt_state, jnp.asarray(x[0]), jnp.asarray(y[0]))
+  cfg, start, captures = gradients.captured_steps(pathlib.Path(run), None, data)
+  loss, captured, d_out = next(captures)
   layers = [tuple(a[:1] for a in (c["q"], c["k"], c["v"], do)) for c, do in zip(captured, d_out)]
   m = cfg.model
   return (f"GPT-2 run {run} at step {start} (trained with {m.numerics}/{m.max_adjust}"
-          f"{', FP8 backward' if m.fp8_backward else ''}, loss {float(loss):.3f}), "
+          f"{', FP8 backward' if m.fp8_backward else ''}, loss {loss:.3f}), "
           f"T{m.block_size} N{m.n_head} H{m.head_dim}, batch row 0"), layers
 
 

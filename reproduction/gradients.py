@@ -24,6 +24,7 @@ the kernel's rounding. The model update uses the run's own arithmetic, as its tr
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -146,6 +147,30 @@ def restore(run: Path, step: int | None):
     return cfg, params, opt_state, int(meta["data_step"])
 
 
+def captured_steps(run: Path, step: int | None = None, data: str | None = None):
+    """-> (config, first step, iterator): from RUN's checkpoint at `step` (latest when None),
+    training continues with the run's own attention on the batches its data order gives, one
+    (loss, per-layer captures, per-layer dO) per optimizer step (make_capture_step)."""
+    cfg, params, opt_state, start = restore(run, step)
+    if cfg.grad_accum != 1:
+        raise ValueError(f"--run {run}: the capture takes one micro-batch per step; grad_accum is "
+                         f"{cfg.grad_accum}, need 1")
+    tokens = data_lib.load_data(data, corpus=cfg.corpus, progress=False, log=lambda _: None)
+    graphdef, _ = nnx.split(abstract_model(cfg.model), nnx.Param)
+    step_fn = jax.jit(make_capture_step(graphdef, make_optimizer(cfg), cfg.model), donate_argnums=(0, 1))
+
+    def steps():
+        nonlocal params, opt_state
+        for t in itertools.count(start):
+            x, y = data_lib.train_batch(tokens, t, seed=cfg.seed, batch_size=cfg.batch_size,
+                                        grad_accum=1, block_size=cfg.model.block_size)
+            params, opt_state, loss, captured, d_out = step_fn(params, opt_state, jnp.asarray(x[0]),
+                                                               jnp.asarray(y[0]))
+            yield float(loss), captured, d_out
+
+    return cfg, start, steps()
+
+
 def pick_step(run: Path, choice: str) -> int | None:
     """--step: a number, "latest" (None) or "before-instability"."""
     if choice == "latest":
@@ -168,17 +193,11 @@ def pick_step(run: Path, choice: str) -> int | None:
 
 def study(run: Path, *, steps: int, compare: list[str], step: int | None = None, data: str | None = None,
           progress=print) -> dict:
-    cfg, params, opt_state, start = restore(run, step)
-    if cfg.grad_accum != 1:
-        raise ValueError(f"--run {run}: the study captures one micro-batch per step; grad_accum is "
-                         f"{cfg.grad_accum}, need 1")
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (consecutive steps are compared), got {steps}")
+    cfg, start, captures = captured_steps(run, step, data)
     mcfg = cfg.model
     own = arm_of(mcfg)
-    tokens = data_lib.load_data(data, corpus=cfg.corpus, progress=False, log=lambda _: None)
-    graphdef, _ = nnx.split(abstract_model(mcfg), nnx.Param)
-    step_fn = jax.jit(make_capture_step(graphdef, make_optimizer(cfg), mcfg), donate_argnums=(0, 1))
     layer_fns = {arm: jax.jit(lambda q, k, v, do, x, arm=arm: layer_errors(q, k, v, do, x, model=mcfg, arm=arm))
                  for arm in compare}
     L, N = mcfg.n_layer, mcfg.n_head
@@ -189,12 +208,8 @@ def study(run: Path, *, steps: int, compare: list[str], step: int | None = None,
     e_sum = {arm: np.zeros((L, N, mcfg.n_embd, mcfg.head_dim)) for arm in compare}
     e_prev = {arm: [None] * L for arm in compare}
     losses = []
-    for t in range(steps):
-        x, y = data_lib.train_batch(tokens, start + t, seed=cfg.seed, batch_size=cfg.batch_size,
-                                    grad_accum=1, block_size=mcfg.block_size)
-        params, opt_state, loss, captured, d_out = step_fn(params, opt_state, jnp.asarray(x[0]),
-                                                           jnp.asarray(y[0]))
-        losses.append(float(loss))
+    for t, (loss, captured, d_out) in zip(range(steps), captures):
+        losses.append(loss)
         for arm in compare:
             for layer in range(L):
                 c = captured[layer]
