@@ -39,6 +39,7 @@ import argparse
 import os
 import pathlib
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -172,13 +173,25 @@ def backward_table(seq: int, head_dim: int, seed: int) -> str:
   return "\n".join(lines) + "\n"
 
 
+_START = time.monotonic()
+
+
+def progress(what: str) -> None:
+  """One line on stderr with the seconds since start: the --gpt2 stages take minutes, and a
+  time limit that cuts one should say which."""
+  print(f"[{time.monotonic() - _START:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def gpt2_captures(run: str, data: str | None = None):
   """-> (description, [(q, k, v, dO)] per layer, each [1, T, N, H] bf16: batch row 0): one
   training step of RUN's latest checkpoint with its own attention (reproduction.gradients'
   capture; data: as python -m train's --data, default ./data/<the run's corpus>)."""
   from reproduction import gradients
+  progress(f"restoring {run}'s latest checkpoint")
   cfg, start, captures = gradients.captured_steps(pathlib.Path(run), None, data)
+  progress(f"step {start}: compiling and running the capture step")
   loss, captured, d_out = next(captures)
+  progress("captured")
   layers = [tuple(a[:1] for a in (c["q"], c["k"], c["v"], do)) for c, do in zip(captured, d_out)]
   m = cfg.model
   return (f"GPT-2 run {run} at step {start} (trained with {m.numerics}/{m.max_adjust}"
@@ -200,6 +213,7 @@ def gpt2_table(run: str, data: str | None = None, layers: list[int] | None = Non
            "| mean outward, longest half |", "|---:|---:|---|---|---:|---:|---:|---:|"]
   for i in layers:
     q, k, v, do = captured[i - 1]
+    progress(f"layer {i}: the kernels' backwards and their float64 emulations")
     for (name, tensor), (rel, mean, outward, long) in backward_errors(q, k, v, do).items():
       lines.append(f"| {i} | {lean(do):.3f} | {name} | {tensor} | {rel:.2e} | {mean:+.3f} "
                    f"| {outward:+.3f} | {long:+.3f} |")
