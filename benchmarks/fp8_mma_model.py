@@ -2,7 +2,8 @@
 (issue 49; docs/fp8.md, "Hopper's FP8 accumulation, modelled").
 
     PYTHONPATH=. python benchmarks/fp8_mma_model.py --numerics fp8_fast --max-adjust off,safe \\
-        [--bits 13] [--promote KEYS] [--block-k KEYS] [--tail 4,8] [--against GPU.md] \\
+        [--bits 13] [--promote KEYS] [--block-k KEYS] [--top-exact] [--tail 4,8] \\
+        [--against GPU.md] \\
         [any other probe option]
 
 The model: one FP8 wgmma adds the products of 32 keys (its K) to the accumulator in fixed
@@ -17,7 +18,9 @@ KEYS keys into a fresh accumulator and adds that to O in fp32 (DeepSeek-V3's "pr
 default, is one accumulator along the row, as FlashAttention-3's kernel runs and ours did until
 2026-12-04 (TuningConfig.fp8_pv_promote=0). --block-k KEYS: the reference's key block (64 by
 default; 128 is the Hopper FP8 forward's, whose P V the kernel now promotes per block: --block-k
-128 --promote 128 models it). Only the reference's FP8 P V changes (l stays the exact sum of the
+128 --promote 128 models it). --top-exact: each key block's largest P per row (every key at
+it) is taken out of the modelled product and its P v added in fp32 (a design modelled, not
+built). Only the reference's FP8 P V changes (l stays the exact sum of the
 rounded P, as the kernel's); every other probe option passes through. --against FILE compares
 the model's bias table, cell by cell, with a probe's output written elsewhere (the compiled
 kernel's: `python -m stable_attn.diagnostics --implementations pallas_mosaic_gpu ... --out FILE`
@@ -45,19 +48,28 @@ GROUP = 32   # keys per FP8 wgmma instruction (its K for 8-bit operands)
 def _unit(x, bits: int):
   """2^(floor(log2 x) - bits) for x > 0 (the model's last kept bit), elementwise."""
   _, e = jnp.frexp(x)   # x = m 2^e, m in [0.5, 1)
-  return jnp.where(x > 0, jnp.ldexp(jnp.ones_like(x), e - 1 - bits), jnp.float32(2.0 ** -140))
+  # x = 0: every term is 0, any unit keeps them so (2^-140 would flush to 0 and give 0 / 0)
+  return jnp.where(x > 0, jnp.ldexp(jnp.ones_like(x), e - 1 - bits), jnp.float32(1.0))
 
 
-def truncating_accumulate(c, p, v, *, bits: int = 13, promote: int = 0):
+def truncating_accumulate(c, p, v, *, bits: int = 13, promote: int = 0, top_exact: bool = False):
   """c [rows, H] fp32 plus p [rows, keys] times v [keys, H] (fp32 holding FP8 values, so every
   product is exact), the keys in groups of GROUP: each group's products and the accumulator
   truncated toward zero to `_unit` of the largest magnitude among them, then added (exactly: all
   are multiples of that unit). promote: every `promote` keys (a multiple of GROUP) the
   accumulator starts again from 0 and what it held joins c in fp32, as at the start of each
-  call (a call is a kernel's product of one key block; promote must divide its keys)."""
+  call (a call is a kernel's product of one key block; promote must divide its keys).
+  top_exact: each row's largest p of the call (every key at it) stays out of the truncated
+  product, its terms added in fp32 after (a kernel would need a second product or a gather of
+  V's rows for it)."""
   if promote % GROUP or (promote and p.shape[1] % promote):
     raise ValueError(f"promote must be a multiple of {GROUP} keys dividing the block's "
                      f"{p.shape[1]}, got {promote}")
+  if top_exact:
+    top = jnp.max(p, axis=1, keepdims=True)
+    is_top = (p == top) & (top > 0)
+    return (truncating_accumulate(c, jnp.where(is_top, 0.0, p), v, bits=bits, promote=promote)
+            + jnp.where(is_top, p, 0.0) @ v)
   total, acc = (c, jnp.zeros_like(c)) if promote else (None, c)
   for g in range(0, p.shape[1], GROUP):
     if promote and g and g % promote == 0:
@@ -69,13 +81,14 @@ def truncating_accumulate(c, p, v, *, bits: int = 13, promote: int = 0):
 
 
 @contextlib.contextmanager
-def modelled_pv(bits: int = 13, promote: int = 0, block_k: int | None = None):
+def modelled_pv(bits: int = 13, promote: int = 0, block_k: int | None = None,
+                top_exact: bool = False):
   """Within: stable_attn.reference's FP8 P V (P in an 8-bit dtype) accumulates as
   `truncating_accumulate` models it, one call per key block, the block's rescaled accumulator
   taking part (the reference computes P V and adds it through tile.pv_product and
   tile.accumulate; both are swapped here and restored after), its key blocks `block_k` keys
-  (None: reference.DEFAULT_BLOCK_K, which is set here and restored after). Other numerics are
-  untouched. Not thread-safe, and jit's caches are cleared on entry and exit."""
+  (None: reference.DEFAULT_BLOCK_K, which is set here and restored after); top_exact as
+  `truncating_accumulate`'s. Other numerics are untouched. Not thread-safe, and jit's caches are cleared on entry and exit."""
   pv_product, accumulate, default_block_k = (tile.pv_product, tile.accumulate,
                                              reference.DEFAULT_BLOCK_K)
 
@@ -89,8 +102,8 @@ def modelled_pv(bits: int = 13, promote: int = 0, block_k: int | None = None):
       return accumulate(acc, alpha, pv, dt=dt, round_fn=round_fn, q_axis=q_axis)
     scaled = tile.scale_acc(acc, alpha, dt=dt, round_fn=round_fn, q_axis=q_axis)
     # in P_bar * p_scale units, as the kernel's accumulator (a power of two: the same truncation)
-    return truncating_accumulate(scaled * dt.p_scale, pv.p, pv.v, bits=bits,
-                                 promote=promote) * (1.0 / dt.p_scale)
+    return truncating_accumulate(scaled * dt.p_scale, pv.p, pv.v, bits=bits, promote=promote,
+                                 top_exact=top_exact) * (1.0 / dt.p_scale)
 
   # jit caches the reference's traces: dropped on the way in and out, so that neither side of
   # the swap reuses the other's
@@ -149,6 +162,8 @@ def main(argv=None) -> int:
   parser.add_argument("--bits", type=int, default=13)
   parser.add_argument("--promote", type=int, default=0, metavar="KEYS")
   parser.add_argument("--block-k", type=int, default=reference.DEFAULT_BLOCK_K, metavar="KEYS")
+  parser.add_argument("--top-exact", action="store_true",
+                      help="each key block's largest P per row added in fp32, outside the model")
   parser.add_argument("--against", metavar="FILE")
   args, rest = parser.parse_known_args(argv)
   if "-h" in rest or "--help" in rest:   # this script's options, then the probe's
@@ -166,12 +181,13 @@ def main(argv=None) -> int:
   print(f"P V accumulated as Hopper's FP8 wgmma, modelled: {args.bits} bits below the largest "
         f"exponent per {GROUP} keys, truncated"
         + (f"; a fresh accumulator every {args.promote} keys" if args.promote else "")
+        + ("; each block's largest P per row added in fp32 outside it" if args.top_exact else "")
         + f"; the reference's key blocks of {args.block_k}\n")
   against = None
   if args.against:
     with open(args.against) as f:
       against = bias_cells(f.read())
-  with (modelled_pv(args.bits, args.promote, args.block_k),
+  with (modelled_pv(args.bits, args.promote, args.block_k, args.top_exact),
         contextlib.redirect_stdout(io.StringIO()) as out):
     code = probe_cli.main(rest)
   text = out.getvalue()

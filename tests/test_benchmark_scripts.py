@@ -594,8 +594,8 @@ def test_fp8_mma_model_truncates_as_described():
   """benchmarks/fp8_mma_model.truncating_accumulate against float64 by hand: with bits to spare
   it is the exact sum; with 3 bits below the accumulator's exponent (1024: unit 128) a group's
   products lose what lies below 128, toward zero (+100 and +50 vanish, -200 counts -128); a
-  fresh accumulator every 32 keys (promote) aligns the second group to its own products; and
-  promote must be a multiple of 32 keys that divides the block's."""
+  fresh accumulator every 32 keys (promote) aligns the second group to its own products, as
+  does taking each row's largest products out (top_exact); and promote must be a multiple of 32 keys that divides the block's."""
   from benchmarks import fp8_mma_model as mm
   rng = np.random.default_rng()
   e4m3 = lambda x: jnp.asarray(x, jnp.float8_e4m3fn).astype(jnp.float32)
@@ -616,6 +616,12 @@ def test_fp8_mma_model_truncates_as_described():
   assert float(mm.truncating_accumulate(0 * one, two, ones, bits=3)[0, 0]) == 4096
   # ... unless the second group starts a fresh accumulator, added in fp32
   assert float(mm.truncating_accumulate(0 * one, two, ones, bits=3, promote=32)[0, 0]) == 4105
+  # ... or the row's largest product (every key at it) stays out of the product: 9 kept, and
+  # 4096 + 4096 + 9 with a tie at the top
+  assert float(mm.truncating_accumulate(0 * one, two, ones, bits=3, top_exact=True)[0, 0]) == 4105
+  tied = two.at[0, 40].set(4096.0)
+  assert float(mm.truncating_accumulate(0 * one, tied, ones, bits=3, top_exact=True)[0, 0]) == 8201
+  assert float(mm.truncating_accumulate(0 * one, tied, ones, bits=3)[0, 0]) == 8192
   for bad in (48, 64):   # not a multiple of 32; not dividing the 96 keys
     with pytest.raises(ValueError, match="multiple of 32 keys dividing"):
       mm.truncating_accumulate(c, p, v, promote=bad)
