@@ -141,8 +141,11 @@ def _fit_to_the_close_runs(ax, zoomed: dict[str, list[float]]) -> None:
         return
     span = max(close) - lowest or 1.0
     ax.set_ylim(lowest - 0.05 * span, max(close) + 0.1 * span)
-    ax.text(0.02, 0.98, "above the panel: " + "; ".join(above), transform=ax.transAxes, va="top",
-            fontsize=7, wrap=True)
+    # One name a line, and out of the layout: wrapped to the figure's width, a long arm name
+    # squeezed this panel to a sliver between wide gaps.
+    note = ax.text(0.02, 0.98, "above the panel:\n" + "\n".join(above), transform=ax.transAxes,
+                   va="top", fontsize=7, bbox=dict(facecolor="white", alpha=0.8, lw=0))
+    note.set_in_layout(False)
 
 
 def main(argv: list[str] | None = None) -> int:
