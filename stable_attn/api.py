@@ -520,7 +520,9 @@ def _fp8_scales(given, spec: AttentionSpec, sizes: dict):
                      f"{spec.numerics.name!r} keeps them as given (qkv={spec.numerics.qkv!r}); use "
                      f"numerics that quantize them, e.g. 'fast+qkv=e4m3+p=e4m3+p_scale=256'")
   if not isinstance(given, (tuple, list)) or len(given) != 3:
-    raise ValueError(f"fp8_scales must be (q_scale, k_scale, v_scale), got {type(given).__name__}")
+    what = (f"a {type(given).__name__} of {len(given)}" if isinstance(given, (tuple, list))
+            else type(given).__name__)
+    raise ValueError(f"fp8_scales must be (q_scale, k_scale, v_scale), got {what}")
   checked = []
   for name, x in zip(fp8.SCALE_ROWS, given):
     row = OPERANDS[name]

@@ -355,8 +355,11 @@ def test_fp8_scales_are_checked():
   nx = "fast+qkv=e4m3"
   with pytest.raises(ValueError, match="fp8_scales are the scales .* keeps them as given"):
     call("fast", ones)
-  with pytest.raises(ValueError, match=r"fp8_scales must be \(q_scale, k_scale, v_scale\)"):
+  with pytest.raises(ValueError, match=r"fp8_scales must be \(q_scale, k_scale, v_scale\), "
+                                       r"got a tuple of 2"):
     call(nx, ones[:2])
+  with pytest.raises(ValueError, match=r"fp8_scales must be .*, got Array"):
+    call(nx, jnp.ones(4))
   with pytest.raises(ValueError, match=r"fp8_scales\[1\] \(k_scale\) must be a floating-point "
                                        r"array of shape \[K\]=\(2,\)"):
     call(nx, (jnp.ones(4), jnp.ones(4), jnp.ones(2)))
