@@ -20,8 +20,8 @@ default, is one accumulator along the row, as FlashAttention-3's kernel runs and
 default; 128 is the Hopper FP8 forward's, whose P V the kernel now promotes per block: --block-k
 128 --promote 128 models it). --top-exact: each key block's largest P per row (every key at
 it) is taken out of the modelled product and its P v added in fp32 (a design modelled, not
-built). Only the reference's FP8 P V changes (l stays the exact sum of the
-rounded P, as the kernel's); every other probe option passes through. --against FILE compares
+built). Only the reference's FP8 P V changes (l stays the exact sum of the rounded P, as the
+kernel's); every other probe option passes through. --against FILE compares
 the model's bias table, cell by cell, with a probe's output written elsewhere (the compiled
 kernel's: `python -m stable_attn.diagnostics --implementations pallas_mosaic_gpu ... --out FILE`
 on a GPU, with the same options), and prints the largest difference.
@@ -88,7 +88,8 @@ def modelled_pv(bits: int = 13, promote: int = 0, block_k: int | None = None,
   taking part (the reference computes P V and adds it through tile.pv_product and
   tile.accumulate; both are swapped here and restored after), its key blocks `block_k` keys
   (None: reference.DEFAULT_BLOCK_K, which is set here and restored after); top_exact as
-  `truncating_accumulate`'s. Other numerics are untouched. Not thread-safe, and jit's caches are cleared on entry and exit."""
+  `truncating_accumulate`'s. Other numerics are untouched. Not thread-safe, and jit's caches are
+  cleared on entry and exit."""
   pv_product, accumulate, default_block_k = (tile.pv_product, tile.accumulate,
                                              reference.DEFAULT_BLOCK_K)
 

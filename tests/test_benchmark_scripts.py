@@ -595,7 +595,8 @@ def test_fp8_mma_model_truncates_as_described():
   it is the exact sum; with 3 bits below the accumulator's exponent (1024: unit 128) a group's
   products lose what lies below 128, toward zero (+100 and +50 vanish, -200 counts -128); a
   fresh accumulator every 32 keys (promote) aligns the second group to its own products, as
-  does taking each row's largest products out (top_exact); and promote must be a multiple of 32 keys that divides the block's."""
+  does taking each row's largest products out (top_exact); and promote must be a multiple of 32
+  keys that divides the block's."""
   from benchmarks import fp8_mma_model as mm
   rng = np.random.default_rng()
   e4m3 = lambda x: jnp.asarray(x, jnp.float8_e4m3fn).astype(jnp.float32)

@@ -310,7 +310,6 @@ def test_seeds_figure_zooms_on_the_close_runs_and_keeps_the_legend_off_the_panel
     assert not figs[1].axes[1].texts
 
 
-
 def test_seeds_figure_keeps_its_panels_wide_with_long_arm_names(tmp_path, monkeypatch):
     """Long arm names above the zoom panel (FlashAttention-3's FP8 numerics string), wrapped to
     the figure's width, once took part in the layout and shrank every panel to a sixth of the
@@ -320,7 +319,8 @@ def test_seeds_figure_keeps_its_panels_wide_with_long_arm_names(tmp_path, monkey
     long_arm = "fast+qkv=e4m3+p=e4m3+p_scale=256/safe"
     _write_run(explosion.run_dir(tmp_path / "s0", 3e-3, "fast/off"), list(base))
     for seed in (0, 1):
-        _write_run(explosion.run_dir(tmp_path / f"s{seed}", 3e-3, long_arm), list(base[:30]) + [9.0] * 230)
+        _write_run(explosion.run_dir(tmp_path / f"s{seed}", 3e-3, long_arm),
+                   list(base[:30]) + [9.0] * 230)
     results = seeds.load(seeds.parse_runs(f"0={tmp_path / 's0'},1={tmp_path / 's1'}"), 3e-3,
                          ["fast/off", long_arm])
     import matplotlib.pyplot as plt
