@@ -66,7 +66,6 @@ def test_exact_ties_never_nan(impl, regime, numerics):
     chex.assert_tree_all_finite((out, grads))
 
 
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("numerics", ["fp8", "fp8_fast"])
 @pytest.mark.parametrize("mode", ["off", "safe"])

@@ -2128,8 +2128,8 @@ def test_fp8_forward_lowers_for_cuda(feature, p_registers, promote):
   """The FP8 forward (e4m3 Q K^T, P cast to e4m3 through shared memory or kept in registers:
   TuningConfig.fp8_p_registers, V^T; P V into a fresh accumulator per block, per 64 keys (two
   in turn, head dim 64's table) or 32 (P and V^T sliced) or one along the row: fp8_pv_promote)
-  lowers for CUDA with the features it serves, and its backward is the bf16 kernels' (dQ, dK/dV) on the dequantized q, k, v; on a
-  CPU host."""
+  lowers for CUDA with the features it serves, and its backward is the bf16 kernels' (dQ, dK/dV)
+  on the dequantized q, k, v; on a CPU host."""
   B, T, N, K, H = 1, 384, 4, 2, 64 if feature.endswith("head_dim_64") else 128
   ids = jnp.asarray(np.repeat(np.arange(3), T // 3)[None], jnp.int32)
   kwargs = dict(gqa={}, qkvpacked={}, head_dim_64={},
