@@ -2,7 +2,7 @@
 (issue 49; docs/fp8.md, "Hopper's FP8 accumulation, modelled").
 
     PYTHONPATH=. python benchmarks/fp8_mma_model.py --numerics fp8_fast --max-adjust off,safe \\
-        [--bits 13] [--promote KEYS] [--block-k KEYS] [--top-exact] [--tail 4,8] \\
+        [--bits 13] [--promote KEYS] [--block-k KEYS] [--top-exact | --center-v] [--tail 4,8] \\
         [--against GPU.md] \\
         [any other probe option]
 
@@ -20,7 +20,9 @@ default, is one accumulator along the row, as FlashAttention-3's kernel runs and
 default; 128 is the Hopper FP8 forward's, whose P V the kernel now promotes per block: --block-k
 128 --promote 128 models it). --top-exact: each key block's largest P per row (every key at
 it) is taken out of the modelled product and its P v added in fp32 (a design modelled, not
-built). Only the reference's FP8 P V changes (l stays the exact sum of the rounded P, as the
+built). --center-v: each key block's V enters the modelled product less its mean over the block's
+keys (per column), and the row sum of the block's P times that mean is added in fp32 (a design
+modelled, not built: docs/fp8.md, "V centred"). Only the reference's FP8 P V changes (l stays the exact sum of the rounded P, as the
 kernel's); every other probe option passes through. --against FILE compares
 the model's bias table, cell by cell, with a probe's output written elsewhere (the compiled
 kernel's: `python -m stable_attn.diagnostics --implementations pallas_mosaic_gpu ... --out FILE`
@@ -82,13 +84,15 @@ def truncating_accumulate(c, p, v, *, bits: int = 13, promote: int = 0, top_exac
 
 @contextlib.contextmanager
 def modelled_pv(bits: int = 13, promote: int = 0, block_k: int | None = None,
-                top_exact: bool = False):
+                top_exact: bool = False, center_v: bool = False):
   """Within: stable_attn.reference's FP8 P V (P in an 8-bit dtype) accumulates as
   `truncating_accumulate` models it, one call per key block, the block's rescaled accumulator
   taking part (the reference computes P V and adds it through tile.pv_product and
   tile.accumulate; both are swapped here and restored after), its key blocks `block_k` keys
   (None: reference.DEFAULT_BLOCK_K, which is set here and restored after); top_exact as
-  `truncating_accumulate`'s. Other numerics are untouched. Not thread-safe, and jit's caches are
+  `truncating_accumulate`'s. center_v: the block's V less its mean over the block's keys goes
+  through the model, and sum_j P_j times that mean is added in fp32 (in exact arithmetic the same
+  P V: it takes the signs' imbalance out of the truncation). Other numerics are untouched. Not thread-safe, and jit's caches are
   cleared on entry and exit."""
   pv_product, accumulate, default_block_k = (tile.pv_product, tile.accumulate,
                                              reference.DEFAULT_BLOCK_K)
@@ -96,15 +100,18 @@ def modelled_pv(bits: int = 13, promote: int = 0, block_k: int | None = None,
   def products(p, v, dt):
     if jnp.dtype(dt.p).itemsize != 1:
       return pv_product(p, v, dt)
-    return _Products(p.astype(jnp.float32), v.astype(jnp.float32))
+    p, v = p.astype(jnp.float32), v.astype(jnp.float32)
+    mean = jnp.mean(v, axis=0) if center_v else jnp.zeros(v.shape[1:], jnp.float32)
+    return _Products(p, v - mean, mean)
 
   def added(acc, alpha, pv, *, dt, round_fn=tile.round_convert, q_axis=0):
     if not isinstance(pv, _Products):
       return accumulate(acc, alpha, pv, dt=dt, round_fn=round_fn, q_axis=q_axis)
     scaled = tile.scale_acc(acc, alpha, dt=dt, round_fn=round_fn, q_axis=q_axis)
     # in P_bar * p_scale units, as the kernel's accumulator (a power of two: the same truncation)
-    return truncating_accumulate(scaled * dt.p_scale, pv.p, pv.v, bits=bits, promote=promote,
-                                 top_exact=top_exact) * (1.0 / dt.p_scale)
+    total = truncating_accumulate(scaled * dt.p_scale, pv.p, pv.v, bits=bits, promote=promote,
+                                  top_exact=top_exact)
+    return (total + jnp.sum(pv.p, axis=1, keepdims=True) * pv.mean) * (1.0 / dt.p_scale)
 
   # jit caches the reference's traces: dropped on the way in and out, so that neither side of
   # the swap reuses the other's
@@ -120,9 +127,11 @@ def modelled_pv(bits: int = 13, promote: int = 0, block_k: int | None = None,
 
 
 class _Products(NamedTuple):
-  """One key block's FP8 P and V, handed from `modelled_pv`'s pv_product to its accumulate."""
+  """One key block's FP8 P and V (less `mean`, V's mean over the block's keys, with center_v; 0
+  without), handed from `modelled_pv`'s pv_product to its accumulate."""
   p: jax.Array
   v: jax.Array
+  mean: jax.Array
 
 
 def bias_cells(text: str) -> dict:
@@ -165,6 +174,9 @@ def main(argv=None) -> int:
   parser.add_argument("--block-k", type=int, default=reference.DEFAULT_BLOCK_K, metavar="KEYS")
   parser.add_argument("--top-exact", action="store_true",
                       help="each key block's largest P per row added in fp32, outside the model")
+  parser.add_argument("--center-v", action="store_true",
+                      help="each key block's V less its mean through the model, the mean's term "
+                           "added in fp32")
   parser.add_argument("--against", metavar="FILE")
   args, rest = parser.parse_known_args(argv)
   if "-h" in rest or "--help" in rest:   # this script's options, then the probe's
@@ -172,6 +184,8 @@ def main(argv=None) -> int:
     return probe_cli.main(["--help"])
   if "--implementations" not in " ".join(rest):
     rest = ["--implementations", "reference", *rest]
+  if args.top_exact and args.center_v:
+    parser.error("--top-exact and --center-v are two designs: model one at a time")
   if args.block_k < GROUP or args.block_k % GROUP:
     parser.error(f"--block-k takes a positive multiple of {GROUP} keys, got {args.block_k}")
   if args.promote < 0 or args.promote % GROUP or args.block_k % max(args.promote, 1):
@@ -183,12 +197,13 @@ def main(argv=None) -> int:
         f"exponent per {GROUP} keys, truncated"
         + (f"; a fresh accumulator every {args.promote} keys" if args.promote else "")
         + ("; each block's largest P per row added in fp32 outside it" if args.top_exact else "")
+        + ("; each block's V centred (its mean's term added in fp32)" if args.center_v else "")
         + f"; the reference's key blocks of {args.block_k}\n")
   against = None
   if args.against:
     with open(args.against) as f:
       against = bias_cells(f.read())
-  with (modelled_pv(args.bits, args.promote, args.block_k, args.top_exact),
+  with (modelled_pv(args.bits, args.promote, args.block_k, args.top_exact, args.center_v),
         contextlib.redirect_stdout(io.StringIO()) as out):
     code = probe_cli.main(rest)
   text = out.getvalue()

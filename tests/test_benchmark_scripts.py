@@ -708,6 +708,32 @@ def test_fp8_mma_model_takes_the_kernels_key_blocks(capsys):
     assert "--promote takes" in capsys.readouterr().err or bad[0] == "--block-k"
 
 
+def test_fp8_mma_model_center_v_keeps_the_sum_and_takes_out_the_signs_imbalance(tmp_path, capsys):
+  """--center-v: each block's V less its mean through the model, the mean's term in fp32. With
+  bits to spare O is the plain probe's (the same sum, cells within 0.002 ulp); with a coarse
+  accumulator over the probe's all-negative V columns (every truncation inward) the centred cells
+  sit nearer zero than the plain ones; it and --top-exact together are a usage error."""
+  from benchmarks import fp8_mma_model as mm
+  from stable_attn.diagnostics import __main__ as probe_cli
+  args = ["--numerics", "fp8_fast", "--max-adjust", "off", "--regimes", "positive",
+          "--batch", "1", "--rows", "16", "--keys", "512", "--tail", "4,8", "--block-k", "128",
+          "--promote", "128"]
+  measured = tmp_path / "plain.md"
+  probe_cli.main([*args[:-4], "--out", str(measured)])
+  capsys.readouterr()
+  mm.main(["--bits", "40", "--center-v", *args, "--against", str(measured)])
+  worst = re.search(r"Largest difference over 1 rows: ([0-9.]+) ulp", capsys.readouterr().out)
+  assert float(worst.group(1)) <= 0.002
+  cells = {}
+  for center in ([], ["--center-v"]):
+    assert mm.main(["--bits", "8", *center, *args]) == 0
+    cells[bool(center)] = mm.bias_cells(capsys.readouterr().out)[("fp8_fast", "off", "positive")]
+  assert max(abs(x) for x in cells[True]) < min(abs(x) for x in cells[False]), cells
+  with pytest.raises(SystemExit):
+    mm.main(["--top-exact", "--center-v", *args])
+  assert "two designs" in capsys.readouterr().err
+
+
 def test_fp8_accumulation_measures_signed_ulps_and_needs_a_hopper(capsys):
   """benchmarks/fp8_accumulation.py: its signed error in bf16 ulps by hand (outward > 0, zeros
   left out, the late half of the rows apart), --backward's in ulps at the RMS, and on a host
