@@ -578,8 +578,15 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
   spec = _spec(options, H)
   _warn_if_safe_rounds_its_max_to_e4m3(spec)
+  v_mean = None
+  if spec.numerics.center_v:
+    v_dtype = v.dtype
+    v, v_mean = fp8.center(v)
   q, k, v, scales = fp8.quantize_inputs(q, k, v, spec.numerics.qkv,
                                         _fp8_scales(options.fp8_scales, spec, sizes))
+  if v_mean is not None:   # e4m3 values under a power of two: exact in the input dtype
+    v = v.astype(v_dtype)
+    scales["v_mean"] = v_mean
   if spec.window is not None:
     # No query and key are max(T, S) or more positions apart, so a wider window is no limit on
     # that side; clamped, position +- window stays within int32 (2**31 - 9 wrapped round to "no

@@ -142,8 +142,14 @@ def run(implementation: Optional[str], spec: AttentionSpec, ops: Operands, confi
     # q, k and v's FP8 scales and e4m3 payloads are for a backend whose kernels read e4m3
     # (FP8_SCALES = True); the others compute on the quantized values alone.
     ops = ops._replace(**dict.fromkeys(fp8.ROWS))
+  # numerics center_v: every backend attends the centred v; the mean joins O here.
+  mean, ops = ops.v_mean, ops._replace(v_mean=None)
   if qkv is not None and hasattr(backend, "attention_qkvpacked"):
-    return backend.attention_qkvpacked(spec, ops, qkv, config)
-  if not getattr(backend, "SHARDS_ITSELF", False):
-    return partition.on_explicit_axes(lambda ops: backend.attention(spec, ops, config), ops)
-  return backend.attention(spec, ops, config)
+    out, lse = backend.attention_qkvpacked(spec, ops, qkv, config)
+  elif not getattr(backend, "SHARDS_ITSELF", False):
+    out, lse = partition.on_explicit_axes(lambda ops: backend.attention(spec, ops, config), ops)
+  else:
+    out, lse = backend.attention(spec, ops, config)
+  if mean is not None:
+    out = fp8.add_mean(out, lse, mean, ops.sinks)
+  return out, lse

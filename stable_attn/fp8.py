@@ -98,6 +98,49 @@ PAYLOAD_ROWS = ("q_e4m3", "k_e4m3", "v_e4m3")
 ROWS = SCALE_ROWS + PAYLOAD_ROWS   # what only a backend with FP8_SCALES reads
 
 
+def center(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """numerics center_v: v [B, S, K, H] -> (v less its mean over the keys, in fp32; the mean
+  [B, K, H] fp32), the mean under stop_gradient: the attention of v and that of the centred v
+  plus the mean are one function (each row's weights sum to 1), so the mean's own derivative
+  cancels and dv is the centred v's gradient. Quantized after this (`quantize_inputs`), v's
+  e4m3 values are those of v - mean under their own per-head scale (of v - mean's largest
+  |value|; a caller's v_scale applies to v - mean)."""
+  mean = jax.lax.stop_gradient(jnp.mean(v.astype(jnp.float32), axis=1))
+  return v.astype(jnp.float32) - mean[:, None], mean
+
+
+def add_mean(out: jax.Array, lse: jax.Array, mean: jax.Array, sinks=None) -> jax.Array:
+  """O [B, T, N, H] of the centred v (`center`) -> O of v: the mean [B, K, H] added in fp32 to
+  each row as its keys' weights sum: 1, or 0 in a row with no visible key (LSE [B, N, T] fp32 at
+  tile.EMPTY_ROW_LSE or -inf there), and with sinks [N] exp(LSE_keys - LSE) = -expm1(sink - LSE)
+  (differentiable in LSE and the sinks, as the sink's share of O is); then rounded to O's
+  dtype. Query head n reads kv head n // (N // K)."""
+  B, T, N, H = out.shape
+  mean = jnp.repeat(mean, N // mean.shape[1], axis=1)   # [B, N, H]
+  if sinks is None:
+    weight = ((lse != tile.EMPTY_ROW_LSE) & (lse != -jnp.inf)).astype(jnp.float32)
+  else:
+    weight = -jnp.expm1(sinks.astype(jnp.float32)[None, :, None] - lse)
+  weight = jnp.swapaxes(weight, 1, 2)[..., None]   # [B, T, N, 1]
+  return (out.astype(jnp.float32) + weight * mean[:, None]).astype(out.dtype)
+
+
+def attended(q, k, v, numerics) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """q, k, v (as a call takes them, with their own scales) -> the values a call under `numerics`
+  (a preset name or a Numerics) attends, float64: quantized where qkv="e4m3", and with center_v
+  the centred v's quantized values plus its mean (the sum in float64): what a float64 truth of
+  that call takes."""
+  from stable_attn import numerics as numerics_lib   # numerics does not import fp8: no cycle
+  numerics = numerics_lib.resolve(numerics)
+  mean = 0.0
+  if numerics.center_v:
+    v, mean = center(v)
+    mean = np.asarray(mean, np.float64)[:, None]   # over the keys' axis
+  q, k, v, _ = quantize_inputs(q, k, v, numerics.qkv)
+  q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+  return q, k, v + mean
+
+
 def quantize_inputs(q, k, v, qkv: str, scales=None):
   """-> (q, k, v, fp8_rows): q, k, v as the numerics' `qkv` field says, unchanged ("input") or each
   `quantize_under` its per-head scales ("e4m3"): the given (q_scale, k_scale, v_scale), or None

@@ -24,14 +24,14 @@ _P_CHOICES = _CHOICES + ("e4m3",)
 # q, k and v may be quantized to FP8 before any backend runs (stable_attn.fp8).
 _QKV_CHOICES = ("input", "e4m3")
 _DTYPES = {"e4m3": np.dtype(jnp.float8_e4m3fn)}
-_BOOL_FIELDS = ("sum_of_rounded_p", "sum_keeps_max")
+_BOOL_FIELDS = ("sum_of_rounded_p", "sum_keeps_max", "center_v")
 _BOOLS = {"true": True, "false": False}
 # Where max_adjust="safe" puts its per-row dither (Numerics.dither).
 _DITHER_CHOICES = ("max", "out")
 # The rounding points a Numerics names, in the order the forward meets them (and "dither", where
 # "safe" perturbs them).
-_FIELDS = ("qkv", "score", "p", "p_top", "p_scale", "pv", "acc", "sum", "sum_of_rounded_p",
-           "sum_keeps_max", "out", "residual_o", "dither")
+_FIELDS = ("qkv", "center_v", "score", "p", "p_top", "p_scale", "pv", "acc", "sum",
+           "sum_of_rounded_p", "sum_keeps_max", "out", "residual_o", "dither")
 
 
 class Dtypes(NamedTuple):
@@ -60,6 +60,12 @@ class Numerics:
       power-of-two scale per head, before any backend runs (stable_attn.fp8; the gradient passes
       straight through the rounding). Not a rounding point of the tile math, so every backend,
       the compiled ones too, computes it exactly: the products of FP8 values are exact in fp32.
+    center_v: with qkv="e4m3", v less its mean over the keys (per batch row, kv head and column)
+      is what is quantized and attended, and the mean is added back to O in fp32 before O's
+      rounding to the input dtype, as each row's weights (which sum to 1) give it: the same
+      attention in exact arithmetic, while the P V products' terms change sign across a column
+      instead of all erring one way where Hopper's FP8 tensor cores truncate (docs/fp8.md, "V
+      centred"). Not tile math either: every backend runs it unchanged (stable_attn.fp8.center).
     score: dtype of the scores, the running max and S - m (exp is always evaluated in fp32).
     p: dtype P_bar is rounded to before the PV product: "float32", "input", or "e4m3" (FP8,
       float8_e4m3fn: 3 mantissa bits, spacing 1/16 just below 1, subnormals from 2^-9, max 448),
@@ -97,6 +103,7 @@ class Numerics:
   """
   name: str = "custom"
   qkv: str = "input"
+  center_v: bool = False
   score: str = "float32"
   p: str = "input"
   p_top: str = "p"
@@ -111,6 +118,9 @@ class Numerics:
   dither: str = "max"
 
   def __post_init__(self):
+    if self.center_v is True and self.qkv != "e4m3":
+      raise ValueError(f"Numerics.center_v=True needs qkv='e4m3' (it centres v before its FP8 "
+                       f"quantization), got qkv={self.qkv!r}")
     if self.sum_keeps_max and not self.sum_of_rounded_p:
       raise ValueError("Numerics.sum_keeps_max=True needs sum_of_rounded_p=True (it keeps the "
                        "block maximum's P_bar out of a sum of rounded P_bar)")
@@ -189,9 +199,9 @@ def resolve(numerics) -> Numerics:
   The third form is "PRESET+FIELD=VALUE[+FIELD=VALUE...]", e.g. "paper+score=float32" (the paper's
   arithmetic with fp32 scores), "fast+sum=input+sum_of_rounded_p=true" or "fast+p=e4m3+p_scale=256"
   (FP8 P_bar with FlashAttention-3's pre-cast scale); VALUE is "float32" or "input" ("e4m3" too
-  for p and qkv, "p" too for p_top, "true"/"false" for sum_of_rounded_p and sum_keeps_max, a
-  number for p_scale, "max" or "out" for dither). The result is named by the string, so one
-  spelling serves the API, the CLIs and the names of result files. Anything else raises
+  for p and qkv, "p" too for p_top, "true"/"false" for sum_of_rounded_p, sum_keeps_max and
+  center_v, a number for p_scale, "max" or "out" for dither). The result is named by the string,
+  so one spelling serves the API, the CLIs and the names of result files. Anything else raises
   ValueError.
   """
   if isinstance(numerics, Numerics):

@@ -192,6 +192,9 @@ OPERANDS = OperandTable([
     # above): the scores' (q's times its kv head's k's) and O's (v's).
     Operand("qk_descale", ("heads",), "float32", optional=True),
     Operand("v_descale", ("heads",), "float32", optional=True),
+    # numerics center_v: the mean over the keys that v was centred by before its quantization
+    # (stable_attn.fp8.center), which backends.run adds back to O; no backend reads it.
+    Operand("v_mean", ("batch", "kv_heads", "head_dim"), "float32", optional=True),
 ])
 Operands = OPERANDS.tuple_type
 PACKED_OPERANDS = OPERANDS.packed()

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from stable_attn import fp8
-from stable_attn import numerics as numerics_lib
 from stable_attn.api import dot_product_attention
 from stable_attn.reference import exact_attention_vjp
 
@@ -157,7 +156,7 @@ def measure(implementation: str, numerics: str, max_adjust: str, regime: str, pl
       split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
       out = jax.device_get(fn(*(jax.device_put(x, split) for x in (q, k, v))))
   if implementation not in PEERS:   # the truth of FP8 inputs: the exact attention of their values
-    q, k, v, _ = fp8.quantize_inputs(q, k, v, numerics_lib.resolve(numerics).qkv)
+    q, k, v = fp8.attended(q, k, v, numerics)
   # The float64 VJP's forward gives O and LSE at once (the zero cotangent costs only time).
   exact = exact_attention_vjp(q, k, v, np.zeros(q.shape, np.float32),
                               logits_soft_cap=logits_soft_cap, sinks=sinks)
