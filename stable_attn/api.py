@@ -449,15 +449,19 @@ def _spec(options: Options, head_dim: int) -> AttentionSpec:
     scale = 1.0 / float(np.sqrt(max(head_dim, 1)))   # H = 0: nothing to scale (an empty output)
   elif not _finite_number(scale):
     raise ValueError(f"scale must be a finite number, got {scale!r}")
+  numerics = numerics_lib.resolve(options.numerics)
   return AttentionSpec(
       scale=float(scale), is_causal=bool(options.is_causal),
       window=_window(options.local_window_size), max_adjust=options.max_adjust,
-      beta=float(options.beta), numerics=numerics_lib.resolve(options.numerics),
+      beta=float(options.beta), numerics=numerics,
       interpret=_flag(options.interpret, "interpret"),
       has_lengths=(options.query_seq_lengths is not None
                    or options.key_value_seq_lengths is not None),
       logits_soft_cap=_soft_cap(options.logits_soft_cap),
-      return_residuals=bool(options.return_residuals),
+      # center_v with a sink: the mean's share of O, 1 - exp(sink - LSE), is differentiated
+      # through the LSE (fp8.add_mean), whose cotangent the backward then takes
+      return_residuals=bool(options.return_residuals
+                            or (numerics.center_v and options.sinks is not None)),
       deterministic=_flag(options.deterministic, "deterministic"),
       context_layout=_one_of(options.context_layout, context.LAYOUTS, "context_layout"),
       context_strategy=_one_of(options.context_strategy, context.STRATEGIES, "context_strategy"))

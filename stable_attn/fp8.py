@@ -116,13 +116,16 @@ def add_mean(out: jax.Array, lse: jax.Array, mean: jax.Array, sinks=None) -> jax
   (differentiable in LSE and the sinks, as the sink's share of O is); then rounded to O's
   dtype. Query head n reads kv head n // (N // K)."""
   B, T, N, H = out.shape
-  mean = jnp.repeat(mean, N // mean.shape[1], axis=1)   # [B, N, H]
+  K = mean.shape[1]
   if sinks is None:
     weight = ((lse != tile.EMPTY_ROW_LSE) & (lse != -jnp.inf)).astype(jnp.float32)
   else:
     weight = -jnp.expm1(sinks.astype(jnp.float32)[None, :, None] - lse)
-  weight = jnp.swapaxes(weight, 1, 2)[..., None]   # [B, T, N, 1]
-  return (out.astype(jnp.float32) + weight * mean[:, None]).astype(out.dtype)
+  # Query heads grouped by kv head ([B, T, K, G, H]): a reshape, which sharded heads allow where
+  # a jnp.repeat of the mean would need its sharding spelled out under Explicit mesh axes.
+  weight = jnp.swapaxes(weight, 1, 2).reshape(B, T, K, N // K, 1)
+  o = out.astype(jnp.float32).reshape(B, T, K, N // K, H) + weight * mean[:, None, :, None]
+  return o.reshape(B, T, N, H).astype(out.dtype)
 
 
 def attended(q, k, v, numerics) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

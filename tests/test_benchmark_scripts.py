@@ -734,6 +734,22 @@ def test_fp8_mma_model_center_v_keeps_the_sum_and_takes_out_the_signs_imbalance(
   assert "two designs" in capsys.readouterr().err
 
 
+def test_fp8_mma_model_under_the_center_v_numerics(capsys):
+  """The modelled truncating accumulation under numerics center_v (v centred over the whole
+  sequence before its quantization, the mean added to O after the backend): the probe's
+  near-tail cells sit nearer zero than without it, promoted per block or not."""
+  from benchmarks import fp8_mma_model as mm
+  args = ["--numerics", "fp8_fast,fp8_fast+center_v=true", "--max-adjust", "safe", "--regimes",
+          "positive", "--batch", "1", "--rows", "16", "--keys", "512", "--tail", "4,8",
+          "--block-k", "128", "--bits", "8"]
+  for promote in ("128", "0"):
+    assert mm.main([*args, "--promote", promote]) == 0
+    cells = mm.bias_cells(capsys.readouterr().out)
+    plain = cells[("fp8_fast", "safe", "positive")]
+    centred = cells[("fp8_fast+center_v=true", "safe", "positive")]
+    assert max(abs(x) for x in centred) < min(abs(x) for x in plain), (promote, cells)
+
+
 def test_fp8_accumulation_measures_signed_ulps_and_needs_a_hopper(capsys):
   """benchmarks/fp8_accumulation.py: its signed error in bf16 ulps by hand (outward > 0, zeros
   left out, the late half of the rows apart), --backward's in ulps at the RMS, and on a host
