@@ -122,7 +122,9 @@ def dot_product_attention(
       pallas_gpu and pallas_tpu do; with max_adjust="safe" use "fp8_fast" (its dither on O, the
       maximum's weight exact in e4m3) or "fp8" (its top key in bf16), not a P whose top key "safe" rounds to
       e4m3; FP8 q, k, v ("qkv=e4m3", in both) are quantized with per-head scales before any
-      backend (stable_attn.fp8).
+      backend (stable_attn.fp8), and with "+center_v=true" (e.g. "fp8_fast+center_v=true") v
+      less its mean over the keys is, the mean added back to O: the same attention, whose P V
+      terms no longer all round one way where the Hopper FP8 tensor cores truncate (docs/fp8.md).
     interpret: run Pallas implementations in interpret mode (CPU).
     config: the named implementation's tuning object (e.g. pallas_kernels.gpu.tuning.Config,
       pallas_kernels.tpu.BlockSizes); None uses its defaults. pallas_mosaic_gpu also takes a

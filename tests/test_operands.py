@@ -65,10 +65,11 @@ def test_table_rows_describe_the_canonical_operands():
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
   # q_shift only stable_attn.partition builds (a context-parallel device's), the FP8 descale
   # factors only the Hopper backend's FP8 forward; q, k and v's FP8 scales and payloads come with
-  # e4m3 inputs.
+  # e4m3 inputs, v's mean with center_v.
   built_later = {"q_shift", "qk_descale", "v_descale"}
-  for numerics, absent in (("fast", built_later | set(fp8.ROWS)),
-                           ("fast+qkv=e4m3", built_later)):
+  for numerics, absent in (("fast", built_later | set(fp8.ROWS) | {"v_mean"}),
+                           ("fast+qkv=e4m3", built_later | {"v_mean"}),
+                           ("fast+qkv=e4m3+center_v=true", built_later)):
     spec, ops, _ = canonicalize(q, kv, kv, jnp.zeros((N, 1, S)), jnp.ones((B, 1, T, 1), bool),
                                 Options(q_segment_ids=jnp.zeros((B, T), jnp.int8),
                                         kv_segment_ids=jnp.zeros((B, S), jnp.int32),
