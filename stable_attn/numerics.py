@@ -61,11 +61,12 @@ class Numerics:
       straight through the rounding). Not a rounding point of the tile math, so every backend,
       the compiled ones too, computes it exactly: the products of FP8 values are exact in fp32.
     center_v: with qkv="e4m3", v less its mean over the keys (per batch row, kv head and column)
-      is what is quantized and attended, and the mean is added back to O in fp32 before O's
-      rounding to the input dtype, as each row's weights (which sum to 1) give it: the same
-      attention in exact arithmetic, while the P V products' terms change sign across a column
-      instead of all erring one way where Hopper's FP8 tensor cores truncate (docs/fp8.md, "V
-      centred"). Not tile math either: every backend runs it unchanged (stable_attn.fp8.center).
+      is what is quantized and attended, and the mean is added in fp32 to the backend's O (already
+      rounded to the input dtype), as each row's weights (which sum to 1) give it, and O rounded
+      again: the same attention in exact arithmetic, while the P V products' terms change sign
+      down a column instead of all erring one way where Hopper's FP8 tensor cores truncate
+      (docs/fp8.md, "V centred"). Not tile math either: every backend runs it unchanged
+      (stable_attn.fp8.center, add_mean).
     score: dtype of the scores, the running max and S - m (exp is always evaluated in fp32).
     p: dtype P_bar is rounded to before the PV product: "float32", "input", or "e4m3" (FP8,
       float8_e4m3fn: 3 mantissa bits, spacing 1/16 just below 1, subnormals from 2^-9, max 448),
