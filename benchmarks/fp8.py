@@ -29,9 +29,13 @@ Arms (bf16 inputs, max_adjust "safe", causal, implementation="pallas_mosaic_gpu"
             rounded P_bar, what "safe" needs under an FP8 P (docs/fp8.md)
   fp8_fast  numerics "fp8_fast": FlashAttention-3's FP8 forward with the row sum of the rounded
             P_bar and "safe"'s dither on O (Numerics.dither="out": the row maximum's weight exact)
-  fp8_bwd, preset_bwd, fp8_fast_bwd  the fp8, preset and fp8_fast arms with the FP8 backward
+  fp8_fast_cv  numerics "fp8_fast+center_v=true": the fp8_fast arm on v less its mean over the
+            keys, the mean added to O after the kernel (Numerics.center_v; docs/fp8.md)
+  fp8_bwd, preset_bwd, fp8_fast_bwd, fp8_fast_cv_bwd  those arms with the FP8 backward
             (TuningConfig.fp8_backward: e4m3 products in the dQ and dK/dV kernels;
             pallas_kernels/mosaic_gpu/fp8_backward.py)
+  fp8_fast_cv_row_bwd  fp8_fast_cv_bwd with P V in one accumulator along the row
+            (fp8_pv_promote=0: no per-block promotion, which centring may make unneeded)
   quantize  what the fp8 arm does before its kernel: q, k, v quantized, scaled to e4m3 payloads,
             V transposed (forward only)
   *_kernel  the bf16 / FP8 forward kernel alone, on operands prepared outside the timed calls
@@ -66,12 +70,18 @@ from stable_attn.spec import OPERANDS  # noqa: E402
 FP8_NUMERICS = "fast+qkv=e4m3+p=e4m3+p_scale=256"
 NUMERICS = {"bf16": "fast", "bf16_q": "fast+qkv=e4m3", "fp8": FP8_NUMERICS,
             "fp8_given": FP8_NUMERICS, "preset": "fp8", "fp8_bwd": FP8_NUMERICS,
-            "preset_bwd": "fp8", "fp8_fast": "fp8_fast", "fp8_fast_bwd": "fp8_fast"}
-# TuningConfig.fp8_backward: the FP8 backward kernels
-FP8_BACKWARD = ("fp8_bwd", "preset_bwd", "fp8_fast_bwd")
-ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "fp8_given", "preset", "fp8_fast", "fp8_bwd",
-        "preset_bwd", "fp8_fast_bwd", "quantize", "bf16_kernel", "fp8_kernel", "preset_kernel",
-        "fp8_fast_kernel", "cudnn_fp8", "cudnn_fp8_kernel")
+            "preset_bwd": "fp8", "fp8_fast": "fp8_fast", "fp8_fast_bwd": "fp8_fast",
+            "fp8_fast_cv": "fp8_fast+center_v=true", "fp8_fast_cv_bwd": "fp8_fast+center_v=true",
+            "fp8_fast_cv_row_bwd": "fp8_fast+center_v=true"}
+# Changes to the Hopper kernel's default config: TuningConfig.fp8_backward, the FP8 backward
+# kernels; fp8_pv_promote=0, P V in one accumulator along the row (what centring may allow)
+CONFIG = {"fp8_bwd": dict(fp8_backward=True), "preset_bwd": dict(fp8_backward=True),
+          "fp8_fast_bwd": dict(fp8_backward=True), "fp8_fast_cv_bwd": dict(fp8_backward=True),
+          "fp8_fast_cv_row_bwd": dict(fp8_backward=True, fp8_pv_promote=0)}
+ARMS = ("cudnn", "bf16", "bf16_q", "fp8", "fp8_given", "preset", "fp8_fast", "fp8_fast_cv",
+        "fp8_bwd", "preset_bwd", "fp8_fast_bwd", "fp8_fast_cv_bwd", "fp8_fast_cv_row_bwd",
+        "quantize", "bf16_kernel", "fp8_kernel", "preset_kernel", "fp8_fast_kernel", "cudnn_fp8",
+        "cudnn_fp8_kernel")
 CUDNN = ("cudnn", "cudnn_fp8")   # attention arms that are not ours
 # (B, T, N, K, H), causal: issue 49's two targets, and head dim 64
 SHAPES = [(4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128), (4, 4096, 16, 16, 64)]
@@ -89,10 +99,10 @@ def attention_fn(arm: str, implementation: str, inputs=None):
   given = {}
   if arm == "fp8_given":
     given = dict(fp8_scales=tuple(jax.device_get(fp8.head_scales(x)) for x in inputs))
-  if arm in FP8_BACKWARD and implementation == "pallas_mosaic_gpu":
+  if arm in CONFIG and implementation == "pallas_mosaic_gpu":
     spec, ops, _ = canonicalize(*inputs, None, None, Options(
         is_causal=True, implementation=implementation, numerics=NUMERICS[arm]))
-    given = dict(config=mosaic.default_config(spec, ops).replace(fp8_backward=True))
+    given = dict(config=mosaic.default_config(spec, ops).replace(**CONFIG[arm]))
   return lambda q, k, v: stable_attn.dot_product_attention(
       q, k, v, is_causal=True, implementation=implementation, numerics=NUMERICS[arm], **given)
 
@@ -441,10 +451,10 @@ def markdown(device, results, errs, calls, blocks) -> str:
 
 # --plot: the latest run's ratios to our bf16 attention (the first table of a results file).
 PLOTTED = {"fwd": ("fp8_kernel", "preset_kernel", "fp8_fast_kernel", "cudnn_fp8_kernel", "fp8",
-                   "fp8_given", "preset", "fp8_fast", "fp8_bwd", "preset_bwd", "fp8_fast_bwd",
-                   "cudnn", "cudnn_fp8"),
-           "fb": ("fp8", "fp8_given", "preset", "fp8_fast", "fp8_bwd", "preset_bwd",
-                  "fp8_fast_bwd", "cudnn", "cudnn_fp8")}
+                   "fp8_given", "preset", "fp8_fast", "fp8_fast_cv", "fp8_bwd", "preset_bwd",
+                   "fp8_fast_bwd", "fp8_fast_cv_bwd", "fp8_fast_cv_row_bwd", "cudnn", "cudnn_fp8"),
+           "fb": ("fp8", "fp8_given", "preset", "fp8_fast", "fp8_fast_cv", "fp8_bwd", "preset_bwd",
+                  "fp8_fast_bwd", "fp8_fast_cv_bwd", "fp8_fast_cv_row_bwd", "cudnn", "cudnn_fp8")}
 TARGETS = {"fwd": 1.4, "fb": 1.15}   # issue 49's: FP8 forward and fwd+bwd over our bf16
 
 

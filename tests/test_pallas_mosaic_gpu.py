@@ -1616,6 +1616,37 @@ def test_gpu_fp8_pv_promoted_keeps_o_unbiased_at_a_near_tail(head_dim, group, p_
   assert abs(promoted) < abs(along_the_row) / 3, (seed, promoted, along_the_row)
 
 
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("promote", ["default", 0])
+@pytest.mark.parametrize("head_dim", mosaic.FP8_HEAD_DIMS)
+def test_gpu_center_v_keeps_o_unbiased_at_a_near_tail(head_dim, promote):
+  """numerics center_v on the Hopper FP8 forward (no kernel change: it attends the centred v's
+  payload, and the mean joins O after it): the bias probe's near-tail rows (two keys tied for the
+  max, 1,022 keys 4-8 below it, each row its own tail; head dim 64's columns, zeros beyond) under
+  "fp8_fast+center_v=true" "safe" within 0.1 bf16 ulp of float64 of the attended values, with the
+  table's promotion and with one accumulator along the row (benchmarks/fp8_mma_model.py's 13-bit
+  model: +0.002..+0.028 either way, where plain fp8_fast is -0.20..-0.43 per block and -2.7..-4.9
+  along the row, docs/fp8.md "V centred")."""
+  from stable_attn import fp8
+  from stable_attn.diagnostics.probe import signed_ulp_error
+  seed = int(np.random.default_rng().integers(1 << 30))
+  nx = "fp8_fast+center_v=true"
+  widen = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, head_dim - x.shape[-1])))
+  q, k, v = (widen(x) for x in tie_inputs("positive", "random", batch=4, keys=1024, seed=seed,
+                                          tail=(4.0, 8.0), row_spread=0.5))
+  spec, ops = _spec_ops(shape=q.shape, kv_heads=1, numerics=nx, scale=0.125)
+  config = mosaic.default_config(spec, ops)
+  if promote != "default":
+    config = config.replace(fp8_pv_promote=promote)
+  exact = exact_attention(*fp8.attended(q, k, v, nx), scale=0.125)
+  o = stable_attn.dot_product_attention(q, k, v, scale=0.125, implementation=IMPL, numerics=nx,
+                                        max_adjust="safe", config=config)
+  err = signed_ulp_error(jax.device_get(o), exact, bf16)
+  assert np.isfinite(err).all()
+  assert abs(float(err.mean())) < 0.1, (seed, float(err.mean()))
+
+
 # A bias without a mask: the forward's three warpgroups (grid and persistent) take its tiles of
 # all their rows; the last CTA's first warpgroups idle (T not a multiple of 192), its bias tile
 # starting above row 0 (TMA fills the rows before it with zeros, which no warpgroup reads).
