@@ -189,6 +189,8 @@ def dot_product_attention(
       `stable_attn.fp8.head_amax`, `scales_from_amax`), so the call need not measure its inputs
       first. None: each call measures its own (`fp8.head_scales`). A value whose |x| * scale
       exceeds e4m3's 448 saturates there; the gradient passes the rounding straight through.
+      With center_v, v_scale is that of v less its mean over the keys (`fp8.center`), which
+      can be up to twice v's largest |value|: take its amax from the centred v.
 
   Returns:
     [B, T, N, H] (or [T, N, H]) in the input dtype. Rows with no visible key are 0 and get zero
