@@ -176,3 +176,20 @@ def test_center_v_sharded_over_batch_heads_or_sequence_is_the_one_device_call():
   result = run_on_cpu_devices(SHARDED.format(root=str(ROOT), seed=seed), devices=4)
   for name, (o, *grads) in result.items():
     assert o <= 1e-3 and max(grads) <= 1e-2, (name, seed, o, grads)
+
+
+def test_center_v_through_the_packed_entry_point_is_the_split_call():
+  """dot_product_attention_qkvpacked (the GPT-2 model's default) with center_v: the split call's
+  O and gradients, bitwise (FP8 inputs run on the slices; the mean joins O in the same place)."""
+  rng = np.random.default_rng()
+  q, k, v, d_out = _inputs(rng, N=2, K=2)
+  options = dict(is_causal=True, numerics="fp8_fast+center_v=true", implementation="reference")
+  o, pullback = jax.vjp(lambda q, k, v: stable_attn.dot_product_attention(q, k, v, **options),
+                        q, k, v)
+  o_packed, pullback_packed = jax.vjp(
+      lambda qkv: stable_attn.dot_product_attention_qkvpacked(qkv, **options),
+      jnp.stack([q, k, v], axis=2))
+  np.testing.assert_array_equal(np.asarray(o_packed, np.float32), np.asarray(o, np.float32))
+  (d_qkv,) = pullback_packed(d_out)
+  for i, g in enumerate(pullback(d_out)):
+    np.testing.assert_array_equal(np.asarray(d_qkv[:, :, i], np.float32), np.asarray(g, np.float32))
