@@ -165,6 +165,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
+@pytest.mark.slow   # a subprocess on 4 CPU devices (the README's test command stays under 15 min)
 def test_center_v_sharded_over_batch_heads_or_sequence_is_the_one_device_call():
   """On 4 CPU devices (an Explicit mesh, pallas_gpu in interpret mode): sharded over batch and
   heads, or over the sequence (context parallel: each device's keys centred by the mean of all),
