@@ -20,10 +20,12 @@ default, is one accumulator along the row, as FlashAttention-3's kernel runs and
 default; 128 is the Hopper FP8 forward's, whose P V the kernel now promotes per block: --block-k
 128 --promote 128 models it). --top-exact: each key block's largest P per row (every key at
 it) is taken out of the modelled product and its P v added in fp32 (a design modelled, not
-built). --center-v: each key block's V enters the modelled product less its mean over the block's
-keys (per column), and the row sum of the block's P times that mean is added in fp32 (a design
-modelled, not built: docs/fp8.md, "V centred"). Only the reference's FP8 P V changes (l stays the exact sum of the rounded P, as the
-kernel's); every other probe option passes through. --against FILE compares
+built). --center-v: each key block's V enters the modelled product less its mean over the
+block's keys (per column), and the row sum of the block's P times that mean is added in fp32
+(centring per block: modelled, not built; over the whole sequence it is built as numerics
+center_v, e.g. --numerics fp8_fast+center_v=true: docs/fp8.md, "V centred"). Only the
+reference's FP8 P V changes (l stays the exact sum of the rounded P, as the kernel's); every
+other probe option passes through. --against FILE compares
 the model's bias table, cell by cell, with a probe's output written elsewhere (the compiled
 kernel's: `python -m stable_attn.diagnostics --implementations pallas_mosaic_gpu ... --out FILE`
 on a GPU, with the same options), and prints the largest difference.
@@ -92,8 +94,8 @@ def modelled_pv(bits: int = 13, promote: int = 0, block_k: int | None = None,
   (None: reference.DEFAULT_BLOCK_K, which is set here and restored after); top_exact as
   `truncating_accumulate`'s. center_v: the block's V less its mean over the block's keys goes
   through the model, and sum_j P_j times that mean is added in fp32 (in exact arithmetic the same
-  P V: it takes the signs' imbalance out of the truncation). Other numerics are untouched. Not thread-safe, and jit's caches are
-  cleared on entry and exit."""
+  P V: it takes the signs' imbalance out of the truncation). Other numerics are untouched. Not
+  thread-safe, and jit's caches are cleared on entry and exit."""
   pv_product, accumulate, default_block_k = (tile.pv_product, tile.accumulate,
                                              reference.DEFAULT_BLOCK_K)
 

@@ -148,7 +148,8 @@ def loss(q, k, v, strategy="auto"):
       interpret=True, context_strategy=strategy)
   return jnp.sum(o.astype(jnp.float32) * w), o
 
-grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnames="strategy")
+grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+               static_argnames="strategy")
 (_, o_ref), g_ref = grad(q, k, v)
 rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
                          / np.linalg.norm(np.asarray(b, np.float64)))
