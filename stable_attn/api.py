@@ -283,7 +283,7 @@ def jax_nn_residual(lse: jax.Array, dtype) -> jax.Array:
   """A backend's LSE [B, N, T] fp32 (rows without a visible key: tile.EMPTY_ROW_LSE, or -inf) ->
   jax.nn's return_residual: [B, T, N] in `dtype` (the input dtype), under stop_gradient, rows
   without a key holding jax.nn's masked logit (in float16 that is -inf, as jax.nn's)."""
-  empty = (lse == tile.EMPTY_ROW_LSE) | (lse == -jnp.inf)
+  empty = tile.no_visible_key(lse)
   lse = jnp.where(empty, jnp.asarray(_JAX_NN_MASKED_LOGIT, lse.dtype), lse)
   return jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(dtype))
 

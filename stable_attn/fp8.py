@@ -118,7 +118,7 @@ def add_mean(out: jax.Array, lse: jax.Array, mean: jax.Array, sinks=None) -> jax
   B, T, N, H = out.shape
   K = mean.shape[1]
   if sinks is None:
-    weight = ((lse != tile.EMPTY_ROW_LSE) & (lse != -jnp.inf)).astype(jnp.float32)
+    weight = 1.0 - tile.no_visible_key(lse).astype(jnp.float32)
   else:
     weight = -jnp.expm1(sinks.astype(jnp.float32)[None, :, None] - lse)
   # Query heads grouped by kv head ([B, T, K, G, H]): a reshape, which sharded heads allow where

@@ -529,6 +529,12 @@ def output_dither(offset, dt: Dtypes, *, round_fn: RoundFn = round_convert, base
   return round_fn(w, dt.input) / w
 
 
+def no_visible_key(lse):
+  """A backend's LSE -> True where its row saw no visible key (and no sink): EMPTY_ROW_LSE, or
+  -inf where the caller asked for the LSE (flash.public_lse)."""
+  return (lse == EMPTY_ROW_LSE) | (lse == -jnp.inf)
+
+
 def join_sink(lse, empty, sink):
   """(LSE, kept): a row's log-sum-exp over its keys (`lse`, fp32; `empty` where it saw none) with
   an attention sink's logit (fp32, finite) joined in, and the factor exp(LSE_keys - LSE) its O

@@ -8,23 +8,15 @@ mean, a large mean costs V less quantization error, and the option is refused wi
 """
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 import stable_attn
 from stable_attn import numerics
 from stable_attn.reference import exact_attention, exact_attention_vjp
+from tests import cases
 
 CENTRED = "fast+qkv=e4m3+center_v=true"   # bf16 P: the centring's own error stands out
-
-
-def _quantize(x):
-  """float64 [B, T, N, H] -> ml_dtypes' e4m3 rounding under the per-head power of two that puts
-  the head's max |x| in (224, 448], unscaled."""
-  amax = np.max(np.abs(x), axis=(0, 1, 3))
-  scale = 2.0 ** np.floor(np.log2(448 / amax))[None, None, :, None]
-  return (x * scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) / scale
 
 
 def _attended(q, k, v):
@@ -32,7 +24,7 @@ def _attended(q, k, v):
   batch row, kv head and column) taken out, the rest quantized, the mean added back."""
   f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
   mean = f64(v).mean(axis=1, keepdims=True)
-  return _quantize(f64(q)), _quantize(f64(k)), _quantize(f64(v) - mean) + mean
+  return cases.numpy_e4m3(f64(q)), cases.numpy_e4m3(f64(k)), cases.numpy_e4m3(f64(v) - mean) + mean
 
 
 def _inputs(rng, B=2, T=128, N=4, K=2, H=32, v_mean=-2.0):

@@ -197,16 +197,6 @@ def test_safe_over_an_e4m3_top_key_warns_once(monkeypatch, max_adjust, numerics_
     assert len(said) == 1 and said[0].filename == __file__, [(w.filename, w.lineno) for w in said]
 
 
-def _numpy_quantize(x):
-  """x (float64 [B, T, N, H]) -> its e4m3 rounding under one power-of-two scale per head that
-  puts the head's max |x| in (224, 448] (ml_dtypes' cast), unscaled."""
-  amax = np.max(np.abs(x), axis=(0, 1, 3))
-  scale = np.where(amax > 0, 2.0 ** np.floor(np.log2(448 / np.where(amax > 0, amax, 1))), 1.0)
-  assert np.all((amax == 0) | ((amax * scale > 224) & (amax * scale <= 448)))
-  scale = scale[None, None, :, None]
-  return (x * scale).astype(np.float32).astype(e4m3).astype(np.float64) / scale
-
-
 def test_fp8_inputs_are_e4m3_under_per_head_scales():
   """stable_attn.fp8.quantize: ml_dtypes' cast under the per-head power-of-two scale, bitwise,
   for heads of very different sizes (and one of zeros); its gradient is the identity."""
@@ -216,7 +206,7 @@ def test_fp8_inputs_are_e4m3_under_per_head_scales():
   sizes[rng.integers(6)] = 0
   x = jnp.asarray(rng.standard_normal((2, 40, 6, 32)) * sizes[None, None, :, None], jnp.bfloat16)
   got = np.asarray(jax.jit(fp8.quantize)(x), np.float64)
-  np.testing.assert_array_equal(got, _numpy_quantize(np.asarray(x, np.float64)))
+  np.testing.assert_array_equal(got, cases.numpy_e4m3(np.asarray(x, np.float64)))
   assert jax.jit(fp8.quantize)(x).dtype == jnp.bfloat16
   cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16)
   np.testing.assert_array_equal(jax.vjp(fp8.quantize, x)[1](cotangent)[0], cotangent)
@@ -229,7 +219,7 @@ def test_fp8_inputs_reach_every_backend(impl):
   rng = np.random.default_rng()
   x = [jnp.asarray(rng.standard_normal((2, 64, 2, 32)) * 3, jnp.bfloat16) for _ in range(4)]
   q, k, v, d_out = x
-  quantized = [jnp.asarray(_numpy_quantize(np.asarray(a, np.float64)), jnp.bfloat16)
+  quantized = [jnp.asarray(cases.numpy_e4m3(np.asarray(a, np.float64)), jnp.bfloat16)
                for a in (q, k, v)]
   call = lambda nx: lambda q, k, v: stable_attn.dot_product_attention(
       q, k, v, is_causal=True, implementation=impl, numerics=nx,
