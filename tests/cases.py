@@ -205,6 +205,26 @@ def fp8_hazard(hazard: str, seed: int, shape=(2, 48, 2, 32)):
   return (*(jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)), kw)
 
 
+def _near_ties(q, k, v, scale):
+  """Causal q [B, T, N, H], k, v [B, T, N, H] (e4m3 values) -> (tied [B, T, N]: rows whose two
+  best scores lie within the FP8 product's error of each other, lo, hi [B, T, N, H]: per column
+  the least and largest v among the keys scoring within that error of the row's best). Hopper's
+  e4m3 MMA keeps ~13 bits while it accumulates, so a score errs by up to ~2^-11 of
+  sum_h |q_h k_h| (x scale): at scale 1e3 a few logits, which decides how such a row splits its
+  weight but not which v's it mixes."""
+  q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+  s = np.einsum("bthd,bshd->bhts", q, k) * scale
+  margin = np.einsum("bthd,bshd->bhts", np.abs(q), np.abs(k)) * scale * 2.0 ** -11
+  T = q.shape[1]
+  s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+  best = s.max(axis=-1, keepdims=True)
+  near = s >= best - np.take_along_axis(margin, s.argmax(axis=-1)[..., None], axis=-1)
+  tied = np.moveaxis(near.sum(axis=-1) > 1, 1, 2)   # [B, T, N]
+  vv = np.moveaxis(v, 1, 2)[:, :, None]   # [B, N, 1, S, H]
+  pick = lambda fill, f: np.moveaxis(f(np.where(near[..., None], vv, fill), axis=3), 1, 2)
+  return tied, pick(np.inf, np.min), pick(-np.inf, np.max)
+
+
 def check_fp8_hazard(hazard: str, q, k, v, kw, out, grads) -> None:
   """Finite values and gradients, O within FP8's error of float64 attention of the e4m3-quantized
   inputs (each head against its own largest |O|: the scales are per head), and the rows and
@@ -215,10 +235,16 @@ def check_fp8_hazard(hazard: str, q, k, v, kw, out, grads) -> None:
   want = exact_attention(*fp8.quantize_inputs(q, k, v, "e4m3")[:3], **kw)
   got = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
   head_max = np.abs(want).max(axis=(0, 1, 3))
-  err = np.abs(got - want).max(axis=(0, 1, 3))
   # an e4m3 P (3 mantissa bits) errs by up to ~6% of a key's weight; over a row's keys that
   # averages out to 1-3% of a head's largest |O| (2.5% at most in the CPU cases)
-  assert np.all(err <= 0.06 * head_max), (err, head_max)
+  tol = 0.06 * head_max[:, None]   # [N, 1]
+  tied = np.zeros(got.shape[:3], bool)
+  if hazard == "huge logits":
+    tied, lo, hi = _near_ties(*fp8.quantize_inputs(q, k, v, "e4m3")[:3], kw["scale"])
+    assert tied.mean() < 0.02, tied.mean()   # the check against `want` still covers most rows
+    assert np.all((got >= lo - tol) & (got <= hi + tol)), "a near-tie row outside its keys' v"
+  err = np.where(tied[..., None], 0.0, np.abs(got - want)).max(axis=(0, 1, 3))
+  assert np.all(err <= tol[:, 0]), (err, head_max)
   if hazard == "rows with no key":
     T = q.shape[1]
     np.testing.assert_array_equal(got[1], 0.0)
