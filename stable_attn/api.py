@@ -586,13 +586,12 @@ def canonicalize(query, key, value, bias=None, mask=None, options: Optional[Opti
   sizes = dict(batch=B, query=T, key=S, heads=N, kv_heads=K, head_dim=H)
   spec = _spec(options, H)
   _warn_if_safe_rounds_its_max_to_e4m3(spec)
-  given = _fp8_scales(options.fp8_scales, spec, sizes)
   v_mean = None
   if spec.numerics.center_v:
     v_dtype = v.dtype
-    v, v_mean, v_amax = fp8.center(v)
-    given = given or (None, None, fp8.scales_from_amax(v_amax))
-  q, k, v, scales = fp8.quantize_inputs(q, k, v, spec.numerics.qkv, given)
+    v, v_mean = fp8.center(v)
+  q, k, v, scales = fp8.quantize_inputs(q, k, v, spec.numerics.qkv,
+                                        _fp8_scales(options.fp8_scales, spec, sizes))
   if v_mean is not None:   # e4m3 values under a power of two: exact in the input dtype
     v = v.astype(v_dtype)
     scales["v_mean"] = v_mean

@@ -98,22 +98,15 @@ PAYLOAD_ROWS = ("q_e4m3", "k_e4m3", "v_e4m3")
 ROWS = SCALE_ROWS + PAYLOAD_ROWS   # what only a backend with FP8_SCALES reads
 
 
-def center(v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def center(v: jax.Array) -> tuple[jax.Array, jax.Array]:
   """numerics center_v: v [B, S, K, H] -> (v less its mean over the keys, in fp32; the mean
-  [B, K, H] fp32; the centred v's largest |value| per head [K] fp32, for its scale), the mean
-  under stop_gradient: the attention of v and that of the centred v plus the mean are one
-  function (each row's weights sum to 1), so the mean's own derivative cancels and dv is the
-  centred v's gradient. Quantized after this (`quantize_inputs`), v's e4m3 values are those of
-  v - mean under their own per-head scale (`scales_from_amax` of that amax; a caller's v_scale
-  applies to v - mean)."""
-  v32 = v.astype(jnp.float32)
-  mean = jax.lax.stop_gradient(jnp.mean(v32, axis=1))
-  # The amax from each column's extremes, taken in the mean's pass over v (sibling reductions),
-  # not from the centred v in a pass of its own; the same value: rounding is monotone, so the
-  # largest fl(v - mean) is fl(max - mean) and the least fl(min - mean).
-  lo, hi = (jax.lax.stop_gradient(f(v32, axis=1)) for f in (jnp.min, jnp.max))
-  amax = jnp.max(jnp.maximum(hi - mean, mean - lo), axis=(0, 2))
-  return v32 - mean[:, None], mean, amax
+  [B, K, H] fp32), the mean under stop_gradient: the attention of v and that of the centred v
+  plus the mean are one function (each row's weights sum to 1), so the mean's own derivative
+  cancels and dv is the centred v's gradient. Quantized after this (`quantize_inputs`), v's
+  e4m3 values are those of v - mean under their own per-head scale (of v - mean's largest
+  |value|; a caller's v_scale applies to v - mean)."""
+  mean = jax.lax.stop_gradient(jnp.mean(v.astype(jnp.float32), axis=1))
+  return v.astype(jnp.float32) - mean[:, None], mean
 
 
 def add_mean(out: jax.Array, lse: jax.Array, mean: jax.Array, sinks=None) -> jax.Array:
@@ -143,26 +136,24 @@ def attended(q, k, v, numerics) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   from stable_attn import numerics as numerics_lib   # numerics does not import fp8: no cycle
   numerics = numerics_lib.resolve(numerics)
   mean = 0.0
-  scales = None
   if numerics.center_v:
-    v, mean, amax = center(v)
+    v, mean = center(v)
     mean = np.asarray(mean, np.float64)[:, None]   # over the keys' axis
-    scales = (None, None, scales_from_amax(amax))
-  q, k, v, _ = quantize_inputs(q, k, v, numerics.qkv, scales)
+  q, k, v, _ = quantize_inputs(q, k, v, numerics.qkv)
   q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
   return q, k, v + mean
 
 
 def quantize_inputs(q, k, v, qkv: str, scales=None):
   """-> (q, k, v, fp8_rows): q, k, v as the numerics' `qkv` field says, unchanged ("input") or each
-  `quantize_under` its per-head scales ("e4m3"): the given (q_scale, k_scale, v_scale), where
-  one is None (or scales is) that one's `head_scales`; fp8_rows: {} or, by operand row (ROWS),
-  those per-head scales (SCALE_ROWS: [N], [K], [K] fp32) and the e4m3 payloads (PAYLOAD_ROWS:
-  q, k, v's values times their scales, `payload_under`), which an FP8 kernel reads; under jit a
-  caller that does not read the payloads does not compute them."""
+  `quantize_under` its per-head scales ("e4m3"): the given (q_scale, k_scale, v_scale), or None
+  for each one's `head_scales`; fp8_rows: {} or, by operand row (ROWS), those per-head scales
+  (SCALE_ROWS: [N], [K], [K] fp32) and the e4m3 payloads (PAYLOAD_ROWS: q, k, v's values times
+  their scales, `payload_under`), which an FP8 kernel reads; under jit a caller that does not
+  read the payloads does not compute them."""
   if qkv == "input":
     return q, k, v, {}
-  scales = [jax.lax.stop_gradient(head_scales(x) if s is None else s)
+  scales = [jax.lax.stop_gradient(head_scales(x) if scales is None else s)
             for x, s in zip((q, k, v), scales or (None,) * 3)]
   payloads = [payload_under(x, s) for x, s in zip((q, k, v), scales)]
   q, k, v = (quantize_under(x, s) for x, s in zip((q, k, v), scales))
