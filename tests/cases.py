@@ -206,12 +206,12 @@ def fp8_hazard(hazard: str, seed: int, shape=(2, 48, 2, 32)):
 
 
 def _near_ties(q, k, v, scale):
-  """Causal q [B, T, N, H], k, v [B, T, N, H] (e4m3 values) -> (tied [B, T, N]: rows whose two
-  best scores lie within the FP8 product's error of each other, lo, hi [B, T, N, H]: per column
-  the least and largest v among the keys scoring within that error of the row's best). Hopper's
-  e4m3 MMA keeps ~13 bits while it accumulates, so a score errs by up to ~2^-11 of
-  sum_h |q_h k_h| (x scale): at scale 1e3 a few logits, which decides how such a row splits its
-  weight but not which v's it mixes."""
+  """Causal q, k, v [B, T, N, H] (e4m3 values, a kv head per query head) -> (tied [B, T, N]:
+  rows whose two best scores lie within the FP8 product's error of each other; lo, hi
+  [B, T, N, H]: per column the least and largest v among the keys scoring within that error of
+  the row's best). Hopper's e4m3 MMA keeps ~13 bits while it accumulates, so a score errs by up
+  to ~2^-11 of sum_h |q_h k_h| (x scale): at scale 1e3 a few logits, which decides how such a
+  row splits its weight but not which v's it mixes."""
   q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
   s = np.einsum("bthd,bshd->bhts", q, k) * scale
   margin = np.einsum("bthd,bshd->bhts", np.abs(q), np.abs(k)) * scale * 2.0 ** -11
@@ -228,7 +228,9 @@ def _near_ties(q, k, v, scale):
 def check_fp8_hazard(hazard: str, q, k, v, kw, out, grads) -> None:
   """Finite values and gradients, O within FP8's error of float64 attention of the e4m3-quantized
   inputs (each head against its own largest |O|: the scales are per head), and the rows and
-  heads that must be 0 exactly 0."""
+  heads that must be 0 exactly 0. With huge logits, a row whose best keys score within the FP8
+  product's error of each other (`_near_ties`) is held to the range of those keys' v instead:
+  how it splits its weight between them is the product's rounding."""
   from stable_attn import fp8
   from stable_attn.reference import exact_attention
   chex.assert_tree_all_finite((out, grads))
