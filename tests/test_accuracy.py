@@ -63,13 +63,14 @@ def test_fp32_residual_removes_offs_excess_gradient_error():
 
 def test_safes_excess_is_the_rounding_of_its_weight():
   # "safe" loses against "off" on near-one-hot rows only through the rounding error of each row's
-  # largest weight w (its dither): with w moved onto the P grid its errors are "off"'s, and with
-  # O in fp32 for delta "safe" keeps several times "off"'s error. The excess is zero-mean.
+  # largest weight w (its dither): with w moved onto the P grid its errors are "off"'s; "safe" keeps
+  # ~3x "off"'s mean error, and with O in fp32 for delta several times more. The excess is zero-mean.
   seed = _seed()
   fast = _dbias_errors("fast", ["safe", accuracy.SAFE_ON_GRID, "off"], seed)
   fp32o = _dbias_errors("fast+fp32o", ["safe", accuracy.SAFE_ON_GRID, "off"], seed)
   assert fast[accuracy.SAFE_ON_GRID].max_abs <= 1.3 * fast["off"].max_abs, seed
-  assert fast["safe"].max_abs > 1.5 * fast["off"].max_abs, seed
+  # The mean, not the max: over 31 seeds safe/off was 2.7-3.3x in mean but 1.48-2.9x in max.
+  assert fast["safe"].mean_abs > 2 * fast["off"].mean_abs, seed
   assert fp32o[accuracy.SAFE_ON_GRID].max_abs <= 1.3 * fp32o["off"].max_abs, seed
   assert fp32o["safe"].max_abs > 3 * fp32o[accuracy.SAFE_ON_GRID].max_abs, seed
   for stat in (fast["safe"], fp32o["safe"]):
