@@ -143,10 +143,10 @@ def test_fp8_preset_keeps_safe_unbiased(tail):
 def test_fp8_preset_keeps_safe_about_as_accurate_as_off():
   """Near-one-hot rows (jax.nn's bias-gradient test): with the top key's P_bar in e4m3, "safe"'s
   weight w of the row's maximum rounds on a 1/16 grid (up to 3% of a key holding ~90% of the
-  row), and delta = rowsum(dO * O) carries that into dQ: ~25x "off"'s largest dQ error. With it
-  in bf16 (p_top=input, the "fp8" preset) "safe" is within ~2.5x of "off", as with bf16 P: the
-  ratio of the largest dQ errors ran 1.5-3.3x over seeds 0-59 and 5.1x in one CI draw (a maximum
-  over the call), with the top in e4m3 23-45x (seeds 0-11)."""
+  row), and delta = rowsum(dO * O) carries that into dQ: ~40x "off"'s mean dQ error. With it in
+  bf16 (p_top=input, the "fp8" preset) "safe" is within ~3x of "off", as with bf16 P. Mean
+  errors, not the largest: over 37 seeds their ratios ran 2.61-2.89x (top in e4m3 37.9-42.5x,
+  "fp8_fast" 2.62-2.91x), the largest errors' 1.3-2.8x, and 5.1x in one CI draw."""
   from stable_attn.diagnostics import accuracy
   top_e4m3 = _FP8_P.replace("+p_top=input", "")
   arms = [accuracy.Arm("reference", mode, nx) for mode, nx in
@@ -154,11 +154,11 @@ def test_fp8_preset_keeps_safe_about_as_accurate_as_off():
   seed = int(np.random.default_rng().integers(1 << 16))
   results, _ = accuracy.measure(arms, ("one-hot",), seed=seed,
                                 shapes={"one-hot": (4, 128, 128, 2, 64)})
-  dq = [r.stats["dQ"].max_abs for r in results]
-  assert dq[1] < 6 * dq[0] and dq[2] > 10 * dq[0], (dq, seed)
+  dq = [r.stats["dQ"].mean_abs for r in results]
+  assert dq[1] < 4 * dq[0] and dq[2] > 10 * dq[0], (dq, seed)
   # "fp8_fast": the maximum's weight on e4m3's grid, exact, and O's dither on bf16's grid: as
-  # accurate as "safe" with a bf16 P (2.3x "off" at seed 0)
-  assert dq[3] < 6 * dq[0], (dq, seed)
+  # accurate as "safe" with a bf16 P
+  assert dq[3] < 4 * dq[0], (dq, seed)
 
 
 @pytest.mark.parametrize("max_adjust, numerics_name, warns", [
