@@ -118,8 +118,8 @@ def test_fp8_preset_keeps_safe_unbiased(tail):
   """The bias probe (mean signed error of O in bf16 ulps) under the "fp8" and "fp8_fast"
   presets' P arithmetic, with bf16 and with FP8 q, k, v (the whole preset; the truth is then the
   exact attention of the quantized values): "safe" within 0.05 on average over cells with and
-  without ties (a cell's noise at 1024 rows is up to ~0.07 where the other keys sit 4-8 below
-  the max), 0 NaN.
+  without ties, 0 NaN; each cell within 0.12 (a cell's noise where the other keys sit 4-8 below
+  the max reached 0.089 over 15 draws, and 0.078 with 2048 rows: the keys' draw, not the rows').
   Contrasts of the same probe: ties under FlashAttention-3's arithmetic (fp32 row sum) and "off"
   round inward by ~0.2 (far tail), and it leaves "safe" at ~-0.1 where the other keys sit 4-8
   below the max."""
@@ -130,7 +130,7 @@ def test_fp8_preset_keeps_safe_unbiased(tail):
     cells = [probe(nx, "safe", regime, placement) for regime, placement in (
         ("positive", "adjacent"), ("tiny", "split"), ("zero", "none"), ("negative", "random"))]
     bias = [r.bias_ulp for r in cells]
-    assert abs(np.mean(bias)) < 0.05 and max(map(abs, bias)) < 0.1, (nx, bias, seed)
+    assert abs(np.mean(bias)) < 0.05 and max(map(abs, bias)) < 0.12, (nx, bias, seed)
     assert not any(r.nan_count for r in cells)
   if tail[0] > 10:
     r = probe("fast+p=e4m3+p_scale=256", "off", "positive", "adjacent")
