@@ -433,7 +433,11 @@ def _qkv(query, key, value):
     raise ValueError(f"the number of key/value heads K={K} (key {k.shape}) must divide the number "
                      f"of query heads N={N} (query {q.shape})")
   if q.dtype not in _SUPPORTED_DTYPES:
-    raise ValueError(f"query dtype must be bfloat16, float16, float32 or float64, got {q.dtype}")
+    # FP8 arrays as inputs would get FP8 cotangents back; FP8 attention quantizes its own.
+    fp8 = (" (for FP8 attention pass q, k and v in one of those with numerics='fp8_fast', and "
+           "fp8_scales= for scales of your own)" if jnp.dtype(q.dtype).itemsize == 1 else "")
+    raise ValueError(f"query dtype must be bfloat16, float16, float32 or float64, got "
+                     f"{q.dtype}{fp8}")
   if k.dtype != q.dtype or v.dtype != q.dtype:
     raise ValueError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, "
                      f"{v.dtype}")

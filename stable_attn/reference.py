@@ -12,6 +12,7 @@ the chosen `Numerics` done exactly. It runs on any backend and is differentiable
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -421,9 +422,20 @@ def blockwise_attention(spec: AttentionSpec, ops: Operands, *, block_q: int = DE
 
 # The backend protocol (stable_attn.backends): implementation="reference" runs anywhere, covers all.
 
-def attention(spec: AttentionSpec, ops: Operands, config: Blocks | None = None):
-  """-> (O [B,T,N,H], LSE [B,N,T])."""
-  return _blockwise(spec, config or Blocks(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K), ops)
+def attention(spec: AttentionSpec, ops: Operands, config: Blocks | Mapping | None = None):
+  """-> (O [B,T,N,H], LSE [B,N,T]). config: None (the default tiles), a Blocks, or a mapping of
+  its fields (block_q, block_k); ValueError otherwise."""
+  return _blockwise(spec, _blocks(config), ops)
+
+
+def _blocks(config) -> Blocks:
+  if config is None or isinstance(config, Blocks):
+    return config or Blocks(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+  fields = {f.name for f in dataclasses.fields(Blocks)}
+  if isinstance(config, Mapping) and set(config) <= fields:
+    return Blocks(**{"block_q": DEFAULT_BLOCK_Q, "block_k": DEFAULT_BLOCK_K, **config})
+  raise ValueError(f"config for implementation='reference' must be a stable_attn.reference.Blocks "
+                   f"or a mapping of its fields {sorted(fields)}, got {config!r}")
 
 
 def is_available() -> bool:

@@ -37,10 +37,12 @@ def test_windows_wider_than_the_sequence_are_no_window(implementation, interpret
     np.testing.assert_allclose(np.asarray(plain), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("numerics", ["fast", "fp8_fast+center_v=true"])
 @pytest.mark.parametrize("shapes", [dict(T=0), dict(S=0), dict(H=0)], ids=lambda s: str(s))
-def test_empty_attention_matches_jax_nn(shapes):
+def test_empty_attention_matches_jax_nn(shapes, numerics):
   """An empty output where T or H is 0, zeros (with zero gradients) where S is 0, as jax.nn;
-  with S = 0 every row has no key: its LSE is -inf, or its sink's logit."""
+  with S = 0 every row has no key: its LSE is -inf, or its sink's logit. FP8 numerics too (their
+  per-head amax and v's mean over no values: 0, not an error or NaN)."""
   rng = np.random.default_rng()
   B, T, S, N, K, H = 2, 5, 6, 4, 2, 8
   dims = {"T": T, "S": S, "H": H, **shapes}
@@ -49,21 +51,23 @@ def test_empty_attention_matches_jax_nn(shapes):
   want = jax.nn.dot_product_attention(q, k, v, is_causal=dims["T"] == dims["S"])
   for implementation in ("reference", "xla", None):
     got = stable_attn.dot_product_attention(q, k, v, is_causal=dims["T"] == dims["S"],
-                                            implementation=implementation)
+                                            implementation=implementation, numerics=numerics)
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  grads = jax.grad(lambda q, k, v: jnp.sum(stable_attn.dot_product_attention(q, k, v) * 3.0),
+  call = lambda q, k, v: stable_attn.dot_product_attention(q, k, v, numerics=numerics)
+  grads = jax.grad(lambda q, k, v: jnp.sum(call(q, k, v) * 3.0),
                    argnums=(0, 1, 2))(q, k, v)
   for g, x in zip(grads, (q, k, v)):
     assert g.shape == x.shape and not np.any(np.asarray(g))
   if dims["H"] == 0:
     with pytest.raises(ValueError, match="head dim H=0"):
-      stable_attn.dot_product_attention(q, k, v, return_residuals=True)
+      stable_attn.dot_product_attention(q, k, v, numerics=numerics, return_residuals=True)
     return
-  _, lse = stable_attn.dot_product_attention(q, k, v, return_residuals=True)
+  _, lse = stable_attn.dot_product_attention(q, k, v, numerics=numerics, return_residuals=True)
   assert lse.shape == (B, N, dims["T"]) and np.all(np.asarray(lse) == -np.inf)
   sinks = _normal(rng, N)
-  o, lse = stable_attn.dot_product_attention(q, k, v, sinks=sinks, return_residuals=True)
+  o, lse = stable_attn.dot_product_attention(q, k, v, sinks=sinks, numerics=numerics,
+                                             return_residuals=True)
   np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to(np.asarray(sinks)[None, :, None],
                                                                  lse.shape))
   assert not np.any(np.asarray(o))

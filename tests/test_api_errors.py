@@ -15,6 +15,8 @@ k = jnp.ones((2, 10, 2, 16), jnp.float32) * 0.2
     (dict(value=k[:, :9]), "value"),
     (dict(key=jnp.ones((2, 10, 3, 16)), value=jnp.ones((2, 10, 3, 16))), "divide"),
     (dict(query=q.astype(jnp.int32)), "dtype"),
+    (dict(query=q.astype(jnp.float8_e4m3fn), key=k.astype(jnp.float8_e4m3fn),
+          value=k.astype(jnp.float8_e4m3fn)), "float8_e4m3fn .for FP8 attention pass q, k and v"),
     (dict(key=k.astype(jnp.bfloat16)), "dtype"),
     (dict(bias=jnp.ones((2, 4, 8, 11))), "bias"),
     (dict(mask=jnp.ones((2, 4, 8, 10))), "mask"),

@@ -44,8 +44,17 @@ def test_reference_takes_its_block_config():
                                         config=Blocks(8, 16))
   b = stable_attn.dot_product_attention(q, q * 0.5, q, implementation="reference")
   assert jnp.allclose(a.astype(jnp.float32), b.astype(jnp.float32), atol=1e-2)
+  # A mapping of Blocks' fields is those tiles (the others keep their defaults), bitwise.
+  c = stable_attn.dot_product_attention(q, q * 0.5, q, implementation="reference",
+                                        config={"block_q": 8, "block_k": 16})
+  assert bool(jnp.all(c == a))
   with pytest.raises(ValueError, match="block sizes must be positive"):
     Blocks(0, 16)
+  # Another backend's config (the Hopper kernel's fp8_backward) is refused by name, not an
+  # AttributeError from deep inside the tiling.
+  for config in ({"fp8_backward": True}, object()):
+    with pytest.raises(ValueError, match="config for implementation='reference' must be"):
+      stable_attn.dot_product_attention(q, q, q, implementation="reference", config=config)
 
 
 def test_flax_adapters_load_lazily():
