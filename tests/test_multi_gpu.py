@@ -283,7 +283,8 @@ FP8_SPLITS = {"batch": P("data"), "heads": P(None, None, "model"), "both": P("da
 @pytest.mark.parametrize("split", sorted(FP8_SPLITS))
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 @pytest.mark.parametrize("numerics,config", [(FP8, None), ("fp8", None),
-                                             ("fp8_fast", {"fp8_backward": True})])
+                                             ("fp8_fast", {"fp8_backward": True}),
+                                             ("fp8_fast+center_v=true", {"fp8_backward": True})])
 def test_sharded_fp8_equals_one_device(numerics, config, mesh_kind, split):
   """The FP8 call sharded over the batch, the heads, both, or the sequence (alltoall): the api
   quantizes q, k and v under per-head scales of the whole arrays, before any partitioning, and
@@ -291,7 +292,10 @@ def test_sharded_fp8_equals_one_device(numerics, config, mesh_kind, split):
   table rows, so every device reads the one-device call's payloads: O, dQ, dK and dV bitwise,
   with GQA, segment ids and sinks; under FlashAttention-3's P arithmetic, the "fp8" preset's (the
   top keys' residual tile) and "fp8_fast" with the FP8 backward (dO's amax per batch row and kv
-  head, which a batch or head split keeps whole on one device)."""
+  head, which a batch or head split keeps whole on one device). With center_v (v less its mean
+  over the keys, added back to O after the kernel) XLA may sum the mean in another order: O
+  within 1e-3 and the gradients within 1e-2 of the one-device call's (relative norms, as on 4
+  CPU devices in tests/test_fp8_center_v.py)."""
   seed = int(np.random.default_rng().integers(1 << 16))
   x = _inputs(seed, "split")
 
@@ -311,8 +315,13 @@ def test_sharded_fp8_equals_one_device(numerics, config, mesh_kind, split):
   with jax.set_mesh(mesh) if mesh_kind == "explicit" else contextlib.nullcontext():
     got = jax.device_get(jax.jit(vjp)(*placed))
   for name, g, r in zip(("o", "dq", "dk", "dv"), [got[0], *got[1]], [want[0], *want[1]]):
-    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32),
-                                  err_msg=f"{name} {numerics} {mesh_kind} {split} {seed}")
+    g, r, what = np.asarray(g, np.float32), np.asarray(r, np.float32), (name, numerics,
+                                                                         mesh_kind, split, seed)
+    if "center_v" in numerics:
+      error = np.linalg.norm(g - r) / np.linalg.norm(r)
+      assert error <= (1e-3 if name == "o" else 1e-2), what + (error,)
+    else:
+      np.testing.assert_array_equal(g, r, err_msg=str(what))
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="on 2 GPUs the heads split over the whole axis")
