@@ -29,7 +29,9 @@ _MAX_MANTISSA, _MAX_EXPONENT = np.frexp(_MAX)     # (0.875, 9)
 def head_amax(x: jax.Array) -> jax.Array:
   """x [B, T, N, H] -> [N] fp32: each head's largest |value| (over batch, positions, head dim; 0
   where those are empty)."""
-  return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 1, 3), initial=0.0)
+  if x.size == 0:   # T, B or H of 0 (an empty call): jnp.max has no identity to return
+    return jnp.zeros(x.shape[2:3], jnp.float32)
+  return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 1, 3))
 
 
 def head_scales(x: jax.Array) -> jax.Array:
@@ -106,10 +108,11 @@ def center(v: jax.Array) -> tuple[jax.Array, jax.Array]:
   cancels and dv is the centred v's gradient. Quantized after this (`quantize_inputs`), v's
   e4m3 values are those of v - mean under their own per-head scale (of v - mean's largest
   |value|; a caller's v_scale applies to v - mean)."""
-  # The sum over max(S, 1): with no keys (S = 0) the mean is 0, not 0 / 0.
-  mean = jnp.sum(v.astype(jnp.float32), axis=1) / max(v.shape[1], 1)
+  v32 = v.astype(jnp.float32)
+  # With no keys (S = 0) the mean is 0, not 0 / 0.
+  mean = jnp.mean(v32, axis=1) if v.shape[1] else jnp.sum(v32, axis=1)
   mean = jax.lax.stop_gradient(mean)
-  return v.astype(jnp.float32) - mean[:, None], mean
+  return v32 - mean[:, None], mean
 
 
 def add_mean(out: jax.Array, lse: jax.Array, mean: jax.Array, sinks=None) -> jax.Array:

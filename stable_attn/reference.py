@@ -429,8 +429,10 @@ def attention(spec: AttentionSpec, ops: Operands, config: Blocks | Mapping | Non
 
 
 def _blocks(config) -> Blocks:
-  if config is None or isinstance(config, Blocks):
-    return config or Blocks(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+  if config is None:
+    return Blocks(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+  if isinstance(config, Blocks):
+    return config
   fields = {f.name for f in dataclasses.fields(Blocks)}
   if isinstance(config, Mapping) and set(config) <= fields:
     return Blocks(**{"block_q": DEFAULT_BLOCK_Q, "block_k": DEFAULT_BLOCK_K, **config})
