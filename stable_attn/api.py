@@ -435,7 +435,7 @@ def _qkv(query, key, value):
   if q.dtype not in _SUPPORTED_DTYPES:
     # FP8 arrays as inputs would get FP8 cotangents back; FP8 attention quantizes its own.
     fp8 = (" (for FP8 attention pass q, k and v in one of those with numerics='fp8_fast', and "
-           "fp8_scales= for scales of your own)" if jnp.dtype(q.dtype).itemsize == 1 else "")
+           "fp8_scales= for scales of your own)" if jnp.issubdtype(q.dtype, jnp.floating) else "")
     raise ValueError(f"query dtype must be bfloat16, float16, float32 or float64, got "
                      f"{q.dtype}{fp8}")
   if k.dtype != q.dtype or v.dtype != q.dtype:

@@ -435,7 +435,7 @@ def _blocks(config) -> Blocks:
     return config
   fields = {f.name for f in dataclasses.fields(Blocks)}
   if isinstance(config, Mapping) and set(config) <= fields:
-    return Blocks(**{"block_q": DEFAULT_BLOCK_Q, "block_k": DEFAULT_BLOCK_K, **config})
+    return dataclasses.replace(_blocks(None), **config)
   raise ValueError(f"config for implementation='reference' must be a stable_attn.reference.Blocks "
                    f"or a mapping of its fields {sorted(fields)}, got {config!r}")
 
