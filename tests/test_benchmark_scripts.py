@@ -813,3 +813,29 @@ def test_fp8_accumulation_captures_a_gpt2_runs_attention(tmp_path):
   run(micro(max_steps=1, grad_accum=2), tmp_path / "accum")
   with pytest.raises(ValueError, match="grad_accum is 2, need 1"):
     acc.gpt2_captures(str(tmp_path / "accum"), data=ALICE)
+
+
+def test_clocks_reads_nvidia_smi_samples_per_window():
+  from benchmarks import clocks
+  lines = ["2026/12/05 12:18:55.000, 1980, 120.50, 40, 0x0000000000000000",
+           "garbage line", "2026/12/05 12:18:56.000, 1605, 691.00, 61, 0x0000000000000004",
+           "2026/12/05 12:18:57.000, 1290, 704.00, 62, 0x000000000000000C",
+           "2026/12/05 12:18:58.000, 1860, 689.00, 63, 0x0000000000000004"]
+  samples = clocks.parse_samples(lines)
+  assert [s[1:] for s in samples] == [(1980, 120.5, 40, 0), (1605, 691.0, 61, 4),
+                                      (1290, 704.0, 62, 12), (1860, 689.0, 63, 4)]
+  t0 = samples[0][0]
+  assert samples[1][0] - t0 == pytest.approx(1.0)
+  windows = [dict(shape=(4, 4096, 16, 16, 128), arm="bf16", round=0, start=t0 + 0.4,
+                  end=t0 + 2.5, us=545.9),
+             dict(shape=(4, 4096, 16, 16, 128), arm="fp8_fast", round=0, start=t0 + 2.6,
+                  end=t0 + 3.2, us=424.9)]
+  table = clocks.summarize(windows, samples).splitlines()
+  # the first window reads the samples at +1.0 and +2.0 s (from 0.5 s after its start)
+  assert table[2] == ("| B4 T4096 N16 H128 causal | bf16 | 0 | 545.9 | 2 | 1448 (1290) | 698 (704) "
+                      "| 62 | sw_power_cap, sw_power_cap+hw_slowdown |")
+  assert table[3] == "| B4 T4096 N16 H128 causal | fp8_fast | 0 | 424.9 | 0 | - | - | - | - |"
+  with pytest.raises(SystemExit):
+    clocks.main(["--arms", "bf16,cudnn"])
+  with pytest.raises(SystemExit, match="reads an NVIDIA GPU's clocks"):
+    clocks.main(["--seconds", "2"])

@@ -1,0 +1,145 @@
+"""What clock each forward kernel runs at: SM clock and board power per kernel (nvidia-smi).
+
+    PYTHONPATH=. python benchmarks/clocks.py                        # bf16 and fp8_fast, on a GPU
+    PYTHONPATH=. python benchmarks/clocks.py --arms bf16,fp8_fast --shapes 0 --seconds 4
+
+Each arm's forward kernel alone (benchmarks/fp8.py's `forward_kernel`: prepared operands, no
+quantization) runs back to back for --seconds at a time, the arms in turn, --rounds times, with a
+second's idle gap between windows, while nvidia-smi samples the SM clock, power draw, temperature
+and the active clock-event reasons every 100 ms. Per window: the time per call and the samples'
+medians. A ratio of two kernels' times is a ratio of cycles only where their clocks agree: under
+the board's power cap ("sw_power_cap") a kernel that draws more power per cycle runs slower clocks.
+Writes benchmarks/results/clocks_<device>.md and prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import attention as bench  # noqa: E402
+from benchmarks import fp8  # noqa: E402
+
+QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+# nvidia-smi's clock-event reason bits (nvmlClocksEventReasons)
+REASONS = {0x1: "idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+           0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
+           0x100: "display_clocks"}
+
+
+def parse_samples(lines) -> list[tuple[float, int, float, int, int]]:
+  """nvidia-smi --query-gpu=QUERY --format=csv,noheader,nounits lines -> [(unix time, SM MHz,
+  power W, temperature C, reasons bitmask)]; lines that are not samples are skipped. nvidia-smi
+  writes local time, read here as local time: the same clock time.time() reads."""
+  samples = []
+  for line in lines:
+    fields = [f.strip() for f in line.split(",")]
+    try:
+      t = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+      samples.append((t, int(fields[1]), float(fields[2]), int(fields[3]), int(fields[4], 16)))
+    except (ValueError, IndexError):
+      continue
+  return samples
+
+
+def reason_names(mask: int) -> str:
+  return "+".join(name for bit, name in REASONS.items() if mask & bit) or "none"
+
+
+def summarize(windows, samples, settle: float = 0.5) -> str:
+  """windows: [{shape, arm, round, start, end, us}] -> a markdown table of each window's samples
+  (those from `settle` s after its start to its end): median SM clock (min), median power (max),
+  median temperature, the reasons seen."""
+  lines = ["| shape | arm | round | us per call | samples | SM MHz median (min) | "
+           "power W median (max) | temp C | clock-event reasons |", "|---|---|---:|---:|---:|---|---|---:|---|"]
+  for w in windows:
+    s = [x for x in samples if w["start"] + settle <= x[0] <= w["end"]]
+    B, T, N, _, H = w["shape"]
+    head = f"| B{B} T{T} N{N} H{H} causal | {w['arm']} | {w['round']} | {w['us']:.1f} | {len(s)} |"
+    if not s:
+      lines.append(head + " - | - | - | - |")
+      continue
+    sm, power = [x[1] for x in s], [x[2] for x in s]
+    reasons = ", ".join(sorted({reason_names(x[4]) for x in s}))
+    lines.append(head + f" {statistics.median(sm):.0f} ({min(sm)}) | {statistics.median(power):.0f}"
+                 f" ({max(power):.0f}) | {statistics.median(x[3] for x in s):.0f} | {reasons} |")
+  return "\n".join(lines)
+
+
+def run_windows(arms, shapes, seconds: float, rounds: int) -> list[dict]:
+  """Each arm's forward kernel back to back for `seconds`, arms in turn, `rounds` times a shape."""
+  import jax
+  windows = []
+  for shape in shapes:
+    kernels = {arm: fp8.forward_kernel(arm, shape) for arm in arms}
+    for f, args in kernels.values():   # compiled and warm before any window
+      jax.block_until_ready(f(*args))
+    for rnd in range(rounds):
+      for arm, (f, args) in kernels.items():
+        calls, start = 0, time.time()
+        while time.time() - start < seconds:
+          for _ in range(20):
+            out = f(*args)
+          jax.block_until_ready(out)
+          calls += 20
+        end = time.time()
+        windows.append(dict(shape=shape, arm=arm, round=rnd, start=start, end=end,
+                            us=1e6 * (end - start) / calls))
+        time.sleep(1.0)
+  return windows
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--arms", default="bf16,fp8_fast",
+                      help=f"comma list of benchmarks/fp8.py's numerics arms {tuple(fp8.NUMERICS)}")
+  parser.add_argument("--shapes", default="1,0", help=f"comma list of indices into {fp8.SHAPES}")
+  parser.add_argument("--seconds", type=float, default=4.0, help="one window's length")
+  parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--out", default=None, help="markdown path (default: benchmarks/results)")
+  args = parser.parse_args(argv)
+  arms = [a for a in args.arms.split(",") if a]
+  if not arms or set(arms) - set(fp8.NUMERICS):
+    parser.error(f"--arms {args.arms!r}: a comma list of {tuple(fp8.NUMERICS)}")
+  picked = [i for i in args.shapes.split(",") if i]
+  if not picked or not all(i.isdigit() and int(i) < len(fp8.SHAPES) for i in picked):
+    parser.error(f"--shapes {args.shapes!r}: a comma list of indices into {fp8.SHAPES}")
+  if args.seconds <= 1.0 or args.rounds < 1:
+    parser.error("--seconds must be over 1 (the first 0.5 s of a window is not read) and "
+                 "--rounds at least 1")
+  import jax
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    raise SystemExit(f"benchmarks/clocks.py reads an NVIDIA GPU's clocks; this process's first "
+                     f"device is {device.platform}")
+  with tempfile.TemporaryFile("w+") as log:
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+                            "-i", str(device.local_hardware_id or 0), "-lms", "100"],
+                           stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+      windows = run_windows(arms, [fp8.SHAPES[int(i)] for i in picked], args.seconds, args.rounds)
+    finally:
+      smi.terminate()
+      smi.wait()
+    log.seek(0)
+    samples = parse_samples(log)
+  text = (f"# Forward kernels' clocks and power: {device.device_kind}\n\n"
+          f"`python benchmarks/clocks.py --arms {','.join(arms)} --shapes {','.join(picked)} "
+          f"--seconds {args.seconds:g} --rounds {args.rounds}`, windows of back-to-back calls "
+          f"of the kernel alone, nvidia-smi sampled every 100 ms\n\n" + summarize(windows, samples))
+  path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                  f"clocks_{bench.device_slug(device.device_kind)}.md")
+  with open(path, "w") as f:
+    f.write(text + "\n")
+  print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
