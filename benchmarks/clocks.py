@@ -119,16 +119,28 @@ def main(argv=None) -> int:
     raise SystemExit(f"benchmarks/clocks.py reads an NVIDIA GPU's clocks; this process's first "
                      f"device is {device.platform}")
   with tempfile.TemporaryFile("w+") as log:
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                            "-i", str(device.local_hardware_id or 0), "-lms", "100"],
-                           stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+      smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+                              "-i", str(device.local_hardware_id or 0), "-lms", "100"],
+                             stdout=log, stderr=subprocess.STDOUT, text=True)
+    except FileNotFoundError:
+      raise SystemExit("benchmarks/clocks.py samples the clocks with nvidia-smi, which is not on "
+                       "PATH") from None
+    time.sleep(0.5)
+    if smi.poll() is not None:   # refused the query (a field this driver lacks) or the GPU index
+      log.seek(0)
+      raise SystemExit(f"nvidia-smi --query-gpu={QUERY} stopped: {log.read().strip()[:500]!r}")
     try:
       windows = run_windows(arms, [fp8.SHAPES[int(i)] for i in picked], args.seconds, args.rounds)
     finally:
       smi.terminate()
       smi.wait()
     log.seek(0)
-    samples = parse_samples(log)
+    smi_text = log.read()
+  samples = parse_samples(smi_text.splitlines())
+  if not samples:
+    raise SystemExit(f"nvidia-smi gave no samples for --query-gpu={QUERY}; it said: "
+                     f"{smi_text.strip()[:500]!r}")
   text = (f"# Forward kernels' clocks and power: {device.device_kind}\n\n"
           f"`python benchmarks/clocks.py --arms {','.join(arms)} --shapes {','.join(picked)} "
           f"--seconds {args.seconds:g} --rounds {args.rounds}`, windows of back-to-back calls "

@@ -839,3 +839,23 @@ def test_clocks_reads_nvidia_smi_samples_per_window():
     clocks.main(["--arms", "bf16,cudnn"])
   with pytest.raises(SystemExit, match="reads an NVIDIA GPU's clocks"):
     clocks.main(["--seconds", "2"])
+
+
+def test_clocks_stops_at_once_when_nvidia_smi_refuses_its_query(tmp_path, monkeypatch):
+  from benchmarks import clocks
+
+  class Gpu:
+    platform, device_kind, local_hardware_id = "gpu", "NVIDIA H200", 0
+
+  smi = tmp_path / "nvidia-smi"
+  smi.write_text('#!/bin/sh\necho \'Field "clocks_event_reasons.active" is not a valid field\'\n'
+                 'exit 2\n')
+  smi.chmod(0o755)
+  monkeypatch.setattr(jax, "devices", lambda *a: [Gpu()])
+  monkeypatch.setattr(clocks, "run_windows", lambda *a: pytest.fail("ran with no sampler"))
+  monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+  with pytest.raises(SystemExit, match="stopped: 'Field \"clocks_event_reasons.active\" is not"):
+    clocks.main(["--out", str(tmp_path / "clocks.md")])
+  monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+  with pytest.raises(SystemExit, match="nvidia-smi, which is not on PATH"):
+    clocks.main(["--out", str(tmp_path / "clocks.md")])
