@@ -57,7 +57,8 @@ def summarize(windows, samples, settle: float = 0.5) -> str:
   (those from `settle` s after its start to its end): median SM clock (min), median power (max),
   median temperature, the reasons seen."""
   lines = ["| shape | arm | round | us per call | samples | SM MHz median (min) | "
-           "power W median (max) | temp C | clock-event reasons |", "|---|---|---:|---:|---:|---|---|---:|---|"]
+           "power W median (max) | temp C | clock-event reasons |",
+           "|---|---|---:|---:|---:|---|---|---:|---|"]
   for w in windows:
     s = [x for x in samples if w["start"] + settle <= x[0] <= w["end"]]
     B, T, N, _, H = w["shape"]
@@ -107,9 +108,7 @@ def main(argv=None) -> int:
   arms = [a for a in args.arms.split(",") if a]
   if not arms or set(arms) - set(fp8.NUMERICS):
     parser.error(f"--arms {args.arms!r}: a comma list of {tuple(fp8.NUMERICS)}")
-  picked = [i for i in args.shapes.split(",") if i]
-  if not picked or not all(i.isdigit() and int(i) < len(fp8.SHAPES) for i in picked):
-    parser.error(f"--shapes {args.shapes!r}: a comma list of indices into {fp8.SHAPES}")
+  picked = fp8.shape_indices(parser, args.shapes)
   if args.seconds <= 1.0 or args.rounds < 1:
     parser.error("--seconds must be over 1 (the first 0.5 s of a window is not read) and "
                  "--rounds at least 1")
@@ -131,7 +130,7 @@ def main(argv=None) -> int:
       log.seek(0)
       raise SystemExit(f"nvidia-smi --query-gpu={QUERY} stopped: {log.read().strip()[:500]!r}")
     try:
-      windows = run_windows(arms, [fp8.SHAPES[int(i)] for i in picked], args.seconds, args.rounds)
+      windows = run_windows(arms, [fp8.SHAPES[i] for i in picked], args.seconds, args.rounds)
     finally:
       smi.terminate()
       smi.wait()
@@ -142,7 +141,8 @@ def main(argv=None) -> int:
     raise SystemExit(f"nvidia-smi gave no samples for --query-gpu={QUERY}; it said: "
                      f"{smi_text.strip()[:500]!r}")
   text = (f"# Forward kernels' clocks and power: {device.device_kind}\n\n"
-          f"`python benchmarks/clocks.py --arms {','.join(arms)} --shapes {','.join(picked)} "
+          f"`python benchmarks/clocks.py --arms {','.join(arms)} "
+          f"--shapes {','.join(map(str, picked))} "
           f"--seconds {args.seconds:g} --rounds {args.rounds}`, windows of back-to-back calls "
           f"of the kernel alone, nvidia-smi sampled every 100 ms\n\n" + summarize(windows, samples))
   path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

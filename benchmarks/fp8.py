@@ -497,6 +497,15 @@ def plot(markdown_path: str, png_path: str) -> None:
   plt.close(fig)
 
 
+def shape_indices(parser, text) -> list[int]:
+  """--shapes: a comma list of indices into SHAPES (None: all) -> the indices; a parser error
+  names any other text."""
+  picked = text.split(",") if text else [str(i) for i in range(len(SHAPES))]
+  if not all(i.isdigit() and int(i) < len(SHAPES) for i in picked):
+    parser.error(f"--shapes {text!r}: a comma list of indices into {SHAPES}")
+  return [int(i) for i in picked]
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--smoke", action="store_true",
@@ -528,10 +537,7 @@ def main(argv=None) -> int:
   if args.plot:
     plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
     return 0
-  picked = args.shapes.split(",") if args.shapes else [str(i) for i in range(len(SHAPES))]
-  if not all(i.isdigit() and int(i) < len(SHAPES) for i in picked):
-    parser.error(f"--shapes {args.shapes!r}: a comma list of indices into {SHAPES}")
-  shapes = [SHAPES[int(i)] for i in picked]
+  shapes = [SHAPES[i] for i in shape_indices(parser, args.shapes)]
   if args.backward and args.sweep:
     variants = tuple(v for v in (args.sweep_variants or ",".join(BACKWARD_SWEEP)).split(",")
                      if v and v != "table")

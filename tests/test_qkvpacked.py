@@ -167,7 +167,8 @@ def test_packed_operands_are_partitioned():
   assert "'data'" in result["spec"] and "'model'" in result["spec"], result
   # The loss sums B*T*N*H = 40,960 terms of both signs, in another order when sharded: its
   # rounding scales with the terms' sum of magnitudes (~8,500), not with the cancelled loss (the CI
-  # once saw 2.0e-5 against a loss of 1.19); 1e-7 of that sum is under 2 fp32 epsilons of it.
+  # once saw 2.0e-5 against a loss of 1.19); 1e-7 of that sum is under one fp32 epsilon (1.19e-7)
+  # of it.
   loss_diff, *grad_diffs = result["diff"]
   assert loss_diff <= 1e-7 * result["loss_l1"], result
   for diff, scale in zip(grad_diffs, result["scale"][1:]):
