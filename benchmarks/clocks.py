@@ -1,13 +1,16 @@
-"""What clock each forward kernel runs at: SM clock and board power per kernel (nvidia-smi).
+"""What clock each arm runs at: SM clock and board power per kernel or call (nvidia-smi).
 
     PYTHONPATH=. python benchmarks/clocks.py                        # bf16 and fp8_fast, on a GPU
     PYTHONPATH=. python benchmarks/clocks.py --arms bf16,fp8_fast --shapes 0 --seconds 4
+    PYTHONPATH=. python benchmarks/clocks.py --what fwd_bwd --arms bf16,fp8_fast_bwd
 
-Each arm's forward kernel alone (benchmarks/fp8.py's `forward_kernel`: prepared operands, no
-quantization) runs back to back for --seconds at a time, the arms in turn, --rounds times, with a
-second's idle gap between windows, while nvidia-smi samples the SM clock, power draw, temperature
-and the active clock-event reasons every 100 ms. Per window: the time per call and the samples'
-medians. A ratio of two kernels' times is a ratio of cycles only where their clocks agree: under
+Each arm's forward kernel alone (--what kernel: benchmarks/fp8.py's `forward_kernel`, prepared
+operands, no quantization), its whole forward call (--what forward: quantization and layout
+passes included) or the call's fwd+bwd (--what fwd_bwd) runs back to back for --seconds at a
+time, the arms in turn, --rounds times, with a second's idle gap between windows, while
+nvidia-smi samples the SM clock, power draw, temperature and the active clock-event reasons every
+100 ms: sustained work, as in training, where short timed bursts may end before the power cap
+pulls the clock down. Per window: the time per call and the samples' medians. A ratio of two kernels' times is a ratio of cycles only where their clocks agree: under
 the board's power cap ("sw_power_cap") a kernel that draws more power per cycle runs slower clocks.
 Writes benchmarks/results/clocks_<device>.md and prints it.
 """
@@ -73,12 +76,26 @@ def summarize(windows, samples, settle: float = 0.5) -> str:
   return "\n".join(lines)
 
 
-def run_windows(arms, shapes, seconds: float, rounds: int) -> list[dict]:
-  """Each arm's forward kernel back to back for `seconds`, arms in turn, `rounds` times a shape."""
+WHAT = {"kernel": "the forward kernel alone", "forward": "the forward call",
+        "fwd_bwd": "the call's fwd+bwd"}
+
+
+def timed(what: str, arm: str, shape):
+  """(f, args): what --what times for an arm at a shape, jitted."""
+  if what == "kernel":
+    return fp8.forward_kernel(arm, shape)
+  import jax.numpy as jnp
+  q, k, v, do = bench.make_inputs(*shape, jnp.bfloat16)
+  forward, fwd_bwd = fp8.jitted_calls(arm, "pallas_mosaic_gpu", (q, k, v))
+  return (forward, (q, k, v)) if what == "forward" else (fwd_bwd, (q, k, v, do))
+
+
+def run_windows(arms, shapes, seconds: float, rounds: int, what: str = "kernel") -> list[dict]:
+  """Each arm's `what` back to back for `seconds`, arms in turn, `rounds` times a shape."""
   import jax
   windows = []
   for shape in shapes:
-    kernels = {arm: fp8.forward_kernel(arm, shape) for arm in arms}
+    kernels = {arm: timed(what, arm, shape) for arm in arms}
     for f, args in kernels.values():   # compiled and warm before any window
       jax.block_until_ready(f(*args))
     for rnd in range(rounds):
@@ -103,11 +120,15 @@ def main(argv=None) -> int:
   parser.add_argument("--shapes", default="1,0", help=f"comma list of indices into {fp8.SHAPES}")
   parser.add_argument("--seconds", type=float, default=4.0, help="one window's length")
   parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--what", default="kernel", choices=tuple(WHAT),
+                      help="; ".join(f"{k}: {v}" for k, v in WHAT.items()))
   parser.add_argument("--out", default=None, help="markdown path (default: benchmarks/results)")
   args = parser.parse_args(argv)
   arms = [a for a in args.arms.split(",") if a]
-  if not arms or set(arms) - set(fp8.NUMERICS):
-    parser.error(f"--arms {args.arms!r}: a comma list of {tuple(fp8.NUMERICS)}")
+  if not arms or set(arms) - set(fp8.NUMERICS) or (args.what == "kernel" and set(arms) &
+                                                  set(fp8.CONFIG)):
+    parser.error(f"--arms {args.arms!r}: a comma list of {tuple(fp8.NUMERICS)} (with --what "
+                 f"kernel none of {tuple(fp8.CONFIG)}, whose change is to the backward)")
   picked = fp8.shape_indices(parser, args.shapes)
   if args.seconds <= 1.0 or args.rounds < 1:
     parser.error("--seconds must be over 1 (the first 0.5 s of a window is not read) and "
@@ -130,7 +151,8 @@ def main(argv=None) -> int:
       log.seek(0)
       raise SystemExit(f"nvidia-smi --query-gpu={QUERY} stopped: {log.read().strip()[:500]!r}")
     try:
-      windows = run_windows(arms, [fp8.SHAPES[i] for i in picked], args.seconds, args.rounds)
+      windows = run_windows(arms, [fp8.SHAPES[i] for i in picked], args.seconds, args.rounds,
+                            args.what)
     finally:
       smi.terminate()
       smi.wait()
@@ -140,13 +162,14 @@ def main(argv=None) -> int:
   if not samples:
     raise SystemExit(f"nvidia-smi gave no samples for --query-gpu={QUERY}; it said: "
                      f"{smi_text.strip()[:500]!r}")
-  text = (f"# Forward kernels' clocks and power: {device.device_kind}\n\n"
-          f"`python benchmarks/clocks.py --arms {','.join(arms)} "
+  text = (f"# Clocks and power, {WHAT[args.what]}: {device.device_kind}\n\n"
+          f"`python benchmarks/clocks.py --what {args.what} --arms {','.join(arms)} "
           f"--shapes {','.join(map(str, picked))} "
           f"--seconds {args.seconds:g} --rounds {args.rounds}`, windows of back-to-back calls "
-          f"of the kernel alone, nvidia-smi sampled every 100 ms\n\n" + summarize(windows, samples))
+          f"of {WHAT[args.what]}, nvidia-smi sampled every 100 ms\n\n" + summarize(windows, samples))
+  suffix = "" if args.what == "kernel" else f"_{args.what}"
   path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                  f"clocks_{bench.device_slug(device.device_kind)}.md")
+                                  f"clocks{suffix}_{bench.device_slug(device.device_kind)}.md")
   with open(path, "w") as f:
     f.write(text + "\n")
   print(text)

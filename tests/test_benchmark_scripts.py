@@ -837,6 +837,8 @@ def test_clocks_reads_nvidia_smi_samples_per_window():
   assert table[3] == "| B4 T4096 N16 H128 causal | fp8_fast | 0 | 424.9 | 0 | - | - | - | - |"
   with pytest.raises(SystemExit):
     clocks.main(["--arms", "bf16,cudnn"])
+  with pytest.raises(SystemExit):   # the kernel alone has no backward to change
+    clocks.main(["--what", "kernel", "--arms", "bf16,fp8_fast_bwd"])
   with pytest.raises(SystemExit, match="reads an NVIDIA GPU's clocks"):
     clocks.main(["--seconds", "2"])
 
