@@ -10,7 +10,9 @@ passes included) or the call's fwd+bwd (--what fwd_bwd) runs back to back for --
 time, the arms in turn, --rounds times, with a second's idle gap between windows, while
 nvidia-smi samples the SM clock, power draw, temperature and the active clock-event reasons every
 100 ms: sustained work, as in training, where short timed bursts may end before the power cap
-pulls the clock down. Per window: the time per call and the samples' medians. A ratio of two kernels' times is a ratio of cycles only where their clocks agree: under
+pulls the clock down. Per window: the time per call and the samples' medians. --ramp N instead
+times N bursts of 10 calls (benchmarks/attention.py's blocks) from an idle GPU, each arm after 2 s
+idle: how many bursts run before the cap pulls the clock down. A ratio of two kernels' times is a ratio of cycles only where their clocks agree: under
 the board's power cap ("sw_power_cap") a kernel that draws more power per cycle runs slower clocks.
 Writes benchmarks/results/clocks_<device>.md and prints it.
 """
@@ -113,6 +115,55 @@ def run_windows(arms, shapes, seconds: float, rounds: int, what: str = "kernel")
   return windows
 
 
+RAMP_MARKS = (1, 2, 3, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+def run_ramp(arms, shapes, bursts: int, what: str = "kernel", calls: int = 10) -> list[dict]:
+  """Per shape and arm, after 2 s idle: `bursts` bursts of `calls` back-to-back calls, each timed
+  to its block_until_ready -> [{shape, arm, start, ends: [unix time], us: [per call]}]."""
+  import jax
+  ramps = []
+  for shape in shapes:
+    kernels = {arm: timed(what, arm, shape) for arm in arms}
+    for f, args in kernels.values():
+      jax.block_until_ready(f(*args))
+    for arm, (f, args) in kernels.items():
+      time.sleep(2.0)
+      ends, us = [], []
+      start = last = time.time()
+      for _ in range(bursts):
+        for _ in range(calls):
+          out = f(*args)
+        jax.block_until_ready(out)
+        now = time.time()
+        ends.append(now)
+        us.append(1e6 * (now - last) / calls)
+        last = now
+      ramps.append(dict(shape=shape, arm=arm, start=start, ends=ends, us=us))
+  return ramps
+
+
+def ramp_table(ramps, samples, marks=RAMP_MARKS) -> str:
+  """Markdown: per ramp, burst k's time per call, when it ended (ms after the first call) and the
+  last nvidia-smi sample's SM clock by then, for each k in `marks` the ramp reached."""
+  marks = [k for k in marks if any(k <= len(r["us"]) for r in ramps)]
+  lines = ["| shape | arm | " + " | ".join(f"burst {k}" for k in marks) + " |",
+           "|---|---|" + "---:|" * len(marks)]
+  for r in ramps:
+    B, T, N, _, H = r["shape"]
+    cells = []
+    for k in marks:
+      if k > len(r["us"]):
+        cells.append("-")
+        continue
+      end = r["ends"][k - 1]
+      before = [x[1] for x in samples if x[0] <= end]
+      clock = f", {before[-1]} MHz" if before else ""
+      cells.append(f"{r['us'][k - 1]:.1f} us ({1e3 * (end - r['start']):.0f} ms{clock})")
+    lines.append(f"| B{B} T{T} N{N} H{H} causal | {r['arm']} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--arms", default="bf16,fp8_fast",
@@ -122,6 +173,8 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--what", default="kernel", choices=tuple(WHAT),
                       help="; ".join(f"{k}: {v}" for k, v in WHAT.items()))
+  parser.add_argument("--ramp", type=int, default=0,
+                      help="time this many bursts of 10 calls from idle instead of windows")
   parser.add_argument("--out", default=None, help="markdown path (default: benchmarks/results)")
   args = parser.parse_args(argv)
   arms = [a for a in args.arms.split(",") if a]
@@ -130,9 +183,9 @@ def main(argv=None) -> int:
     parser.error(f"--arms {args.arms!r}: a comma list of {tuple(fp8.NUMERICS)} (with --what "
                  f"kernel none of {tuple(fp8.CONFIG)}, whose change is to the backward)")
   picked = fp8.shape_indices(parser, args.shapes)
-  if args.seconds <= 1.0 or args.rounds < 1:
+  if args.seconds <= 1.0 or args.rounds < 1 or args.ramp < 0:
     parser.error("--seconds must be over 1 (the first 0.5 s of a window is not read) and "
-                 "--rounds at least 1")
+                 "--rounds at least 1; --ramp 0 or more")
   import jax
   device = jax.devices()[0]
   if device.platform != "gpu":
@@ -150,9 +203,12 @@ def main(argv=None) -> int:
     if smi.poll() is not None:   # refused the query (a field this driver lacks) or the GPU index
       log.seek(0)
       raise SystemExit(f"nvidia-smi --query-gpu={QUERY} stopped: {log.read().strip()[:500]!r}")
+    shapes = [fp8.SHAPES[i] for i in picked]
     try:
-      windows = run_windows(arms, [fp8.SHAPES[i] for i in picked], args.seconds, args.rounds,
-                            args.what)
+      if args.ramp:
+        ramps = run_ramp(arms, shapes, args.ramp, args.what)
+      else:
+        windows = run_windows(arms, shapes, args.seconds, args.rounds, args.what)
     finally:
       smi.terminate()
       smi.wait()
@@ -162,12 +218,19 @@ def main(argv=None) -> int:
   if not samples:
     raise SystemExit(f"nvidia-smi gave no samples for --query-gpu={QUERY}; it said: "
                      f"{smi_text.strip()[:500]!r}")
-  text = (f"# Clocks and power, {WHAT[args.what]}: {device.device_kind}\n\n"
-          f"`python benchmarks/clocks.py --what {args.what} --arms {','.join(arms)} "
-          f"--shapes {','.join(map(str, picked))} "
-          f"--seconds {args.seconds:g} --rounds {args.rounds}`, windows of back-to-back calls "
-          f"of {WHAT[args.what]}, nvidia-smi sampled every 100 ms\n\n" + summarize(windows, samples))
-  suffix = "" if args.what == "kernel" else f"_{args.what}"
+  command = (f"python benchmarks/clocks.py --what {args.what} --arms {','.join(arms)} "
+             f"--shapes {','.join(map(str, picked))}")
+  if args.ramp:
+    text = (f"# Clocks from idle, {WHAT[args.what]}: {device.device_kind}\n\n`{command} --ramp "
+            f"{args.ramp}`: bursts of 10 back-to-back calls, each arm after 2 s idle; a cell is "
+            f"the burst's time per call (when it ended, the SM clock sampled by then)\n\n"
+            + ramp_table(ramps, samples))
+  else:
+    text = (f"# Clocks and power, {WHAT[args.what]}: {device.device_kind}\n\n`{command} "
+            f"--seconds {args.seconds:g} --rounds {args.rounds}`, windows of back-to-back calls "
+            f"of {WHAT[args.what]}, nvidia-smi sampled every 100 ms\n\n"
+            + summarize(windows, samples))
+  suffix = ("" if args.what == "kernel" else f"_{args.what}") + ("_ramp" if args.ramp else "")
   path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                   f"clocks{suffix}_{bench.device_slug(device.device_kind)}.md")
   with open(path, "w") as f:

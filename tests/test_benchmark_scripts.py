@@ -843,6 +843,24 @@ def test_clocks_reads_nvidia_smi_samples_per_window():
     clocks.main(["--seconds", "2"])
 
 
+def test_clocks_ramp_reads_each_marked_burst_and_the_clock_sampled_by_then():
+  from benchmarks import clocks
+  t0 = 1_000_000.0
+  samples = [(t0 - 0.05, 1980, 120.0, 40, 0), (t0 + 0.0125, 1755, 690.0, 55, 4),
+             (t0 + 0.5, 1500, 700.0, 60, 4)]
+  ramps = [dict(shape=(4, 4096, 16, 16, 128), arm="bf16", start=t0,
+                ends=[t0 + 0.005 * (i + 1) for i in range(3)], us=[490.0, 495.5, 555.25]),
+           dict(shape=(4, 4096, 16, 16, 128), arm="fp8_fast", start=t0 - 1.0,
+                ends=[t0 - 0.995], us=[410.0])]
+  table = clocks.ramp_table(ramps, samples, marks=(1, 3, 5)).splitlines()
+  assert table[0] == "| shape | arm | burst 1 | burst 3 |"   # no ramp reached burst 5
+  assert table[2] == ("| B4 T4096 N16 H128 causal | bf16 | 490.0 us (5 ms, 1980 MHz) | "
+                      "555.2 us (15 ms, 1755 MHz) |")
+  assert table[3] == "| B4 T4096 N16 H128 causal | fp8_fast | 410.0 us (5 ms) | - |"
+  with pytest.raises(SystemExit):
+    clocks.main(["--ramp", "-1"])
+
+
 def test_clocks_stops_at_once_when_nvidia_smi_refuses_its_query(tmp_path, monkeypatch):
   from benchmarks import clocks
 
