@@ -3,18 +3,22 @@
     PYTHONPATH=. python benchmarks/clocks.py                        # bf16 and fp8_fast, on a GPU
     PYTHONPATH=. python benchmarks/clocks.py --arms bf16,fp8_fast --shapes 0 --seconds 4
     PYTHONPATH=. python benchmarks/clocks.py --what fwd_bwd --arms bf16,fp8_fast_bwd
+    PYTHONPATH=. python benchmarks/clocks.py --ramp 500              # bursts of 10 from idle
 
 Each arm's forward kernel alone (--what kernel: benchmarks/fp8.py's `forward_kernel`, prepared
 operands, no quantization), its whole forward call (--what forward: quantization and layout
 passes included) or the call's fwd+bwd (--what fwd_bwd) runs back to back for --seconds at a
 time, the arms in turn, --rounds times, with a second's idle gap between windows, while
 nvidia-smi samples the SM clock, power draw, temperature and the active clock-event reasons every
-100 ms: sustained work, as in training, where short timed bursts may end before the power cap
-pulls the clock down. Per window: the time per call and the samples' medians. --ramp N instead
-times N bursts of 10 calls (benchmarks/attention.py's blocks) from an idle GPU, each arm after 2 s
-idle: how many bursts run before the cap pulls the clock down. A ratio of two kernels' times is a ratio of cycles only where their clocks agree: under
-the board's power cap ("sw_power_cap") a kernel that draws more power per cycle runs slower clocks.
-Writes benchmarks/results/clocks_<device>.md and prints it.
+100 ms: sustained work, as in training. Per window: the time per call and the samples' medians.
+Under the board's power cap ("sw_power_cap") a kernel that draws more power per cycle runs at a
+lower clock, so a ratio of two arms' times is not a ratio of their cycles there; and the sampled
+clocks under the cap understate the clock the kernels effectively run at (an H100's bf16 kernel
+by 13%), so time x sampled clock is not their cycles either. --ramp N instead times N bursts of
+10 calls (benchmarks/attention.py's blocks) from an idle GPU, each arm after 2 s idle: the first
+bursts run at the full clock, where a ratio of times is one of cycles, and the later ones show
+when the cap pulls the clock down. Writes benchmarks/results/clocks[_forward|_fwd_bwd][_ramp]_
+<device>.md and prints it.
 """
 from __future__ import annotations
 
@@ -181,7 +185,7 @@ def main(argv=None) -> int:
   if not arms or set(arms) - set(fp8.NUMERICS) or (args.what == "kernel" and set(arms) &
                                                   set(fp8.CONFIG)):
     parser.error(f"--arms {args.arms!r}: a comma list of {tuple(fp8.NUMERICS)} (with --what "
-                 f"kernel none of {tuple(fp8.CONFIG)}, whose change is to the backward)")
+                 f"kernel none of {tuple(fp8.CONFIG)}: the kernel alone runs the table's config)")
   picked = fp8.shape_indices(parser, args.shapes)
   if args.seconds <= 1.0 or args.rounds < 1 or args.ramp < 0:
     parser.error("--seconds must be over 1 (the first 0.5 s of a window is not read) and "
