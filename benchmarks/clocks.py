@@ -96,14 +96,21 @@ def timed(what: str, arm: str, shape):
   return (forward, (q, k, v)) if what == "forward" else (fwd_bwd, (q, k, v, do))
 
 
+def compiled(what: str, arms, shape) -> dict:
+  """arm -> (f, args) of `timed`, each called once: compiled and warm before anything is timed."""
+  import jax
+  kernels = {arm: timed(what, arm, shape) for arm in arms}
+  for f, args in kernels.values():
+    jax.block_until_ready(f(*args))
+  return kernels
+
+
 def run_windows(arms, shapes, seconds: float, rounds: int, what: str = "kernel") -> list[dict]:
   """Each arm's `what` back to back for `seconds`, arms in turn, `rounds` times a shape."""
   import jax
   windows = []
   for shape in shapes:
-    kernels = {arm: timed(what, arm, shape) for arm in arms}
-    for f, args in kernels.values():   # compiled and warm before any window
-      jax.block_until_ready(f(*args))
+    kernels = compiled(what, arms, shape)
     for rnd in range(rounds):
       for arm, (f, args) in kernels.items():
         calls, start = 0, time.time()
@@ -128,9 +135,7 @@ def run_ramp(arms, shapes, bursts: int, what: str = "kernel", calls: int = 10) -
   import jax
   ramps = []
   for shape in shapes:
-    kernels = {arm: timed(what, arm, shape) for arm in arms}
-    for f, args in kernels.values():
-      jax.block_until_ready(f(*args))
+    kernels = compiled(what, arms, shape)
     for arm, (f, args) in kernels.items():
       time.sleep(2.0)
       ends, us = [], []

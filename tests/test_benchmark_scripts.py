@@ -861,6 +861,26 @@ def test_clocks_ramp_reads_each_marked_burst_and_the_clock_sampled_by_then():
     clocks.main(["--ramp", "-1"])
 
 
+def test_clocks_ramp_times_every_burst_of_every_arm_after_compiling_each(monkeypatch):
+  from benchmarks import clocks
+  made = []
+
+  def timed(what, arm, shape):
+    made.append((what, arm, shape))
+    return jax.jit(lambda x: x * 2.0), (jnp.ones(8),)
+  monkeypatch.setattr(clocks, "timed", timed)
+  monkeypatch.setattr(clocks.time, "sleep", lambda s: None)
+  shape = (1, 128, 2, 2, 64)
+  ramps = clocks.run_ramp(["bf16", "fp8_fast"], [shape], bursts=3, what="forward", calls=2)
+  assert made == [("forward", "bf16", shape), ("forward", "fp8_fast", shape)]
+  assert [(r["arm"], r["shape"], len(r["us"]), len(r["ends"])) for r in ramps] == [
+      ("bf16", shape, 3, 3), ("fp8_fast", shape, 3, 3)]
+  for r in ramps:
+    assert r["start"] <= r["ends"][0] <= r["ends"][1] <= r["ends"][2]
+    # each burst's time per call is its share of the time since the previous burst ended
+    assert r["us"][1] == pytest.approx(1e6 * (r["ends"][1] - r["ends"][0]) / 2)
+
+
 def test_clocks_stops_at_once_when_nvidia_smi_refuses_its_query(tmp_path, monkeypatch):
   from benchmarks import clocks
 
