@@ -17,8 +17,8 @@ clocks under the cap understate the clock the kernels effectively run at (an H10
 by 13%), so time x sampled clock is not their cycles either. --ramp N instead times N bursts of
 10 calls (the blocks `benchmarks/fp8.py --calls 10` times) from an idle GPU, each arm after 2 s
 idle: the first bursts run at the full clock, where a ratio of times is one of cycles, and the
-later ones show when the cap pulls the clock down. Writes benchmarks/results/clocks[_forward|_fwd_bwd][_ramp]_
-<device>.md and prints it.
+later ones show when the cap pulls the clock down.
+Writes benchmarks/results/clocks[_forward|_fwd_bwd][_ramp]_<device>.md and prints it.
 """
 from __future__ import annotations
 
