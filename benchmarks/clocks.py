@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/clocks.py                        # bf16 and fp8_fast, on a GPU
     PYTHONPATH=. python benchmarks/clocks.py --arms bf16,fp8_fast --shapes 0 --seconds 4
     PYTHONPATH=. python benchmarks/clocks.py --what fwd_bwd --arms bf16,fp8_fast_bwd
+    PYTHONPATH=. python benchmarks/clocks.py --what fwd_bwd --arms cudnn,bf16 --shapes 0,1,2
     PYTHONPATH=. python benchmarks/clocks.py --ramp 500              # bursts of 10 from idle
 
 Each arm's forward kernel alone (--what kernel: benchmarks/fp8.py's `forward_kernel`, prepared
@@ -176,7 +177,8 @@ def ramp_table(ramps, samples, marks=RAMP_MARKS) -> str:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--arms", default="bf16,fp8_fast",
-                      help=f"comma list of benchmarks/fp8.py's numerics arms {tuple(fp8.NUMERICS)}")
+                      help=f"comma list of benchmarks/fp8.py's numerics arms {tuple(fp8.NUMERICS)}"
+                           f", and cudnn (jax.nn's) for --what forward or fwd_bwd")
   parser.add_argument("--shapes", default="1,0", help=f"comma list of indices into {fp8.SHAPES}")
   parser.add_argument("--seconds", type=float, default=4.0, help="one window's length")
   parser.add_argument("--rounds", type=int, default=2)
@@ -187,10 +189,12 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None, help="markdown path (default: benchmarks/results)")
   args = parser.parse_args(argv)
   arms = [a for a in args.arms.split(",") if a]
-  if not arms or set(arms) - set(fp8.NUMERICS) or (args.what == "kernel" and set(arms) &
-                                                  set(fp8.CONFIG)):
-    parser.error(f"--arms {args.arms!r}: a comma list of {tuple(fp8.NUMERICS)} (with --what "
-                 f"kernel none of {tuple(fp8.CONFIG)}: the kernel alone runs the table's config)")
+  # cuDNN (jax.nn's) has calls, no kernel of ours to time alone
+  known = set(fp8.NUMERICS) | ({"cudnn"} if args.what != "kernel" else set())
+  if not arms or set(arms) - known or (args.what == "kernel" and set(arms) & set(fp8.CONFIG)):
+    parser.error(f"--arms {args.arms!r}: a comma list of {tuple(fp8.NUMERICS)}, or cudnn with "
+                 f"--what forward or fwd_bwd (with --what kernel none of {tuple(fp8.CONFIG)}: "
+                 f"the kernel alone runs the table's config)")
   picked = fp8.shape_indices(parser, args.shapes)
   if args.seconds <= 1.0 or args.rounds < 1 or args.ramp < 0:
     parser.error("--seconds must be over 1 (the first 0.5 s of a window is not read) and "

@@ -835,7 +835,7 @@ def test_clocks_reads_nvidia_smi_samples_per_window():
   assert table[2] == ("| B4 T4096 N16 H128 causal | bf16 | 0 | 545.9 | 2 | 1448 (1290) | 698 (704) "
                       "| 62 | sw_power_cap, sw_power_cap+hw_slowdown |")
   assert table[3] == "| B4 T4096 N16 H128 causal | fp8_fast | 0 | 424.9 | 0 | - | - | - | - |"
-  with pytest.raises(SystemExit):
+  with pytest.raises(SystemExit):   # cuDNN's is a call: no kernel alone to time
     clocks.main(["--arms", "bf16,cudnn"])
   with pytest.raises(SystemExit):   # the kernel alone has no backward to change
     clocks.main(["--what", "kernel", "--arms", "bf16,fp8_fast_bwd"])
