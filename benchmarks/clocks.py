@@ -19,7 +19,8 @@ by 13%), so time x sampled clock is not their cycles either. --ramp N instead ti
 10 calls (the blocks `benchmarks/fp8.py --calls 10` times) from an idle GPU, each arm after 2 s
 idle: the first bursts run at the full clock, where a ratio of times is one of cycles, and the
 later ones show when the cap pulls the clock down.
-Writes benchmarks/results/clocks[_forward|_fwd_bwd][_ramp]_<device>.md and prints it.
+Writes benchmarks/results/clocks[_forward|_fwd_bwd][_ramp]_<device>.md (a --ramp run also every
+burst and sample as .json beside it, which --plot JSON PNG draws) and prints the table.
 """
 from __future__ import annotations
 
@@ -174,6 +175,39 @@ def ramp_table(ramps, samples, marks=RAMP_MARKS) -> str:
   return "\n".join(lines)
 
 
+def plot_ramps(json_path: str, png_path: str) -> None:
+  """From a --ramp run's .json: per shape, each arm's time per call (top) and nvidia-smi's SM
+  clock (bottom) against the time since its first call, log-scaled."""
+  import json
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  with open(json_path) as f:
+    run = json.load(f)
+  shapes = list(dict.fromkeys(tuple(r["shape"]) for r in run["ramps"]))
+  fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 6.5), sharex="col",
+                           squeeze=False)
+  for col, shape in enumerate(shapes):
+    B, T, N, _, H = shape
+    for r in (r for r in run["ramps"] if tuple(r["shape"]) == shape):
+      ms = [1e3 * (t - r["start"]) for t in r["ends"]]
+      line, = axes[0][col].plot(ms, r["us"], lw=1, label=r["arm"])
+      clock = [(1e3 * (x[0] - r["start"]), x[1]) for x in run["samples"]
+               if r["start"] <= x[0] <= r["ends"][-1]]
+      axes[1][col].step([c[0] for c in clock], [c[1] for c in clock], where="post",
+                        color=line.get_color(), label=r["arm"])
+    axes[0][col].set_title(f"B{B} T{T} N{N} H{H} causal", fontsize=9)
+    axes[0][col].set_ylabel("us per call (bursts of 10)")
+    axes[1][col].set_ylabel("SM clock, MHz (nvidia-smi, 100 ms)")
+    axes[1][col].set_xlabel("ms since the arm's first call, after 2 s idle")
+    axes[1][col].set_xscale("log")
+    axes[0][col].legend(fontsize=8)
+  fig.suptitle(run["title"], fontsize=10)
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=110)
+  plt.close(fig)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--arms", default="bf16,fp8_fast",
@@ -187,7 +221,12 @@ def main(argv=None) -> int:
   parser.add_argument("--ramp", type=int, default=0,
                       help="time this many bursts of 10 calls from idle instead of windows")
   parser.add_argument("--out", default=None, help="markdown path (default: benchmarks/results)")
+  parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"),
+                      help="only draw a --ramp run's .json (written beside its .md) as PNG")
   args = parser.parse_args(argv)
+  if args.plot:
+    plot_ramps(*args.plot)
+    return 0
   arms = [a for a in args.arms.split(",") if a]
   # cuDNN (jax.nn's) has calls, no kernel of ours to time alone
   known = set(fp8.NUMERICS) | ({"cudnn"} if args.what != "kernel" else set())
@@ -248,6 +287,10 @@ def main(argv=None) -> int:
                                   f"clocks{suffix}_{bench.device_slug(device.device_kind)}.md")
   with open(path, "w") as f:
     f.write(text + "\n")
+  if args.ramp:   # every burst and sample, for --plot
+    import json
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+      json.dump(dict(title=text.splitlines()[0].lstrip("# "), ramps=ramps, samples=samples), f)
   print(text)
   return 0
 

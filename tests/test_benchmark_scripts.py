@@ -881,6 +881,20 @@ def test_clocks_ramp_times_every_burst_of_every_arm_after_compiling_each(monkeyp
     assert r["us"][1] == pytest.approx(1e6 * (r["ends"][1] - r["ends"][0]) / 2)
 
 
+def test_clocks_plots_a_ramp_from_its_json(tmp_path):
+  from benchmarks import clocks
+  t0 = 1_000_000.0
+  ramps = [dict(shape=shape, arm=arm, start=t0 + 10 * i, us=[500.0 + 5 * j for j in range(30)],
+                ends=[t0 + 10 * i + 0.005 * (j + 1) for j in range(30)])
+           for i, (shape, arm) in enumerate([((4, 4096, 16, 16, 128), "bf16"),
+                                             ((4, 4096, 16, 16, 128), "fp8_fast"),
+                                             ((1, 16384, 16, 16, 128), "bf16")])]
+  samples = [(t0 + 0.05 * k, 1980 - k, 690.0, 60, 4) for k in range(600)]
+  (tmp_path / "ramp.json").write_text(json.dumps(dict(title="t", ramps=ramps, samples=samples)))
+  assert clocks.main(["--plot", str(tmp_path / "ramp.json"), str(tmp_path / "ramp.png")]) == 0
+  assert (tmp_path / "ramp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_clocks_stops_at_once_when_nvidia_smi_refuses_its_query(tmp_path, monkeypatch):
   from benchmarks import clocks
 
