@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import time
 
 import jax
 import jax.numpy as jnp
@@ -881,16 +882,38 @@ def test_clocks_ramp_times_every_burst_of_every_arm_after_compiling_each(monkeyp
     assert r["us"][1] == pytest.approx(1e6 * (r["ends"][1] - r["ends"][0]) / 2)
 
 
-def test_clocks_plots_a_ramp_from_its_json(tmp_path):
+def test_clocks_ramp_writes_its_table_and_json_which_plot_draws(tmp_path, monkeypatch):
   from benchmarks import clocks
-  t0 = 1_000_000.0
-  ramps = [dict(shape=shape, arm=arm, start=t0 + 10 * i, us=[500.0 + 5 * j for j in range(30)],
-                ends=[t0 + 10 * i + 0.005 * (j + 1) for j in range(30)])
-           for i, (shape, arm) in enumerate([((4, 4096, 16, 16, 128), "bf16"),
-                                             ((4, 4096, 16, 16, 128), "fp8_fast"),
-                                             ((1, 16384, 16, 16, 128), "bf16")])]
-  samples = [(t0 + 0.05 * k, 1980 - k, 690.0, 60, 4) for k in range(600)]
-  (tmp_path / "ramp.json").write_text(json.dumps(dict(title="t", ramps=ramps, samples=samples)))
+
+  class Gpu:
+    platform, device_kind, local_hardware_id = "gpu", "NVIDIA H100 80GB HBM3", 0
+
+  smi = tmp_path / "nvidia-smi"   # samples every 50 ms until terminated, as nvidia-smi -lms does
+  smi.write_text('#!/bin/bash\nwhile true; do date +"%Y/%m/%d %H:%M:%S.%3N, 1755, 690.00, 60, '
+                 '0x0000000000000004"; sleep 0.05; done\n')
+  smi.chmod(0o755)
+  monkeypatch.setattr(jax, "devices", lambda *a: [Gpu()])
+  monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+  def run_ramp(arms, shapes, bursts, what):
+    assert (arms, bursts, what) == (["bf16", "fp8_fast"], 3, "forward")
+    ramps = []
+    for shape in shapes:
+      for arm in arms:
+        start = time.time()
+        time.sleep(0.1)
+        ramps.append(dict(shape=shape, arm=arm, start=start, us=[480.0, 490.0, 550.0],
+                          ends=[start + 0.005, start + 0.01, time.time()]))
+    return ramps
+  monkeypatch.setattr(clocks, "run_ramp", run_ramp)
+  md = tmp_path / "ramp.md"
+  assert clocks.main(["--what", "forward", "--shapes", "0,1", "--ramp", "3", "--out", str(md)]) == 0
+  rows = [line for line in md.read_text().splitlines() if line.startswith("| B")]
+  assert len(rows) == 4 and rows[0].startswith("| B4 T4096 N16 H128 causal | bf16 | 480.0 us (5 ms")
+  assert "550.0 us" in rows[3] and "1755 MHz" in rows[3]   # burst 3 ended after a sample
+  run = json.loads((tmp_path / "ramp.json").read_text())
+  assert [r["arm"] for r in run["ramps"]] == ["bf16", "fp8_fast"] * 2
+  assert run["samples"] and all(x[1] == 1755 for x in run["samples"])
   assert clocks.main(["--plot", str(tmp_path / "ramp.json"), str(tmp_path / "ramp.png")]) == 0
   assert (tmp_path / "ramp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
