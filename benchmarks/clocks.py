@@ -107,21 +107,27 @@ def compiled(what: str, arms, shape) -> dict:
   return kernels
 
 
+def burst(f, args, calls: int) -> float:
+  """`calls` back-to-back calls of f(*args), waited for -> the time they ended (time.time())."""
+  import jax
+  for _ in range(calls):
+    out = f(*args)
+  jax.block_until_ready(out)
+  return time.time()
+
+
 def run_windows(arms, shapes, seconds: float, rounds: int, what: str = "kernel") -> list[dict]:
   """Each arm's `what` back to back for `seconds`, arms in turn, `rounds` times a shape."""
-  import jax
   windows = []
   for shape in shapes:
     kernels = compiled(what, arms, shape)
     for rnd in range(rounds):
       for arm, (f, args) in kernels.items():
         calls, start = 0, time.time()
-        while time.time() - start < seconds:
-          for _ in range(20):
-            out = f(*args)
-          jax.block_until_ready(out)
+        end = start
+        while end - start < seconds:
+          end = burst(f, args, 20)
           calls += 20
-        end = time.time()
         windows.append(dict(shape=shape, arm=arm, round=rnd, start=start, end=end,
                             us=1e6 * (end - start) / calls))
         time.sleep(1.0)
@@ -134,7 +140,6 @@ RAMP_MARKS = (1, 2, 3, 5, 10, 20, 50, 100, 200, 500, 1000)
 def run_ramp(arms, shapes, bursts: int, what: str = "kernel", calls: int = 10) -> list[dict]:
   """Per shape and arm, after 2 s idle: `bursts` bursts of `calls` back-to-back calls, each timed
   to its block_until_ready -> [{shape, arm, start, ends: [unix time], us: [per call]}]."""
-  import jax
   ramps = []
   for shape in shapes:
     kernels = compiled(what, arms, shape)
@@ -143,10 +148,7 @@ def run_ramp(arms, shapes, bursts: int, what: str = "kernel", calls: int = 10) -
       ends, us = [], []
       start = last = time.time()
       for _ in range(bursts):
-        for _ in range(calls):
-          out = f(*args)
-        jax.block_until_ready(out)
-        now = time.time()
+        now = burst(f, args, calls)
         ends.append(now)
         us.append(1e6 * (now - last) / calls)
         last = now

@@ -880,6 +880,10 @@ def test_clocks_ramp_times_every_burst_of_every_arm_after_compiling_each(monkeyp
     assert r["start"] <= r["ends"][0] <= r["ends"][1] <= r["ends"][2]
     # each burst's time per call is its share of the time since the previous burst ended
     assert r["us"][1] == pytest.approx(1e6 * (r["ends"][1] - r["ends"][0]) / 2)
+  windows = clocks.run_windows(["bf16", "fp8_fast"], [shape], seconds=0.05, rounds=1)
+  assert [(w["arm"], w["round"]) for w in windows] == [("bf16", 0), ("fp8_fast", 0)]
+  for w in windows:   # bursts of 20 until the window's length has passed
+    assert w["end"] - w["start"] >= 0.05 and w["us"] > 0
 
 
 def test_clocks_ramp_writes_its_table_and_json_which_plot_draws(tmp_path, monkeypatch):
