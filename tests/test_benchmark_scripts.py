@@ -629,6 +629,7 @@ def test_fp8_mma_model_truncates_as_described():
       mm.truncating_accumulate(c, p, v, promote=bad)
 
 
+@pytest.mark.slow   # README test command's time (2026-12-05, 14:33-16:46 on a slower machine)
 def test_fp8_mma_model_probe_changes_only_the_fp8_pv(capsys):
   """benchmarks/fp8_mma_model.py runs the bias probe on the reference with the model swapped in
   and restores tile's functions after; with bits to spare its tables are the plain probe's, and
@@ -659,6 +660,7 @@ def test_fp8_mma_model_probe_changes_only_the_fp8_pv(capsys):
   assert changed == [label == "fp8_fast" for label in labels] and any(changed), (plain, coarse)
 
 
+@pytest.mark.slow   # README test command's time (2026-12-05, 14:33-16:46 on a slower machine)
 def test_fp8_mma_model_compares_with_a_measured_probe(tmp_path, capsys):
   """--against FILE: the model's bias cells beside a probe's written output, row by row. The plain
   probe's own file against the model with bits to spare differs by 0; against a coarse model
@@ -684,6 +686,7 @@ def test_fp8_mma_model_compares_with_a_measured_probe(tmp_path, capsys):
     mm.main(["--bits", "40", *args, "--against", str(other)])
 
 
+@pytest.mark.slow   # README test command's time (2026-12-05, 14:33-16:46 on a slower machine)
 def test_fp8_mma_model_takes_the_kernels_key_blocks(capsys):
   """--block-k 128: the reference's key blocks as the Hopper FP8 forward's (restored after), so
   --promote 128 models the kernel's promotion per block; a coarse accumulator then moves O less
@@ -709,6 +712,7 @@ def test_fp8_mma_model_takes_the_kernels_key_blocks(capsys):
     assert "--promote takes" in capsys.readouterr().err or bad[0] == "--block-k"
 
 
+@pytest.mark.slow   # README test command's time (2026-12-05, 14:33-16:46 on a slower machine)
 def test_fp8_mma_model_center_v_keeps_the_sum_and_takes_out_the_signs_imbalance(tmp_path, capsys):
   """--center-v: each block's V less its mean through the model, the mean's term in fp32. With
   bits to spare O is the plain probe's (the same sum, cells within 0.002 ulp); with a coarse
@@ -735,6 +739,7 @@ def test_fp8_mma_model_center_v_keeps_the_sum_and_takes_out_the_signs_imbalance(
   assert "two designs" in capsys.readouterr().err
 
 
+@pytest.mark.slow   # README test command's time (2026-12-05, 14:33-16:46 on a slower machine)
 def test_fp8_mma_model_under_the_center_v_numerics(capsys):
   """The modelled truncating accumulation under numerics center_v (v centred over the whole
   sequence before its quantization, the mean added to O after the backend): the probe's
@@ -790,6 +795,7 @@ def test_fp8_accumulation_measures_signed_ulps_and_needs_a_hopper(capsys):
   assert "needs a Hopper" in capsys.readouterr().err
 
 
+@pytest.mark.slow   # README test command's time (2026-12-05, 14:33-16:46 on a slower machine)
 def test_fp8_accumulation_captures_a_gpt2_runs_attention(tmp_path):
   """--gpt2: one step of a checkpointed run gives every layer's q, k, v and dO (batch row 0, the
   capture of reproduction.gradients, tested there); a run with grad_accum > 1 is refused."""
