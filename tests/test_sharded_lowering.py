@@ -10,6 +10,9 @@ that only when it compiles, which here it cannot (tests/partition_callbacks.py d
   programs lower to the Hopper kernels; on Explicit axes no such op (shard_map at trace time) and
   one set of kernels in the program.
 - A sequence-sharded call (context parallel, zigzag), allgather and ring, on Explicit axes.
+- The FP8 call (`fp8_fast`, `fp8_fast+center_v=true` with the FP8 backward; `fp8`), batch and
+  heads split on Auto and Explicit axes, the sequence (alltoall) on Explicit ones: the FP8
+  kernels with e4m3 operands in every per-device program.
 - The trainer's GPT-2 step, data parallel and FSDP, packed and split: under train.attention.on_mesh
   (what the trainer jits) no custom_partitioning op and one set of kernels for all layers; the same
   step jitted plainly (the library partitioning itself: what crashed) lowers every per-device
@@ -105,6 +108,36 @@ for strategy in ("allgather", "ring", "alltoall"):
         all_to_all=text.count("all_to_all"),
         conds=text.count("stablehlo.case") + text.count("stablehlo.if"))
 
+# --- FP8 (issue 49): q, k, v quantized by the api, their scales and e4m3 payloads operands by
+# their table rows; center_v's v_mean beside them. Batch and heads split on Auto and Explicit axes,
+# the sequence (alltoall) on Explicit ones; FP8 backward where the numerics take it.
+B8, N8 = 2, 4
+fp8_spec = lambda a: (P("data", None, "model") if a.ndim == 4 and a.shape[0] == B8 and
+                      a.shape[2] == N8 else P())
+e4m3 = lambda text: sum("f8E4M3FN" in line for line in text.splitlines() if KERNEL in line)
+for numerics in ("fp8_fast", "fp8_fast+center_v=true", "fp8"):
+  config = None if numerics == "fp8" else {{"fp8_backward": True}}
+  for kind, split in (("auto", "rows"), ("explicit", "rows"), ("explicit", "sequence")):
+    def fp8_loss(q, k, v, sinks, ids):
+      o = stable_attn.dot_product_attention(
+          q, k, v, is_causal=True, sinks=sinks, q_segment_ids=ids, kv_segment_ids=ids,
+          implementation="pallas_mosaic_gpu", numerics=numerics, config=config,
+          context_strategy="alltoall")
+      return jnp.sum(o.astype(jnp.float32))
+    axis = AxisType.Auto if kind == "auto" else AxisType.Explicit
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis, axis))
+    arg = lambda s, dtype, spec: jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, spec))
+    rows = P("data", None, "model") if split == "rows" else P("data", "model")
+    args = [arg((B8, 256, N8, 128), jnp.bfloat16, rows)] * 3 + [
+        arg((N8,), jnp.float32, P()), arg((B8, 256), jnp.int32, P(*rows[:2]))]
+    with jax.set_mesh(mesh), recorded() as ops:
+      text = cuda(jax.jit(jax.grad(fp8_loss, argnums=(0, 1, 2))), *args)
+    per_device = lower_partitions(ops, fp8_spec)
+    out[f"fp8_{{numerics}}_{{kind}}_{{split}}"] = dict(
+        ops=len(ops), kernels=text.count(KERNEL), e4m3=e4m3(text),
+        per_device=[t.count(KERNEL) for t in per_device],
+        per_device_e4m3=[e4m3(t) for t in per_device], all_to_all=text.count("all_to_all"))
+
 # --- the trainer -----------------------------------------------------------------------------
 from train.attention import on_mesh
 from train.config import get_config
@@ -182,5 +215,20 @@ def test_sharded_hopper_programs_lower_for_cuda():
     # Plainly jitted: each layer's forward and backward is an op whose program lowers.
     assert r["plain_ops"] == 2 * 2 and r["plain_kernels"] == 0, (name, r)
     assert sorted(r["per_device"]) == [1, 1, 2, 2], (name, r)
+  # FP8: on Auto axes a forward and a backward op whose per-device programs lower to the FP8
+  # forward (e4m3 operands) and, with the FP8 backward, its two e4m3 kernels (the "fp8" preset's
+  # backward is bf16); on Explicit axes the same kernels in the program, the sequence split
+  # trading positions for heads with all-to-alls.
+  for numerics in ("fp8_fast", "fp8_fast+center_v=true", "fp8"):
+    backward = 2 if numerics != "fp8" else 0
+    auto = result[f"fp8_{numerics}_auto_rows"]
+    assert auto["ops"] == 2 and auto["kernels"] == 0, (numerics, auto)
+    assert auto["per_device"] == [1, 2] and auto["per_device_e4m3"] == [1, backward], (numerics,
+                                                                                      auto)
+    for split in ("rows", "sequence"):
+      explicit = result[f"fp8_{numerics}_explicit_{split}"]
+      assert explicit["ops"] == 0 and explicit["kernels"] == 3, (numerics, split, explicit)
+      assert explicit["e4m3"] == 1 + backward, (numerics, split, explicit)
+      assert (explicit["all_to_all"] > 0) == (split == "sequence"), (numerics, split, explicit)
   # train --fp8-backward, data parallel under on_mesh: the config mapping reaches every kernel.
   assert result["fp8_backward_train_dp"] == dict(ops=0, kernels=3, e4m3=3), result
