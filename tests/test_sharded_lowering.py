@@ -16,7 +16,8 @@ that only when it compiles, which here it cannot (tests/partition_callbacks.py d
 - The trainer's GPT-2 step, data parallel and FSDP, packed and split: under train.attention.on_mesh
   (what the trainer jits) no custom_partitioning op and one set of kernels for all layers; the same
   step jitted plainly (the library partitioning itself: what crashed) lowers every per-device
-  program. With --fp8-backward (data parallel): the FP8 forward and backward kernels.
+  program. With --fp8-backward (data parallel, packed and split, under on_mesh and jitted
+  plainly): the FP8 forward and backward kernels, with e4m3 operands.
 """
 from __future__ import annotations
 
@@ -163,16 +164,23 @@ for fsdp in (False, True):
         ops=len(ops), kernels=text.count(KERNEL), plain_ops=len(plain_ops),
         plain_kernels=plain_text.count(KERNEL), per_device=[t.count(KERNEL) for t in per_device])
 # --fp8-backward ("auto": the Hopper kernel, taken as available): the FP8 forward and the FP8
-# backward's two kernels, all with e4m3 operands
-cfg = get_config("tiny").replace(batch_size=8, model=dict(
-    n_layer=2, n_head=2, n_embd=128, block_size=256, numerics="fp8", fp8_backward=True))
-training = make_training(cfg, mesh)
-x = jax.ShapeDtypeStruct((1, 8, 256), jnp.int32, sharding=training.batch_sharding)
-with recorded() as ops:
-  text = cuda(training.train_step, training.params, training.opt_state, x, x)
-lines = [line for line in text.splitlines() if KERNEL in line]
-out["fp8_backward_train_dp"] = dict(ops=len(ops), kernels=len(lines),
-                                    e4m3=sum("f8E4M3FN" in line for line in lines))
+# backward's two kernels, all with e4m3 operands; packed and split, and jitted plainly too
+for packed in (True, False):
+  cfg = get_config("tiny").replace(batch_size=8, model=dict(
+      n_layer=2, n_head=2, n_embd=128, block_size=256, numerics="fp8", fp8_backward=True,
+      qkv_packed=packed))
+  training = make_training(cfg, mesh)
+  x = jax.ShapeDtypeStruct((1, 8, 256), jnp.int32, sharding=training.batch_sharding)
+  args = (training.params, training.opt_state, x, x)
+  with recorded() as ops:
+    text = cuda(training.train_step, *args)
+  plain = jax.jit(make_train_step(training.graphdef, training.tx))
+  with recorded() as plain_ops:
+    cuda(plain, *args)
+  per_device = lower_partitions(plain_ops, train_spec)
+  out[f"fp8_backward_train_dp_{{'packed' if packed else 'split'}}"] = dict(
+      ops=len(ops), kernels=text.count(KERNEL), e4m3=e4m3(text), plain_ops=len(plain_ops),
+      per_device_e4m3=sorted(e4m3(t) for t in per_device))
 print("RESULT" + json.dumps(out))
 """
 
@@ -230,5 +238,8 @@ def test_sharded_hopper_programs_lower_for_cuda():
       assert explicit["ops"] == 0 and explicit["kernels"] == 3, (numerics, split, explicit)
       assert explicit["e4m3"] == 1 + backward, (numerics, split, explicit)
       assert (explicit["all_to_all"] > 0) == (split == "sequence"), (numerics, split, explicit)
-  # train --fp8-backward, data parallel under on_mesh: the config mapping reaches every kernel.
-  assert result["fp8_backward_train_dp"] == dict(ops=0, kernels=3, e4m3=3), result
+  # train --fp8-backward, data parallel: under on_mesh the config mapping reaches every kernel;
+  # jitted plainly, each layer's per-device programs hold the e4m3 kernels.
+  for entry in ("packed", "split"):
+    assert result[f"fp8_backward_train_dp_{entry}"] == dict(
+        ops=0, kernels=3, e4m3=3, plain_ops=4, per_device_e4m3=[1, 1, 2, 2]), (entry, result)
