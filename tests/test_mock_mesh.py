@@ -1,6 +1,6 @@
 """tests/test_multi_gpu.py on one Hopper GPU (`-m gpu`), on a mock mesh of 4 devices.
 
-Each group of that file's tests runs in a subprocess under XLA's mock NCCL
+Each of 12 groups of that file's tests runs in a subprocess under XLA's mock NCCL
 (`MOCK_NUM_GPU_PROCESSES=4`): JAX sees the devices of 4 processes, so every sharded program
 compiles as on 4 GPUs -- custom_partitioning's per-device programs lowered to the Hopper kernels
 and through ptxas, where the 4-GPU crash of the packed QKV gradient was, which the CPU's sharding
@@ -37,9 +37,13 @@ GROUPS = {
     "entries_packed": "test_sharded_equals_one_device and packed",
     "entries_flax": "test_sharded_equals_one_device and flax",
     "every_max_adjust": "test_sharded_every_max_adjust",
-    "sequence": "test_sequence_sharded",
-    "fp8_auto": "test_sharded_fp8_equals_one_device and auto",
-    "fp8_explicit": "test_sharded_fp8_equals_one_device and explicit",
+    "sequence": "test_sequence_sharded_runs_context_parallel",
+    "sequence_zigzag": "test_sequence_sharded_zigzag",
+    "fp8_auto_rows": "test_sharded_fp8_equals_one_device and auto and (batch or heads)",
+    "fp8_auto_both_sequence": "test_sharded_fp8_equals_one_device and auto and (both or sequence)",
+    "fp8_explicit_rows": "test_sharded_fp8_equals_one_device and explicit and (batch or heads)",
+    "fp8_explicit_both_sequence": ("test_sharded_fp8_equals_one_device and explicit and "
+                                   "(both or sequence)"),
     "heads_by_part_of_an_axis": "test_heads_split_by_part_of_a_mesh_axis",
     "train_step": "test_train_step_on_every_device_equals_one_device",
 }
