@@ -146,29 +146,14 @@ from train.step import make_train_step, make_training
 
 mesh = Mesh(np.asarray(jax.devices()), ("data",))
 train_spec = lambda a: P("data") if a.ndim >= 2 and a.shape[0] == 8 else P()
-for fsdp in (False, True):
-  for packed in (True, False):
-    cfg = get_config("tiny").replace(
-        batch_size=8, fsdp=fsdp,
-        model=dict(n_layer=2, n_head=2, n_embd=128, block_size=256, qkv_packed=packed))
-    training = make_training(cfg, mesh)
-    x = jax.ShapeDtypeStruct((1, 8, 256), jnp.int32, sharding=training.batch_sharding)
-    args = (training.params, training.opt_state, x, x)
-    with recorded() as ops:
-      text = cuda(training.train_step, *args)
-    plain = jax.jit(make_train_step(training.graphdef, training.tx))
-    with recorded() as plain_ops:
-      plain_text = cuda(plain, *args)
-    per_device = lower_partitions(plain_ops, train_spec)
-    out[f"train_{{'fsdp' if fsdp else 'dp'}}_{{'packed' if packed else 'split'}}"] = dict(
-        ops=len(ops), kernels=text.count(KERNEL), plain_ops=len(plain_ops),
-        plain_kernels=plain_text.count(KERNEL), per_device=[t.count(KERNEL) for t in per_device])
-# --fp8-backward ("auto": the Hopper kernel, taken as available): the FP8 forward and the FP8
-# backward's two kernels, all with e4m3 operands; packed and split, and jitted plainly too
-for packed in (True, False):
-  cfg = get_config("tiny").replace(batch_size=8, model=dict(
-      n_layer=2, n_head=2, n_embd=128, block_size=256, numerics="fp8", fp8_backward=True,
-      qkv_packed=packed))
+# --fp8-backward ("auto": the Hopper kernel, taken as available; data parallel): the FP8 forward
+# and the FP8 backward's two kernels, all with e4m3 operands
+for fsdp, packed, fp8 in [(False, True, False), (False, False, False), (True, True, False),
+                          (True, False, False), (False, True, True), (False, False, True)]:
+  fp8_model = dict(numerics="fp8", fp8_backward=True) if fp8 else {{}}
+  cfg = get_config("tiny").replace(
+      batch_size=8, fsdp=fsdp,
+      model=dict(n_layer=2, n_head=2, n_embd=128, block_size=256, qkv_packed=packed, **fp8_model))
   training = make_training(cfg, mesh)
   x = jax.ShapeDtypeStruct((1, 8, 256), jnp.int32, sharding=training.batch_sharding)
   args = (training.params, training.opt_state, x, x)
@@ -176,10 +161,12 @@ for packed in (True, False):
     text = cuda(training.train_step, *args)
   plain = jax.jit(make_train_step(training.graphdef, training.tx))
   with recorded() as plain_ops:
-    cuda(plain, *args)
+    plain_text = cuda(plain, *args)
   per_device = lower_partitions(plain_ops, train_spec)
-  out[f"fp8_backward_train_dp_{{'packed' if packed else 'split'}}"] = dict(
+  name = f"{{'fsdp' if fsdp else 'dp'}}_{{'packed' if packed else 'split'}}"
+  out[("fp8_backward_train_" if fp8 else "train_") + name] = dict(
       ops=len(ops), kernels=text.count(KERNEL), e4m3=e4m3(text), plain_ops=len(plain_ops),
+      plain_kernels=plain_text.count(KERNEL), per_device=[t.count(KERNEL) for t in per_device],
       per_device_e4m3=sorted(e4m3(t) for t in per_device))
 print("RESULT" + json.dumps(out))
 """
@@ -241,5 +228,6 @@ def test_sharded_hopper_programs_lower_for_cuda():
   # train --fp8-backward, data parallel: under on_mesh the config mapping reaches every kernel;
   # jitted plainly, each layer's per-device programs hold the e4m3 kernels.
   for entry in ("packed", "split"):
-    assert result[f"fp8_backward_train_dp_{entry}"] == dict(
-        ops=0, kernels=3, e4m3=3, plain_ops=4, per_device_e4m3=[1, 1, 2, 2]), (entry, result)
+    r = result[f"fp8_backward_train_dp_{entry}"]
+    assert (r["ops"], r["kernels"], r["e4m3"], r["plain_ops"]) == (0, 3, 3, 4), (entry, r)
+    assert r["per_device_e4m3"] == [1, 1, 2, 2], (entry, r)
