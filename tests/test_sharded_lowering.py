@@ -146,8 +146,8 @@ from train.step import make_train_step, make_training
 
 mesh = Mesh(np.asarray(jax.devices()), ("data",))
 train_spec = lambda a: P("data") if a.ndim >= 2 and a.shape[0] == 8 else P()
-# --fp8-backward ("auto": the Hopper kernel, taken as available; data parallel): the FP8 forward
-# and the FP8 backward's two kernels, all with e4m3 operands
+# Data parallel and FSDP, packed and split; and --fp8-backward (data parallel; "auto" is the
+# Hopper kernel, taken as available): the FP8 forward and backward kernels, e4m3 operands.
 for fsdp, packed, fp8 in [(False, True, False), (False, False, False), (True, True, False),
                           (True, False, False), (False, True, True), (False, False, True)]:
   fp8_model = dict(numerics="fp8", fp8_backward=True) if fp8 else {{}}
