@@ -37,6 +37,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import stable_attn
 import stable_attn.flax
 
+# XLA's mock NCCL on one GPU (the module docstring), set before anything below starts a backend:
+# JAX 0.11 takes it from its config only, and XLA's autotuning sharded over processes would wait
+# forever for the 3 that do not exist (the compile hung on an H100, 2026-12-05).
+MOCK = int(os.environ.get("MOCK_NUM_GPU_PROCESSES") or 0) > 0
+if MOCK:
+  jax.config.update("mock_num_gpu_processes", int(os.environ["MOCK_NUM_GPU_PROCESSES"]))
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_shard_autotuning=false"
+
 mosaic = pytest.importorskip("pallas_kernels.mosaic_gpu")
 
 pytestmark = [
@@ -45,8 +53,6 @@ pytestmark = [
                        reason="needs 2 or more Hopper (sm_90) GPUs"),
 ]
 
-# XLA's mock NCCL on one GPU (the module docstring): JAX reads the same variable.
-MOCK = int(os.environ.get("MOCK_NUM_GPU_PROCESSES") or 0) > 0
 COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|"
                         r"collective-broadcast|ragged-all-to-all)(?:-start)?\(")
 
