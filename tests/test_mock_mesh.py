@@ -8,7 +8,9 @@ tests never reach -- and this process's share runs. Values are compared where a 
 collectives (the mock's move no data); the others compile, run and are skipped by name
 (tests/test_multi_gpu.py says how). With 2 or more GPUs the file runs for real instead.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu tests/test_mock_mesh.py
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -m gpu -n 12 tests/test_mock_mesh.py
+
+`MOCK_MESH_LOGS=DIR` keeps each group's pytest output as DIR/<group>.log.
 """
 from __future__ import annotations
 
@@ -58,6 +60,10 @@ def test_multi_gpu_tests_on_a_mock_mesh(group):
        "tests/test_multi_gpu.py", "-k", GROUPS[group]],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
   out = run.stdout + run.stderr
+  if os.environ.get("MOCK_MESH_LOGS"):
+    logs = Path(os.environ["MOCK_MESH_LOGS"])
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / f"{group}.log").write_text(out)
   counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|error)", out)}
   assert run.returncode == 0 and sum(counts.values()) > 0, out[-6000:]
   # every test either compared values (passed) or compiled and ran (skipped, naming collectives)
