@@ -40,9 +40,9 @@ import stable_attn.flax
 # XLA's mock NCCL on one GPU (the module docstring), set before anything below starts a backend:
 # JAX 0.11 takes it from its config only, and XLA's autotuning sharded over processes would wait
 # forever for the 3 that do not exist (the compile hung on an H100, 2026-12-05).
-MOCK = int(os.environ.get("MOCK_NUM_GPU_PROCESSES") or 0) > 0
+MOCK = int(os.environ.get("MOCK_NUM_GPU_PROCESSES") or 0)  # processes mocked; 0: real GPUs
 if MOCK:
-  jax.config.update("mock_num_gpu_processes", int(os.environ["MOCK_NUM_GPU_PROCESSES"]))
+  jax.config.update("mock_num_gpu_processes", MOCK)
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_shard_autotuning=false"
 
 mosaic = pytest.importorskip("pallas_kernels.mosaic_gpu")
