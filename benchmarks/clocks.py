@@ -20,7 +20,8 @@ by 13%), so time x sampled clock is not their cycles either. --ramp N instead ti
 idle: the first bursts run at the full clock, where a ratio of times is one of cycles, and the
 later ones show when the cap pulls the clock down.
 Writes benchmarks/results/clocks[_forward|_fwd_bwd][_ramp]_<device>.md (a --ramp run also every
-burst and sample as .json beside it, which --plot JSON PNG draws) and prints the table.
+burst and sample as .json beside it, which --plot JSON PNG draws and --ratios JSON reads for each
+arm's speed-up over the first) and prints the table.
 """
 from __future__ import annotations
 
@@ -177,6 +178,27 @@ def ramp_table(ramps, samples, marks=RAMP_MARKS) -> str:
   return "\n".join(lines)
 
 
+def ramp_ratios(ramps, first: int = 5, held: int = 100) -> str:
+  """Markdown: per shape, each arm's speed-up over the shape's first arm (that arm's time per
+  call over this one's), burst by burst for the first `first` bursts, where both run from idle at
+  the full clock (a ratio of cycles, until the first arm's clock drops), and of the medians of
+  the last `held` bursts (a ratio of times under the power cap, as in training)."""
+  lines = ["| shape | arm | " + " | ".join(f"burst {k}" for k in range(1, first + 1))
+           + f" | median of the last {held} |", "|---|---|" + "---:|" * (first + 1)]
+  shapes = list(dict.fromkeys(tuple(r["shape"]) for r in ramps))
+  for shape in shapes:
+    base, *others = [r for r in ramps if tuple(r["shape"]) == shape]
+    B, T, N, _, H = shape
+    for r in others:
+      n = min(len(base["us"]), len(r["us"]))
+      cells = [f"{base['us'][k] / r['us'][k]:.3f}" if k < n else "-" for k in range(first)]
+      tail = slice(n - min(held, n), n)
+      cells.append(f"{statistics.median(base['us'][tail]) / statistics.median(r['us'][tail]):.3f}")
+      lines.append(f"| B{B} T{T} N{N} H{H} causal | {base['arm']} / {r['arm']} | "
+                   + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def plot_ramps(json_path: str, png_path: str) -> None:
   """From a --ramp run's .json: per shape, each arm's time per call (top) and nvidia-smi's SM
   clock (bottom) against the time since its first call, log-scaled."""
@@ -225,9 +247,16 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None, help="markdown path (default: benchmarks/results)")
   parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"),
                       help="only draw a --ramp run's .json (written beside its .md) as PNG")
+  parser.add_argument("--ratios", metavar="JSON",
+                      help="only print a --ramp run's speed-ups over its first arm (.json)")
   args = parser.parse_args(argv)
   if args.plot:
     plot_ramps(*args.plot)
+    return 0
+  if args.ratios:
+    import json
+    with open(args.ratios) as f:
+      print(ramp_ratios(json.load(f)["ramps"]))
     return 0
   arms = [a for a in args.arms.split(",") if a]
   # cuDNN (jax.nn's) has calls, no kernel of ours to time alone
@@ -278,7 +307,8 @@ def main(argv=None) -> int:
     text = (f"# Clocks from idle, {WHAT[args.what]}: {device.device_kind}\n\n`{command} --ramp "
             f"{args.ramp}`: bursts of 10 back-to-back calls, each arm after 2 s idle; a cell is "
             f"the burst's time per call (when it ended, the SM clock sampled by then)\n\n"
-            + ramp_table(ramps, samples))
+            + ramp_table(ramps, samples) + "\n\nSpeed-ups over the first arm:\n\n"
+            + ramp_ratios(ramps))
   else:
     text = (f"# Clocks and power, {WHAT[args.what]}: {device.device_kind}\n\n`{command} "
             f"--seconds {args.seconds:g} --rounds {args.rounds}`, windows of back-to-back calls "

@@ -868,6 +868,28 @@ def test_clocks_ramp_reads_each_marked_burst_and_the_clock_sampled_by_then():
     clocks.main(["--ramp", "-1"])
 
 
+def test_clocks_ramp_ratios_are_the_first_arms_time_over_each_others_per_burst_and_held():
+  from benchmarks import clocks
+  rng = np.random.default_rng()
+  shape, other = (4, 4096, 16, 16, 128), (1, 16384, 16, 16, 128)
+  bf16, fp8_ = rng.uniform(400.0, 600.0, 150), rng.uniform(300.0, 500.0, 150)
+  ramps = [dict(shape=shape, arm="bf16", us=list(bf16)), dict(shape=shape, arm="fp8_fast",
+                                                              us=list(fp8_)),
+           dict(shape=other, arm="bf16", us=[500.0, 510.0]),
+           dict(shape=other, arm="fp8_fast", us=[400.0, 425.0, 1.0])]
+  table = clocks.ramp_ratios(ramps, first=3, held=100).splitlines()
+  assert table[0] == "| shape | arm | burst 1 | burst 2 | burst 3 | median of the last 100 |"
+  cells = table[2].split(" | ")
+  assert cells[:2] == ["| B4 T4096 N16 H128 causal", "bf16 / fp8_fast"]
+  for k in range(3):
+    assert float(cells[2 + k]) == pytest.approx(bf16[k] / fp8_[k], abs=6e-4)
+  held = np.median(bf16[50:]) / np.median(fp8_[50:])
+  assert float(cells[5].rstrip(" |")) == pytest.approx(held, abs=6e-4)
+  # bursts past the shorter ramp are not compared; the held median then covers what both ran
+  assert table[3] == "| B1 T16384 N16 H128 causal | bf16 / fp8_fast | 1.250 | 1.200 | - | 1.224 |"
+  assert len(table) == 4
+
+
 def test_clocks_ramp_times_every_burst_of_every_arm_after_compiling_each(monkeypatch):
   from benchmarks import clocks
   made = []
@@ -918,9 +940,12 @@ def test_clocks_ramp_writes_its_table_and_json_which_plot_draws(tmp_path, monkey
   monkeypatch.setattr(clocks, "run_ramp", run_ramp)
   md = tmp_path / "ramp.md"
   assert clocks.main(["--what", "forward", "--shapes", "0,1", "--ramp", "3", "--out", str(md)]) == 0
-  rows = [line for line in md.read_text().splitlines() if line.startswith("| B")]
+  text = md.read_text()
+  rows = [line for line in text.splitlines() if line.startswith("| B") and " us (" in line]
   assert len(rows) == 4 and rows[0].startswith("| B4 T4096 N16 H128 causal | bf16 | 480.0 us (5 ms")
   assert "550.0 us" in rows[3] and "1755 MHz" in rows[3]   # burst 3 ended after a sample
+  ratios = text.split("Speed-ups over the first arm:")[1]   # the arms ran the same times here
+  assert ratios.count("| bf16 / fp8_fast | 1.000 | 1.000 | 1.000 | - | - | 1.000 |") == 2
   run = json.loads((tmp_path / "ramp.json").read_text())
   assert [r["arm"] for r in run["ramps"]] == ["bf16", "fp8_fast"] * 2
   assert run["samples"] and all(x[1] == 1755 for x in run["samples"])
