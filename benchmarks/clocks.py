@@ -255,8 +255,12 @@ def main(argv=None) -> int:
     return 0
   if args.ratios:
     import json
-    with open(args.ratios) as f:
-      print(ramp_ratios(json.load(f)["ramps"]))
+    try:
+      with open(args.ratios) as f:
+        ramps = json.load(f)["ramps"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      parser.error(f"--ratios {args.ratios!r}: not a --ramp run's .json ({e!r})")
+    print(ramp_ratios(ramps))
     return 0
   arms = [a for a in args.arms.split(",") if a]
   # cuDNN (jax.nn's) has calls, no kernel of ours to time alone

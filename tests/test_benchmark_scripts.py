@@ -890,6 +890,21 @@ def test_clocks_ramp_ratios_are_the_first_arms_time_over_each_others_per_burst_a
   assert len(table) == 4
 
 
+def test_clocks_ratios_reads_a_ramps_json_and_names_a_file_that_is_not_one(tmp_path, capsys):
+  from benchmarks import clocks
+  run = tmp_path / "ramp.json"
+  run.write_text(json.dumps(dict(title="t", samples=[], ramps=[
+      dict(shape=[4, 4096, 16, 16, 128], arm="bf16", us=[500.0, 480.0]),
+      dict(shape=[4, 4096, 16, 16, 128], arm="fp8_fast", us=[400.0, 400.0])])))
+  assert clocks.main(["--ratios", str(run)]) == 0
+  assert "| bf16 / fp8_fast | 1.250 | 1.200 | - | - | - | 1.225 |" in capsys.readouterr().out
+  (tmp_path / "other.json").write_text("{}")
+  for path in (tmp_path / "missing.json", tmp_path / "other.json"):
+    with pytest.raises(SystemExit):
+      clocks.main(["--ratios", str(path)])
+    assert "not a --ramp run's .json" in capsys.readouterr().err
+
+
 def test_clocks_ramp_times_every_burst_of_every_arm_after_compiling_each(monkeypatch):
   from benchmarks import clocks
   made = []
