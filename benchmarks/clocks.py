@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import subprocess
@@ -202,7 +203,6 @@ def ramp_ratios(ramps, first: int = 5, held: int = 100) -> str:
 def plot_ramps(json_path: str, png_path: str) -> None:
   """From a --ramp run's .json: per shape, each arm's time per call (top) and nvidia-smi's SM
   clock (bottom) against the time since its first call, log-scaled."""
-  import json
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -254,7 +254,6 @@ def main(argv=None) -> int:
     plot_ramps(*args.plot)
     return 0
   if args.ratios:
-    import json
     try:
       with open(args.ratios) as f:
         ramps = json.load(f)["ramps"]
@@ -324,7 +323,6 @@ def main(argv=None) -> int:
   with open(path, "w") as f:
     f.write(text + "\n")
   if args.ramp:   # every burst and sample, for --plot
-    import json
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
       json.dump(dict(title=text.splitlines()[0].lstrip("# "), ramps=ramps, samples=samples), f)
   print(text)
